@@ -1,0 +1,13 @@
+"""Exact, fast MAML meta-gradients for PyTorch, built on torch.func.
+
+    import maml
+    batch = maml.TaskBatch(support_x, support_y, query_x, query_y)
+    learner = maml.MetaLearner(model, loss_fn, inner_lr=0.4, steps=1)
+    learner.meta_loss(batch).backward()
+"""
+
+from ._src.batch import TaskBatch
+from ._src.learner import BATCHINGS, LEARN_INNER_LR, MODES, MetaLearner, MetaOutput
+
+__all__ = ["BATCHINGS", "LEARN_INNER_LR", "MODES", "MetaLearner", "MetaOutput", "TaskBatch"]
+__version__ = "0.1.0"

@@ -1,0 +1,332 @@
+"""MetaLearner: MAML's inner and outer loop over a model's parameters as a dict of tensors."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from . import checks
+from .batch import TaskBatch
+from .checkpoint import checkpointed_segment
+from .inner import LossFn, Params, TaskForward, check_finite, sgd_step
+
+Mode = Literal["second_order", "first_order", "checkpointed"]
+Batching = Literal["vmap", "loop"]
+LearnInnerLr = Literal["scalar", "per_parameter"] | None
+
+MODES: tuple[str, ...] = ("second_order", "first_order", "checkpointed")
+BATCHINGS: tuple[str, ...] = ("vmap", "loop")
+LEARN_INNER_LR: tuple[str | None, ...] = (None, "scalar", "per_parameter")
+
+
+@dataclasses.dataclass(frozen=True)
+class MetaOutput:
+    """Everything one pass over a meta-batch computes.
+
+    Attributes:
+        loss: ``()`` mean query loss over the tasks at their fast weights; differentiable
+            with respect to the model's parameters and the learnable inner rates.
+        query_losses: ``(T,)`` each task's query loss (detached).
+        query_out: ``(T, n_query, ...)`` the model's outputs on the query inputs at the fast
+            weights (detached), e.g. logits for accuracy.
+        support_losses: ``(steps, T)`` support loss before each inner step (detached); row
+            0 is the loss before adaptation.
+        fast: ``(T, *shape)`` per-task fast weights of the adapted parameters.
+    """
+
+    loss: Tensor
+    query_losses: Tensor
+    query_out: Tensor
+    support_losses: Tensor
+    fast: Params
+
+
+class MetaLearner:
+    """MAML (Finn et al., 2017) over any ``nn.Module``, with exact second-order meta-gradients.
+
+    The inner loop takes ``steps`` SGD steps on each task's support loss, starting from the
+    model's current parameters, through ``torch.func.functional_call``; the model's own
+    parameters are never modified. The meta-loss is the mean query loss at the fast weights.
+
+    Args:
+        model: any network of ordinary layers. Parameters with ``requires_grad=False`` are
+            used as they are and not adapted. Norm layers in training mode must not track
+            running statistics (``track_running_stats=False``), or the model must be in eval mode.
+        loss_fn: ``loss_fn(output, y) -> scalar`` for one task (mean over its examples).
+        inner_lr: the inner SGD learning rate (the initial value if learned).
+        steps: inner SGD steps per task (0: no adaptation).
+        mode: ``"second_order"`` (exact), ``"first_order"`` (FOMAML: inner gradients are
+            constants) or ``"checkpointed"`` (exact, keeps only every ``checkpoint_every``-th
+            fast weights and recomputes the rest in the backward pass).
+        batching: ``"vmap"`` (tasks as one batched forward pass) or ``"loop"``; both give the
+            same meta-gradients.
+        chunk_size: with ``"vmap"``, batch at most this many tasks at a time (bounds memory).
+        learn_inner_lr: ``None`` (fixed), ``"scalar"`` (one learnable rate) or
+            ``"per_parameter"`` (Meta-SGD: a learnable rate tensor shaped like each parameter).
+            Learnable rates are in :meth:`parameters` and receive meta-gradients.
+        checkpoint_every: with ``"checkpointed"``, inner steps per recomputed segment
+            (default ``ceil(sqrt(steps))``).
+        check_finite: raise if an inner loss is NaN/Inf, naming the task and step (costs one
+            device synchronisation per inner step).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: LossFn,
+        inner_lr: float,
+        steps: int = 1,
+        *,
+        mode: Mode = "second_order",
+        batching: Batching = "vmap",
+        chunk_size: int | None = None,
+        learn_inner_lr: LearnInnerLr = None,
+        checkpoint_every: int | None = None,
+        check_finite: bool = True,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable as loss_fn(output, y) -> scalar, got {loss_fn!r}.")
+        checks.positive_number("inner_lr", inner_lr)
+        checks.integer("steps", steps, 0)
+        checks.one_of("mode", mode, MODES)
+        checks.one_of("batching", batching, BATCHINGS)
+        checks.one_of("learn_inner_lr", learn_inner_lr, LEARN_INNER_LR)
+        checks.integer("chunk_size", chunk_size, 1, optional=True)
+        checks.integer("checkpoint_every", checkpoint_every, 1, optional=True)
+        if chunk_size is not None and batching != "vmap":
+            raise ValueError(f"chunk_size={chunk_size} only applies to batching='vmap'; drop it or use vmap.")
+        if checkpoint_every is not None and mode != "checkpointed":
+            raise ValueError(
+                f"checkpoint_every={checkpoint_every} only applies to mode='checkpointed' (mode is {mode!r})."
+            )
+        adapted = [name for name, p in model.named_parameters() if p.requires_grad]
+        if not adapted:
+            raise ValueError("model has no parameter with requires_grad=True: there is nothing to adapt.")
+
+        self.model = model
+        self.loss_fn = loss_fn
+        self.inner_lr = float(inner_lr)
+        self.steps = steps
+        self.mode = mode
+        self.batching = batching
+        self.chunk_size = chunk_size
+        self.learn_inner_lr = learn_inner_lr
+        self.checkpoint_every = checkpoint_every or max(1, math.ceil(math.sqrt(steps)))
+        self.check_finite = check_finite
+        self._names = {name for name, _ in model.named_parameters()}
+        self._adapted = adapted
+        self._integer_inputs = any(isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for m in model.modules())
+        self._forward = TaskForward(model, loss_fn, batching, chunk_size)
+
+        # Learnable rates, keyed "inner_lr" (scalar) or by parameter name (per_parameter).
+        self.rate_parameters: dict[str, nn.Parameter] = {}
+        params = dict(model.named_parameters())
+        if learn_inner_lr == "scalar":
+            p = params[adapted[0]]
+            self.rate_parameters["inner_lr"] = nn.Parameter(torch.tensor(self.inner_lr, dtype=p.dtype, device=p.device))
+        elif learn_inner_lr == "per_parameter":
+            for name in adapted:
+                self.rate_parameters[name] = nn.Parameter(torch.full_like(params[name], self.inner_lr))
+
+    # ------------------------------------------------------------------ public API
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """The meta-parameters: the model's parameters, then the learnable inner rates."""
+        yield from self.model.parameters()
+        yield from self.rate_parameters.values()
+
+    @property
+    def inner_lrs(self) -> dict[str, float | Tensor]:
+        """The inner learning rate of every adapted parameter (a float, or a learnable tensor)."""
+        if self.learn_inner_lr == "scalar":
+            return {name: self.rate_parameters["inner_lr"] for name in self._adapted}
+        if self.learn_inner_lr == "per_parameter":
+            return dict(self.rate_parameters)
+        return {name: self.inner_lr for name in self._adapted}
+
+    def meta_loss(self, batch: TaskBatch) -> Tensor:
+        """The mean query loss over the tasks of ``batch`` after adaptation: a scalar tensor.
+
+        ``meta_loss(batch).backward()`` leaves the meta-gradient in ``.grad`` of the model's
+        parameters and of the learnable inner rates.
+        """
+        return self.run(batch).loss
+
+    def run(self, batch: TaskBatch, params: Params | None = None) -> MetaOutput:
+        """Adapts to every task of ``batch`` and scores the fast weights on its query set.
+
+        Args:
+            batch: ``T`` tasks.
+            params: the initial parameters, keyed like ``dict(model.named_parameters())``;
+                default: the model's current parameters.
+
+        Returns:
+            The meta-loss and what was computed on the way (see :class:`MetaOutput`).
+        """
+        if not isinstance(batch, TaskBatch):
+            raise TypeError(f"batch must be a maml.TaskBatch, got {type(batch).__name__}.")
+        params, consts = self._split(params, batch.support_x, batch.query_x)
+        fast, support_losses = self._adapt(params, consts, batch.support_x, batch.support_y)
+        query_losses, query_out = self._forward(fast, consts, batch.query_x, batch.query_y)
+        return MetaOutput(
+            loss=query_losses.mean(),
+            query_losses=query_losses.detach(),
+            query_out=query_out.detach(),
+            support_losses=support_losses,
+            fast=fast,
+        )
+
+    def adapt(self, support_x: Tensor, support_y: Tensor, params: Params | None = None) -> Params:
+        """One task's fast weights.
+
+        Args:
+            support_x: ``(n, *x_shape)`` support inputs of one task (no task dimension).
+            support_y: ``(n, *y_shape)`` support targets.
+            params: the initial parameters (default: the model's current parameters).
+
+        Returns:
+            Every parameter of the model, name -> tensor, the adapted ones replaced by their
+            fast weights; use them with ``torch.func.functional_call(model, fast, x)``.
+            Differentiable with respect to the initial parameters when grad mode is on.
+        """
+        for name, t in (("support_x", support_x), ("support_y", support_y)):
+            if not isinstance(t, Tensor) or t.ndim < 1:
+                raise TypeError(f"{name} must be a tensor of one task's examples, (n, ...), got {t!r}.")
+        if support_x.shape[0] != support_y.shape[0]:
+            raise ValueError(
+                f"support_x has {support_x.shape[0]} examples but support_y has {support_y.shape[0]}; "
+                f"every input needs exactly one target."
+            )
+        params, consts = self._split(params, support_x)
+        fast, _ = self._adapt(params, consts, support_x.unsqueeze(0), support_y.unsqueeze(0))
+        frozen = {k: v for k, v in consts.items() if k in self._names}
+        return {**frozen, **{k: v[0] for k, v in fast.items()}}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The model's and the learnable inner rates' state, for checkpoints."""
+        return {
+            "model": self.model.state_dict(),
+            "inner_lrs": {k: v.detach().clone() for k, v in self.rate_parameters.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Loads what :meth:`state_dict` returned."""
+        self.model.load_state_dict(state["model"])
+        if set(state["inner_lrs"]) != set(self.rate_parameters):
+            raise KeyError(
+                f"state['inner_lrs'] has rates {sorted(state['inner_lrs'])} but this learner learns "
+                f"{sorted(self.rate_parameters)}; build it with the same learn_inner_lr as the saved one."
+            )
+        with torch.no_grad():
+            for k, v in state["inner_lrs"].items():
+                self.rate_parameters[k].copy_(v)
+
+    def to(self, *args: Any, **kwargs: Any) -> MetaLearner:
+        """Moves the model and the learnable inner rates, like ``nn.Module.to``."""
+        self.model.to(*args, **kwargs)
+        for p in self.rate_parameters.values():
+            p.data = p.data.to(*args, **kwargs)
+        return self
+
+    def __repr__(self) -> str:
+        return (
+            f"MetaLearner({type(self.model).__name__}, inner_lr={self.inner_lr}, steps={self.steps}, "
+            f"mode={self.mode!r}, batching={self.batching!r}, learn_inner_lr={self.learn_inner_lr!r})"
+        )
+
+    # ------------------------------------------------------------------ internals
+
+    def _split(self, params: Params | None, *inputs: Tensor) -> tuple[Params, Params]:
+        """Validates, then splits into adapted parameters and shared constants (frozen parameters, buffers)."""
+        if params is None:
+            params = dict(self.model.named_parameters())
+        else:
+            if not isinstance(params, dict):
+                raise TypeError(f"params must be a dict name -> Tensor, got {type(params).__name__}.")
+            checks.parameter_names("params", params, self.model)
+        checks.no_running_stats(self.model)
+        first = params[self._adapted[0]]
+        for name, x in zip(("support_x", "query_x"), inputs):
+            checks.input_dtype(name, x, first.dtype, self._integer_inputs)
+        for name, rate in self.rate_parameters.items():
+            if rate.device != first.device or rate.dtype != first.dtype:
+                raise RuntimeError(
+                    f"the learnable inner rate {name!r} is {rate.dtype} on {rate.device} but the model's "
+                    f"parameters are {first.dtype} on {first.device}; move both with learner.to(...) "
+                    f"instead of model.to(...)."
+                )
+        adapted = {k: params[k] for k in self._adapted}
+        consts = {k: v for k, v in params.items() if k not in adapted}
+        consts.update(self.model.named_buffers())
+        return adapted, consts
+
+    def _adapt(self, params: Params, consts: Params, x: Tensor, y: Tensor) -> tuple[Params, Tensor]:
+        """Runs the inner loop on ``T`` tasks: ``x (T, n, ...)`` -> fast weights ``(T, *shape)``, losses ``(steps, T)``."""
+        tasks = x.shape[0]
+        rates = self.inner_lrs
+        mode = self.mode
+        differentiable = torch.is_grad_enabled()
+        with torch.enable_grad():  # the inner loop needs gradients even under torch.no_grad()
+            fast = {k: p.unsqueeze(0).expand(tasks, *p.shape) for k, p in params.items()}
+            if not differentiable:
+                # Evaluation: no meta-gradient wanted, so the same values without a graph to keep.
+                fast = {k: v.detach().requires_grad_() for k, v in fast.items()}
+                rates = {k: r.detach() if isinstance(r, Tensor) else r for k, r in rates.items()}
+                mode = "first_order"
+            losses: list[Tensor] = []
+            if mode == "checkpointed":
+                for start in range(0, self.steps, self.checkpoint_every):
+                    count = min(self.checkpoint_every, self.steps - start)
+                    fast = self._checkpointed(fast, consts, rates, x, y, start, count, losses)
+            else:
+                for step in range(self.steps):
+                    fast, loss = self._step(fast, consts, rates, x, y, step, create_graph=mode == "second_order")
+                    losses.append(loss)
+        if not differentiable:
+            fast = {k: v.detach() for k, v in fast.items()}
+        support_losses = torch.stack(losses) if losses else x.new_zeros((0, tasks), dtype=torch.float32)
+        return fast, support_losses
+
+    def _step(
+        self, fast: Params, consts: Params, rates: dict[str, Any], x: Tensor, y: Tensor, step: int, *, create_graph: bool
+    ) -> tuple[Params, Tensor]:
+        new, losses = sgd_step(self._forward, fast, consts, rates, x, y, create_graph=create_graph)
+        if self.check_finite:
+            hint = f"learn_inner_lr={self.learn_inner_lr!r}" if self.learn_inner_lr else f"inner_lr={self.inner_lr}"
+            check_finite(losses, step, self.steps, hint)
+        return new, losses
+
+    def _checkpointed(
+        self,
+        fast: Params,
+        consts: Params,
+        rates: dict[str, Any],
+        x: Tensor,
+        y: Tensor,
+        start: int,
+        count: int,
+        losses: list[Tensor],
+    ) -> Params:
+        names = list(fast)
+        learned = [n for n in names if isinstance(rates[n], Tensor)]
+
+        def run(fast_values: list[Tensor], rate_values: list[Tensor], replay: bool) -> tuple[Tensor, ...]:
+            f = dict(zip(names, fast_values))
+            r = {**rates, **dict(zip(learned, rate_values))}
+            for step in range(start, start + count):
+                if not replay:  # values only: a fresh leaf per step keeps no graph across steps
+                    f = {k: v.detach().requires_grad_() for k, v in f.items()}
+                f, loss = self._step(f, consts, r, x, y, step, create_graph=replay)
+                if not replay:
+                    losses.append(loss)
+            return tuple(f.values())
+
+        out = checkpointed_segment(run, [fast[n] for n in names], [rates[n] for n in learned])
+        return dict(zip(names, out))
