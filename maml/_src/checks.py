@@ -63,13 +63,13 @@ def parameter_names(arg: str, params: dict[str, Tensor], model: nn.Module) -> No
     unknown = [k for k in params if k not in expected]
     if unknown:
         hints = "; ".join(f"{k!r}{close_matches(k, expected)}" for k in unknown)
-        raise KeyError(
+        raise ValueError(
             f"{arg} has keys that are not parameters of the model: {hints}. Key it by "
             f"dict(model.named_parameters()) names."
         )
     missing = [k for k in expected if k not in params]
     if missing:
-        raise KeyError(
+        raise ValueError(
             f"{arg} lacks parameters of the model: {', '.join(map(repr, missing))}. Pass every parameter, "
             f"e.g. {{**dict(model.named_parameters()), **overrides}}."
         )

@@ -220,7 +220,7 @@ class MetaLearner:
         """Loads what :meth:`state_dict` returned."""
         self.model.load_state_dict(state["model"])
         if set(state["inner_lrs"]) != set(self.rate_parameters):
-            raise KeyError(
+            raise ValueError(
                 f"state['inner_lrs'] has rates {sorted(state['inner_lrs'])} but this learner learns "
                 f"{sorted(self.rate_parameters)}; build it with the same learn_inner_lr as the saved one."
             )

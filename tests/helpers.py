@@ -1,0 +1,136 @@
+"""Small float64 models and meta-batches for the engine's tests, and a finite-difference check."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import maml
+
+DTYPE = torch.float64
+
+
+@dataclass(frozen=True)
+class Case:
+    """A model family with a matching meta-batch and loss."""
+
+    build: Callable[[], nn.Module]
+    batch: Callable[[torch.Generator], maml.TaskBatch]
+    loss_fn: Callable[[Tensor, Tensor], Tensor]
+
+
+def _regression_batch(g: torch.Generator, tasks: int = 3, n: int = 5, features: int = 3) -> maml.TaskBatch:
+    def x() -> Tensor:
+        return torch.randn(tasks, n, features, generator=g, dtype=DTYPE)
+
+    def y() -> Tensor:
+        return torch.randn(tasks, n, 1, generator=g, dtype=DTYPE)
+
+    return maml.TaskBatch(x(), y(), x(), y())
+
+
+def _image_batch(g: torch.Generator, tasks: int = 3, ways: int = 3, shots: int = 2, query: int = 3) -> maml.TaskBatch:
+    def split(per_class: int) -> tuple[Tensor, Tensor]:
+        x = torch.randn(tasks, ways * per_class, 1, 8, 8, generator=g, dtype=DTYPE)
+        y = torch.arange(ways).repeat_interleave(per_class).expand(tasks, -1).contiguous()
+        return x, y
+
+    return maml.TaskBatch(*split(shots), *split(query))
+
+
+def _conv(norm: Callable[[int], nn.Module]) -> nn.Module:
+    # Two conv blocks on 8x8 images: 8 -> 4 -> 2 after pooling.
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1), norm(4), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(4, 4, 3, padding=1), norm(4), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(16, 3),
+    )  # fmt: skip
+
+
+def _mlp(norm: Callable[[int], nn.Module] | None = None) -> nn.Module:
+    layers: list[nn.Module] = [nn.Linear(3, 16)]
+    if norm is not None:
+        layers.append(norm(16))
+    return nn.Sequential(*layers, nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+
+
+CASES: dict[str, Case] = {
+    "mlp": Case(lambda: _mlp(), _regression_batch, F.mse_loss),
+    "mlp_layernorm": Case(lambda: _mlp(nn.LayerNorm), _regression_batch, F.mse_loss),
+    "mlp_batchnorm1d": Case(
+        lambda: _mlp(lambda c: nn.BatchNorm1d(c, track_running_stats=False)), _regression_batch, F.mse_loss
+    ),
+    "conv_batchnorm_maxpool": Case(
+        lambda: _conv(lambda c: nn.BatchNorm2d(c, track_running_stats=False)), _image_batch, F.cross_entropy
+    ),
+    "conv_groupnorm": Case(lambda: _conv(lambda c: nn.GroupNorm(2, c)), _image_batch, F.cross_entropy),
+    "conv_instancenorm": Case(
+        lambda: _conv(lambda c: nn.InstanceNorm2d(c, affine=True)), _image_batch, F.cross_entropy
+    ),
+}
+
+
+def make(case: str, seed: int = 0) -> tuple[nn.Module, maml.TaskBatch, Callable[[Tensor, Tensor], Tensor]]:
+    """A float64 model (random init from ``seed``), a meta-batch and the loss of ``case``."""
+    torch.manual_seed(seed)
+    c = CASES[case]
+    model = c.build().to(DTYPE)
+    # Perturb the defaults so norm affine parameters are not exactly 1/0 (a generic point).
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return model, c.batch(torch.Generator().manual_seed(seed + 1)), c.loss_fn
+
+
+def flat_grad(learner: maml.MetaLearner, batch: maml.TaskBatch) -> Tensor:
+    """The meta-gradient with respect to every meta-parameter, flattened into one vector."""
+    params = list(learner.parameters())
+    grads = torch.autograd.grad(learner.meta_loss(batch), params)
+    return torch.cat([g.flatten() for g in grads])
+
+
+def finite_difference_error(
+    learner: maml.MetaLearner, batch: maml.TaskBatch, directions: int = 3, seed: int = 0
+) -> float:
+    """Worst relative error of the meta-gradient against central differences of the meta-loss.
+
+    Along ``directions`` random directions v in the space of all meta-parameters (model
+    parameters and learnable inner rates): ``<grad, v>`` versus ``(L(p + eps v) - L(p - eps v)) / 2 eps``.
+    ReLU and max-pool make the meta-loss piecewise smooth, so a difference whose step crosses
+    a kink is wrong whatever the gradient; the step shrinks until the central difference has
+    converged (from function values alone, never from the gradient under test).
+    """
+    params = list(learner.parameters())
+    grads = torch.autograd.grad(learner.meta_loss(batch), params)
+    g = torch.Generator().manual_seed(seed)
+
+    def loss_at(v: list[Tensor], step: float) -> float:
+        with torch.no_grad():
+            for p, vi in zip(params, v):
+                p.add_(step * vi)
+            value = float(learner.meta_loss(batch))
+            for p, vi in zip(params, v):
+                p.sub_(step * vi)
+        return value
+
+    def central(v: list[Tensor], eps: float) -> float:
+        return (loss_at(v, eps) - loss_at(v, -eps)) / (2 * eps)
+
+    worst = 0.0
+    for _ in range(directions):
+        v = [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in params]
+        analytic = sum(float((gi * vi).sum()) for gi, vi in zip(grads, v))
+        for eps in (1e-5, 1e-6, 1e-7):
+            coarse, fine = central(v, eps), central(v, eps / 2)
+            if abs(coarse - fine) <= 1e-8 * max(abs(fine), 1e-12):
+                break
+        else:
+            raise AssertionError("central differences did not converge: the meta-loss is not smooth here")
+        worst = max(worst, abs(analytic - fine) / max(abs(fine), 1e-12))
+    return worst

@@ -1,0 +1,152 @@
+"""MetaLearner's behaviour beyond the gradient values: state, modes of use, dtypes, randomness."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+
+import maml
+from helpers import flat_grad, make
+
+
+def test_reads_the_current_parameters_on_every_call_and_never_writes_them():
+    model, batch, loss_fn = make("conv_batchnorm_maxpool")
+    learner = maml.MetaLearner(model, loss_fn, inner_lr=0.3, steps=2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    first = learner.meta_loss(batch)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    with torch.no_grad():
+        model[0].weight.mul_(1.5)
+    second = learner.meta_loss(batch)
+    assert not torch.equal(first, second)
+
+    fresh = maml.MetaLearner(model, loss_fn, inner_lr=0.3, steps=2)
+    assert torch.equal(second, fresh.meta_loss(batch))
+
+
+def test_backward_fills_grad_of_model_parameters_and_learnable_rates():
+    model, batch, loss_fn = make("mlp")
+    learner = maml.MetaLearner(model, loss_fn, inner_lr=0.1, steps=2, learn_inner_lr="scalar")
+    learner.meta_loss(batch).backward()
+    params = list(learner.parameters())
+    assert len(params) == len(list(model.parameters())) + 1
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in params)
+
+
+def test_adapt_returns_one_tasks_fast_weights():
+    model, batch, loss_fn = make("conv_batchnorm_maxpool")
+    learner = maml.MetaLearner(model, loss_fn, inner_lr=0.3, steps=3)
+    out = learner.run(batch)
+    fast = learner.adapt(batch.support_x[1], batch.support_y[1])
+    assert set(fast) == set(dict(model.named_parameters()))
+    for k, v in fast.items():
+        assert torch.allclose(v, out.fast[k][1], rtol=1e-12, atol=1e-14)
+    # The fast weights lower the task's support loss and are differentiable w.r.t. the initial ones.
+    loss = loss_fn(functional_call(model, fast, (batch.support_x[1],)), batch.support_y[1])
+    assert float(loss.detach()) < float(out.support_losses[0, 1])
+    assert loss.requires_grad
+
+
+def test_adapt_under_no_grad_gives_the_same_values_without_a_graph():
+    model, batch, loss_fn = make("mlp_layernorm")
+    for mode in maml.MODES:
+        learner = maml.MetaLearner(model, loss_fn, inner_lr=0.1, steps=3, mode=mode)
+        with_graph = learner.adapt(batch.support_x[0], batch.support_y[0])
+        with torch.no_grad():
+            without = learner.adapt(batch.support_x[0], batch.support_y[0])
+            out = learner.run(batch)
+        for k in with_graph:
+            assert torch.equal(with_graph[k], without[k]) or torch.allclose(with_graph[k], without[k], rtol=1e-14)
+            assert not without[k].requires_grad
+        assert not out.loss.requires_grad
+
+
+def test_run_reports_losses_and_outputs_with_shapes():
+    model, batch, loss_fn = make("conv_groupnorm")
+    out = maml.MetaLearner(model, loss_fn, inner_lr=0.3, steps=4).run(batch)
+    assert out.loss.shape == ()
+    assert out.query_losses.shape == (3,)
+    assert out.query_out.shape == (3, 9, 3)
+    assert out.support_losses.shape == (4, 3)
+    assert torch.allclose(out.loss, out.query_losses.mean())
+    assert all(v.shape == (3, *p.shape) for (k, p), v in zip(model.named_parameters(), out.fast.values()))
+    assert (out.support_losses[-1] < out.support_losses[0]).all()
+
+
+def test_frozen_parameters_are_not_adapted_and_get_no_gradient():
+    model, batch, loss_fn = make("mlp")
+    model[0].requires_grad_(False)
+    learner = maml.MetaLearner(model, loss_fn, inner_lr=0.1, steps=2)
+    out = learner.run(batch)
+    assert "0.weight" not in out.fast and "2.weight" in out.fast
+    out.loss.backward()
+    assert model[0].weight.grad is None and model[2].weight.grad is not None
+    fast = learner.adapt(batch.support_x[0], batch.support_y[0])
+    assert fast["0.weight"] is model[0].weight
+
+
+@pytest.mark.parametrize("batching", ["vmap", "loop"])
+def test_dropout_is_replayed_exactly_by_the_checkpointed_mode(batching):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 1)).double()
+    _, batch, _ = make("mlp")
+    grads = {}
+    for mode in ("second_order", "checkpointed"):
+        learner = maml.MetaLearner(model, F.mse_loss, inner_lr=0.1, steps=4, mode=mode, batching=batching)
+        torch.manual_seed(7)
+        grads[mode] = flat_grad(learner, batch)
+    assert torch.allclose(grads["checkpointed"], grads["second_order"], rtol=0, atol=1e-12)
+    torch.manual_seed(8)  # other masks, other gradient: dropout is really active
+    assert not torch.allclose(flat_grad(learner, batch), grads["second_order"])
+
+
+def test_float32_agrees_with_float64():
+    model, batch, loss_fn = make("conv_batchnorm_maxpool")
+    grads = {}
+    for dtype in (torch.float64, torch.float32):
+        learner = maml.MetaLearner(model.to(dtype), loss_fn, inner_lr=0.3, steps=2, learn_inner_lr="scalar").to(dtype)
+        grads[dtype] = flat_grad(learner, batch.to(dtype))
+        assert grads[dtype].dtype == dtype
+    assert torch.allclose(grads[torch.float32].double(), grads[torch.float64], rtol=1e-4, atol=1e-5)
+
+
+def test_batchnorm_in_eval_mode_uses_its_running_statistics():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1)).double()
+    with torch.no_grad():
+        model[1].running_mean.normal_()
+        model[1].running_var.uniform_(0.5, 2.0)
+    model.eval()
+    _, batch, _ = make("mlp")
+    learner = maml.MetaLearner(model, F.mse_loss, inner_lr=0.1, steps=2)
+    before = model[1].running_mean.clone()
+    out = learner.run(batch)
+    assert torch.equal(model[1].running_mean, before)
+    fast = {k: v[0] for k, v in out.fast.items()}
+    expected = F.mse_loss(functional_call(model, fast, (batch.query_x[0],)), batch.query_y[0])
+    assert torch.allclose(out.query_losses[0], expected, rtol=1e-12)
+
+
+def test_state_dict_round_trip_restores_the_learned_rates():
+    model, batch, loss_fn = make("mlp")
+    learner = maml.MetaLearner(model, loss_fn, inner_lr=0.1, learn_inner_lr="per_parameter")
+    with torch.no_grad():
+        for rate in learner.rate_parameters.values():
+            rate.add_(0.05)
+    state = learner.state_dict()
+    other_model, _, _ = make("mlp", seed=5)
+    other = maml.MetaLearner(other_model, loss_fn, inner_lr=0.1, learn_inner_lr="per_parameter")
+    other.load_state_dict(state)
+    assert torch.equal(other.meta_loss(batch), learner.meta_loss(batch))
+
+
+def test_task_batch_to_and_indexing():
+    _, batch, _ = make("conv_batchnorm_maxpool")
+    small = batch.to(torch.float32)
+    assert small.support_x.dtype == torch.float32 and small.support_y.dtype == torch.int64
+    assert batch[1].num_tasks == 1 and torch.equal(batch[1].query_x[0], batch.query_x[1])
+    assert batch[-1].num_tasks == 1 and torch.equal(batch[-1].query_x[0], batch.query_x[-1])
+    assert batch[0:2].num_tasks == 2

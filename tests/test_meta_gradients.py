@@ -1,0 +1,101 @@
+"""The engine's meta-gradients, proven in float64 against finite differences and against each other."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.func import functional_call
+
+import maml
+from helpers import CASES, finite_difference_error, flat_grad, make
+
+# (mode, batching, chunk_size): every exact configuration.
+EXACT = [
+    ("second_order", "vmap", None),
+    ("second_order", "vmap", 2),
+    ("second_order", "loop", None),
+    ("checkpointed", "vmap", None),
+    ("checkpointed", "loop", None),
+]
+EXACT_IDS = [f"{m}-{b}" + (f"-chunk{c}" if c else "") for m, b, c in EXACT]
+
+
+def learner(case: str, steps: int, mode: str, batching: str, chunk_size: int | None = None, **kw):
+    model, batch, loss_fn = make(case)
+    lr = 0.3 if case.startswith("conv") else 0.1
+    return (
+        maml.MetaLearner(model, loss_fn, inner_lr=lr, steps=steps, mode=mode, batching=batching, chunk_size=chunk_size, **kw),
+        batch,
+    )
+
+
+@pytest.mark.parametrize("config", EXACT, ids=EXACT_IDS)
+@pytest.mark.parametrize("steps", [1, 3])
+@pytest.mark.parametrize("case", list(CASES))
+def test_meta_gradient_matches_finite_differences(case, steps, config):
+    lrn, batch = learner(case, steps, *config)
+    assert finite_difference_error(lrn, batch) < 1e-6
+
+
+@pytest.mark.parametrize("config", EXACT, ids=EXACT_IDS)
+@pytest.mark.parametrize("learn_inner_lr", ["per_parameter", "scalar"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_learnable_inner_lr_matches_finite_differences(case, learn_inner_lr, config):
+    lrn, batch = learner(case, 3, *config, learn_inner_lr=learn_inner_lr)
+    # Give every rate its own value, so a mix-up between parameters cannot cancel out.
+    with torch.no_grad():
+        for rate in lrn.rate_parameters.values():
+            rate.mul_(1 + 0.5 * torch.rand(rate.shape, generator=torch.Generator().manual_seed(3), dtype=rate.dtype))
+    assert finite_difference_error(lrn, batch) < 1e-6
+    grads = torch.autograd.grad(lrn.meta_loss(batch), list(lrn.rate_parameters.values()))
+    assert all(g.abs().sum() > 0 for g in grads)
+
+
+@pytest.mark.parametrize("batching", ["vmap", "loop"])
+@pytest.mark.parametrize("steps,every", [(3, None), (5, 1), (5, 2), (5, 5), (4, 3)])
+@pytest.mark.parametrize("case", ["mlp_batchnorm1d", "conv_batchnorm_maxpool", "conv_instancenorm"])
+def test_checkpointed_equals_second_order(case, steps, every, batching):
+    ref, batch = learner(case, steps, "second_order", batching, learn_inner_lr="per_parameter")
+    ckpt, _ = learner(case, steps, "checkpointed", batching, learn_inner_lr="per_parameter", checkpoint_every=every)
+    expected, got = flat_grad(ref, batch), flat_grad(ckpt, batch)
+    assert torch.allclose(got, expected, rtol=0, atol=1e-10 * expected.abs().max())
+    assert torch.equal(ckpt.run(batch).support_losses, ref.run(batch).support_losses)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_vmap_and_loop_agree_on_every_output(case):
+    vm, batch = learner(case, 2, "second_order", "vmap")
+    lp, _ = learner(case, 2, "second_order", "loop")
+    a, b = vm.run(batch), lp.run(batch)
+    for x, y in [(a.loss, b.loss), (a.query_losses, b.query_losses), (a.query_out, b.query_out), (a.support_losses, b.support_losses)]:
+        assert torch.allclose(x, y, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("batching", ["vmap", "loop"])
+@pytest.mark.parametrize("case", ["mlp", "conv_batchnorm_maxpool", "mlp_layernorm"])
+def test_first_order_is_the_query_gradient_at_the_fast_weights(case, batching):
+    fo, batch = learner(case, 3, "first_order", batching)
+    model = fo.model
+    out = fo.run(batch)
+    got = torch.autograd.grad(out.loss, list(model.parameters()))
+
+    # By hand: each task's query-loss gradient at its own (constant) fast weights, averaged.
+    expected = [torch.zeros_like(p) for p in model.parameters()]
+    for t in range(batch.num_tasks):
+        fast = {k: v[t].detach().requires_grad_() for k, v in out.fast.items()}
+        loss = fo.loss_fn(functional_call(model, fast, (batch.query_x[t],)), batch.query_y[t])
+        for e, g in zip(expected, torch.autograd.grad(loss, list(fast.values()))):
+            e.add_(g / batch.num_tasks)
+    for g, e in zip(got, expected):
+        assert torch.allclose(g, e, rtol=1e-12, atol=1e-14)
+
+    so, _ = learner(case, 3, "second_order", batching)
+    assert (flat_grad(so, batch) - flat_grad(fo, batch)).abs().max() > 1e-3
+
+
+def test_zero_steps_is_the_query_loss_at_the_initial_parameters():
+    lrn, batch = learner("mlp", 0, "second_order", "vmap")
+    out = lrn.run(batch)
+    expected = torch.stack([lrn.loss_fn(lrn.model(x), y) for x, y in zip(batch.query_x, batch.query_y)]).mean()
+    assert torch.allclose(out.loss, expected, rtol=1e-14)
+    assert out.support_losses.shape == (0, batch.num_tasks)
