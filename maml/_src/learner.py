@@ -118,7 +118,7 @@ class MetaLearner:
         self.batching = batching
         self.chunk_size = chunk_size
         self.learn_inner_lr = learn_inner_lr
-        self.checkpoint_every = checkpoint_every or max(1, math.ceil(math.sqrt(steps)))
+        self.checkpoint_every = checkpoint_every
         self.check_finite = check_finite
         self._names = {name for name, _ in model.named_parameters()}
         self._adapted = adapted
@@ -159,13 +159,15 @@ class MetaLearner:
         """
         return self.run(batch).loss
 
-    def run(self, batch: TaskBatch, params: Params | None = None) -> MetaOutput:
+    def run(self, batch: TaskBatch, params: Params | None = None, steps: int | None = None) -> MetaOutput:
         """Adapts to every task of ``batch`` and scores the fast weights on its query set.
 
         Args:
             batch: ``T`` tasks.
             params: the initial parameters, keyed like ``dict(model.named_parameters())``;
                 default: the model's current parameters.
+            steps: inner steps for this call (default: the learner's ``steps``), e.g. more
+                steps at test time than in training.
 
         Returns:
             The meta-loss and what was computed on the way (see :class:`MetaOutput`).
@@ -173,7 +175,7 @@ class MetaLearner:
         if not isinstance(batch, TaskBatch):
             raise TypeError(f"batch must be a maml.TaskBatch, got {type(batch).__name__}.")
         params, consts = self._split(params, batch.support_x, batch.query_x)
-        fast, support_losses = self._adapt(params, consts, batch.support_x, batch.support_y)
+        fast, support_losses = self._adapt(params, consts, batch.support_x, batch.support_y, steps)
         query_losses, query_out = self._forward(fast, consts, batch.query_x, batch.query_y)
         return MetaOutput(
             loss=query_losses.mean(),
@@ -183,13 +185,33 @@ class MetaLearner:
             fast=fast,
         )
 
-    def adapt(self, support_x: Tensor, support_y: Tensor, params: Params | None = None) -> Params:
+    def task_losses(self, fast: Params, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        """Each task's loss and outputs at its own fast weights, e.g. the support loss after adaptation.
+
+        Args:
+            fast: ``(T, *shape)`` per-task fast weights, as in :attr:`MetaOutput.fast`.
+            x: ``(T, n, *x_shape)`` inputs.
+            y: ``(T, n, *y_shape)`` targets.
+
+        Returns:
+            ``(T,)`` losses and ``(T, n, ...)`` outputs, differentiable when grad mode is on.
+        """
+        checks.no_running_stats(self.model)
+        params = dict(self.model.named_parameters())
+        consts = {k: v for k, v in params.items() if k not in fast}
+        consts.update(self.model.named_buffers())
+        return self._forward(fast, consts, x, y)
+
+    def adapt(
+        self, support_x: Tensor, support_y: Tensor, params: Params | None = None, steps: int | None = None
+    ) -> Params:
         """One task's fast weights.
 
         Args:
             support_x: ``(n, *x_shape)`` support inputs of one task (no task dimension).
             support_y: ``(n, *y_shape)`` support targets.
             params: the initial parameters (default: the model's current parameters).
+            steps: inner steps for this call (default: the learner's ``steps``).
 
         Returns:
             Every parameter of the model, name -> tensor, the adapted ones replaced by their
@@ -205,7 +227,7 @@ class MetaLearner:
                 f"every input needs exactly one target."
             )
         params, consts = self._split(params, support_x)
-        fast, _ = self._adapt(params, consts, support_x.unsqueeze(0), support_y.unsqueeze(0))
+        fast, _ = self._adapt(params, consts, support_x.unsqueeze(0), support_y.unsqueeze(0), steps)
         frozen = {k: v for k, v in consts.items() if k in self._names}
         return {**frozen, **{k: v[0] for k, v in fast.items()}}
 
@@ -267,8 +289,12 @@ class MetaLearner:
         consts.update(self.model.named_buffers())
         return adapted, consts
 
-    def _adapt(self, params: Params, consts: Params, x: Tensor, y: Tensor) -> tuple[Params, Tensor]:
+    def _adapt(self, params: Params, consts: Params, x: Tensor, y: Tensor, steps: int | None) -> tuple[Params, Tensor]:
         """Runs the inner loop on ``T`` tasks: ``x (T, n, ...)`` -> fast weights ``(T, *shape)``, losses ``(steps, T)``."""
+        if steps is None:
+            steps = self.steps
+        checks.integer("steps", steps, 0)
+        every = self.checkpoint_every or max(1, math.ceil(math.sqrt(steps)))
         tasks = x.shape[0]
         rates = self.inner_lrs
         mode = self.mode
@@ -282,12 +308,12 @@ class MetaLearner:
                 mode = "first_order"
             losses: list[Tensor] = []
             if mode == "checkpointed":
-                for start in range(0, self.steps, self.checkpoint_every):
-                    count = min(self.checkpoint_every, self.steps - start)
-                    fast = self._checkpointed(fast, consts, rates, x, y, start, count, losses)
+                for start in range(0, steps, every):
+                    count = min(every, steps - start)
+                    fast = self._checkpointed(fast, consts, rates, x, y, start, count, steps, losses)
             else:
-                for step in range(self.steps):
-                    fast, loss = self._step(fast, consts, rates, x, y, step, create_graph=mode == "second_order")
+                for step in range(steps):
+                    fast, loss = self._step(fast, consts, rates, x, y, step, steps, create_graph=mode == "second_order")
                     losses.append(loss)
         if not differentiable:
             fast = {k: v.detach() for k, v in fast.items()}
@@ -295,12 +321,21 @@ class MetaLearner:
         return fast, support_losses
 
     def _step(
-        self, fast: Params, consts: Params, rates: dict[str, Any], x: Tensor, y: Tensor, step: int, *, create_graph: bool
+        self,
+        fast: Params,
+        consts: Params,
+        rates: dict[str, Any],
+        x: Tensor,
+        y: Tensor,
+        step: int,
+        steps: int,
+        *,
+        create_graph: bool,
     ) -> tuple[Params, Tensor]:
         new, losses = sgd_step(self._forward, fast, consts, rates, x, y, create_graph=create_graph)
         if self.check_finite:
             hint = f"learn_inner_lr={self.learn_inner_lr!r}" if self.learn_inner_lr else f"inner_lr={self.inner_lr}"
-            check_finite(losses, step, self.steps, hint)
+            check_finite(losses, step, steps, hint)
         return new, losses
 
     def _checkpointed(
@@ -312,6 +347,7 @@ class MetaLearner:
         y: Tensor,
         start: int,
         count: int,
+        steps: int,
         losses: list[Tensor],
     ) -> Params:
         names = list(fast)
@@ -323,7 +359,7 @@ class MetaLearner:
             for step in range(start, start + count):
                 if not replay:  # values only: a fresh leaf per step keeps no graph across steps
                     f = {k: v.detach().requires_grad_() for k, v in f.items()}
-                f, loss = self._step(f, consts, r, x, y, step, create_graph=replay)
+                f, loss = self._step(f, consts, r, x, y, step, steps, create_graph=replay)
                 if not replay:
                     losses.append(loss)
             return tuple(f.values())

@@ -1,0 +1,492 @@
+"""What every experiment script shares: flags and YAML configs, the output folder, checkpoints,
+wandb, the meta-training loop, confidence intervals and results.json."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+import types
+import typing
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from torch import Tensor
+
+import maml
+
+RUN_FILES = ("config.yaml", "checkpoint.pt", "results.json")
+
+
+class UsageError(Exception):
+    """Bad input from the user: the script prints the message and exits with code 2."""
+
+
+# ---------------------------------------------------------------------------- configuration
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """How to run, as opposed to what to train (the experiment's config dataclass)."""
+
+    out: Path
+    resume: bool
+    overwrite: bool
+    wandb: str
+    device: torch.device
+    config_file: Path | None
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _base_type(tp: Any) -> tuple[Any, bool]:
+    """``(type, optional)`` for ``T`` or ``T | None``."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return rest[0], True
+    return tp, False
+
+
+def _convert(key: str, value: Any, tp: Any, source: str) -> Any:
+    """Checks (YAML) or converts (command-line strings) ``value`` to the field's type."""
+    base, optional = _base_type(tp)
+    if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and optional):
+        if optional:
+            return None
+        raise UsageError(f"{source}: {key} must be a {_type_name(base)}, got null.")
+    if typing.get_origin(base) in (list, tuple):
+        (item,) = set(typing.get_args(base)) - {Ellipsis}
+        if isinstance(value, str):
+            value = [v for v in value.replace(",", " ").split() if v]
+        if not isinstance(value, (list, tuple)) or not value:
+            raise UsageError(f"{source}: {key} must be a non-empty list of {_type_name(item)}, got {value!r}.")
+        return tuple(_convert(key, v, item, source) for v in value)
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+    elif base is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+    elif base is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif base is str:
+        if isinstance(value, str):
+            return value
+    raise UsageError(f"{source}: {key} must be {_type_name(tp)}, got {value!r} ({type(value).__name__}).")
+
+
+def _type_name(tp: Any) -> str:
+    base, optional = _base_type(tp)
+    if typing.get_origin(base) in (list, tuple):
+        name = f"a list of {_type_name(typing.get_args(base)[0])}"
+    else:
+        name = {int: "an int", float: "a float", bool: "a bool (true/false)", str: "a string"}.get(base, str(base))
+    return name + (" or null" if optional else "")
+
+
+def _suggest(word: str, choices: Sequence[str]) -> str:
+    matches = difflib.get_close_matches(word, choices, n=3, cutoff=0.5)
+    return f" (did you mean {', '.join(matches)}?)" if matches else ""
+
+
+def _load_yaml(path: Path, cls: type) -> dict[str, Any]:
+    if not path.is_file():
+        raise UsageError(f"--config {path}: no such file.")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise UsageError(f"--config {path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"--config {path}: must be a mapping of config keys to values, got {type(data).__name__}.")
+    types_ = _field_types(cls)
+    names = list(types_)
+    out = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in types_:
+            raise UsageError(
+                f"--config {path}: unknown key {key!r}{_suggest(name, names)}. Known keys: {', '.join(names)}."
+            )
+        out[name] = _convert(name, value, types_[name], f"--config {path}")
+    return out
+
+
+def parse_args(cls: type, argv: Sequence[str] | None, description: str, validate: Callable[[Any], None]) -> tuple[Any, RunOptions]:
+    """Parses the command line into the experiment's config dataclass and the run options.
+
+    Precedence: the dataclass defaults, then ``--config FILE`` (YAML), then flags. Every field is
+    a kebab-case flag (``--inner-lr 0.01``, also ``--inner-lr=0.01`` and ``--inner_lr=0.01``, as
+    ``wandb agent`` passes them).
+
+    Raises:
+        UsageError: unknown flag or key (with close matches), wrong type, invalid value.
+    """
+    types_ = _field_types(cls)
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {cls.__module__}", description=description, allow_abbrev=False,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )  # fmt: skip
+    run = parser.add_argument_group("run")
+    run.add_argument("--config", type=Path, help="YAML file of config keys (flags override it)")
+    run.add_argument("--out", type=Path, default=Path("runs") / cls.__module__.rsplit(".", 1)[-1], help="output folder")
+    run.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    run.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
+    run.add_argument("--wandb", choices=("offline", "online", "disabled"), help="wandb mode (default: $WANDB_MODE, "
+                     "else online if logged in, else offline)")  # fmt: skip
+    run.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    hyper = parser.add_argument_group("hyperparameters")
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    for name, tp in types_.items():
+        help_ = next(f for f in dataclasses.fields(cls) if f.name == name).metadata.get("help", "")
+        hyper.add_argument(_flag(name), f"--{name}" if "_" in name else _flag(name) + "-", dest=name, default=None,
+                           metavar=_type_name(tp).split(" ", 1)[-1].upper().replace(" ", "_"),
+                           help=f"{help_} (default: {defaults[name]})")  # fmt: skip
+
+    def error(message: str) -> typing.NoReturn:
+        raise UsageError(message)
+
+    parser.error = error  # type: ignore[method-assign]
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--") and not o.endswith("-")]
+        bad = unknown[0].split("=", 1)[0]
+        raise UsageError(f"unknown flag {bad}{_suggest(bad, flags)}; see --help for the full list.")
+
+    values = dict(defaults)
+    if args.config is not None:
+        values.update(_load_yaml(args.config, cls))
+    for name, tp in types_.items():
+        raw = getattr(args, name)
+        if raw is not None:
+            values[name] = _convert(name, raw, tp, _flag(name))
+    cfg = cls(**values)
+    try:
+        validate(cfg)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise UsageError(f"--device {args.device!r} is not a torch device; use cpu, cuda or cuda:N.") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {args.device}: CUDA is not available on this machine; use --device cpu.")
+    return cfg, RunOptions(args.out, args.resume, args.overwrite, args.wandb or default_wandb_mode(), device, args.config)
+
+
+def default_wandb_mode() -> str:
+    """$WANDB_MODE if set; online if the user is logged in; offline otherwise (never hangs without network)."""
+    if os.environ.get("WANDB_MODE") in ("offline", "online", "disabled", "dryrun", "run"):
+        return {"dryrun": "offline", "run": "online"}.get(os.environ["WANDB_MODE"], os.environ["WANDB_MODE"])
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    try:
+        return "online" if "api.wandb.ai" in netrc.read_text() else "offline"
+    except OSError:
+        return "offline"
+
+
+# ---------------------------------------------------------------------------- output folder
+
+
+def prepare_out(opts: RunOptions, cfg: Any) -> dict[str, Any] | None:
+    """Checks the output folder before anything is written; returns the checkpoint when resuming.
+
+    Raises:
+        UsageError: ``--out`` holds another run (without ``--resume``/``--overwrite``), or the
+            checkpoint to resume is missing, unreadable, or from a different config.
+    """
+    out = opts.out
+    if opts.resume and opts.overwrite:
+        raise UsageError("--resume and --overwrite contradict each other; pick one.")
+    if opts.resume:
+        path = out / "checkpoint.pt"
+        if not path.is_file():
+            raise UsageError(f"--resume: no checkpoint at {path}; start the run without --resume.")
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=False)
+            saved = state["config"]
+        except Exception as e:  # a truncated or foreign file: say so, keep it
+            raise UsageError(f"--resume: the checkpoint {path} is corrupt or not from this script ({type(e).__name__}: {e}).") from None
+        mine = dataclasses.asdict(cfg)
+        if saved != mine:
+            diff = {k: (saved.get(k), v) for k, v in mine.items() if saved.get(k) != v}
+            raise UsageError(
+                f"--resume: the config differs from the run in {out}: "
+                + ", ".join(f"{k}={new!r} (run has {old!r})" for k, (old, new) in diff.items())
+                + f". Resume with the same flags, or --config {out / 'config.yaml'}."
+            )
+        return state
+    taken = [f for f in RUN_FILES if (out / f).exists()]
+    if taken and not opts.overwrite:
+        raise UsageError(
+            f"--out {out} already holds a run ({', '.join(taken)}); pass --resume to continue it, "
+            f"--overwrite to replace it, or another --out."
+        )
+    return None
+
+
+def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    """Writes through a temporary file and a rename, so a kill never leaves a half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def save_config(out: Path, cfg: Any) -> None:
+    atomic_write(out / "config.yaml", lambda p: p.write_text(yaml.safe_dump(
+        {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(cfg).items()}, sort_keys=False)))  # fmt: skip
+
+
+def load_config(cls: type, path: Path) -> Any:
+    """The config dataclass saved in a run's config.yaml."""
+    return cls(**_load_yaml(path, cls))
+
+
+# ---------------------------------------------------------------------------- statistics, provenance
+
+
+def mean_ci95(values: Tensor) -> tuple[float, float]:
+    """Mean and the half-width of its 95 % confidence interval (normal approximation)."""
+    values = values.double().flatten()
+    n = values.numel()
+    half = 1.96 * float(values.std(unbiased=True)) / math.sqrt(n) if n > 1 else float("nan")
+    return float(values.mean()), half
+
+
+def provenance() -> dict[str, Any]:
+    """Package versions and the git commit of the code that ran."""
+    versions = {"python": platform.python_version()}
+    for pkg in ("maml-toolkit", "torch", "numpy", "wandb", "learn2learn", "higher"):
+        try:
+            versions[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str | None:
+        try:
+            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    commit = git("rev-parse", "HEAD")
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no")) if commit else None
+    return {"versions": versions, "git_commit": commit, "git_dirty": dirty, "host": platform.node()}
+
+
+def write_results(out: Path, results: dict[str, Any]) -> None:
+    atomic_write(out / "results.json", lambda p: p.write_text(json.dumps(results, indent=2) + "\n"))
+
+
+# ---------------------------------------------------------------------------- wandb
+
+
+def init_wandb(opts: RunOptions, cfg: Any, name: str, run_id: str | None) -> Any:
+    """Starts (or resumes) the wandb run, its files under ``--out``; never blocks without a network."""
+    import wandb
+
+    os.environ.setdefault("WANDB_DIR", str(opts.out))
+    return wandb.init(
+        project=os.environ.get("WANDB_PROJECT", "maml-toolkit"),
+        name=os.environ.get("WANDB_NAME", name),
+        group=os.environ.get("WANDB_RUN_GROUP"),
+        dir=str(opts.out),
+        mode=opts.wandb,
+        id=run_id,
+        resume="allow" if run_id else None,
+        config=dataclasses.asdict(cfg),
+    )
+
+
+def finish_wandb(run: Any) -> None:
+    import wandb
+
+    run.finish()
+    # finish() can return before the offline .wandb file is complete; teardown waits for it.
+    wandb.teardown()
+
+
+# ---------------------------------------------------------------------------- the training loop
+
+
+@dataclasses.dataclass
+class Trainer:
+    """The meta-training loop shared by the experiments: resumable, bit for bit.
+
+    Everything a step depends on (model, optimizer, learnable rates, the task sampler's
+    generator, the global RNG, the iteration) is in the checkpoint, and the checkpoint is
+    written atomically, so a run killed at any point and resumed with ``--resume`` ends with
+    exactly the parameters of an uninterrupted run.
+
+    Attributes:
+        learner: the meta-learner (its model is trained).
+        optimizer: the outer optimizer over ``learner.parameters()``.
+        sample: ``sample(generator) -> TaskBatch`` on the CPU, one meta-batch of training tasks.
+        metrics: ``metrics(output, batch) -> dict`` of extra training metrics (e.g. accuracy).
+        validate: ``validate() -> dict`` of validation metrics (its own fixed tasks).
+        iterations: total meta-iterations.
+        log_every, val_every, checkpoint_every: in iterations.
+        seed: seeds the sampler's generator.
+        device: where the meta-batches go.
+    """
+
+    learner: maml.MetaLearner
+    optimizer: torch.optim.Optimizer
+    sample: Callable[[torch.Generator], maml.TaskBatch]
+    metrics: Callable[[maml.MetaOutput, maml.TaskBatch], dict[str, float]]
+    validate: Callable[[], dict[str, float]]
+    iterations: int
+    log_every: int
+    val_every: int
+    checkpoint_every: int
+    seed: int
+    device: torch.device
+    history: list[dict[str, float]] = dataclasses.field(default_factory=list)
+
+    def state(self, iteration: int, generator: torch.Generator, cfg: Any, wandb_id: str | None) -> dict[str, Any]:
+        return {
+            "iteration": iteration,
+            "config": dataclasses.asdict(cfg),
+            "learner": self.learner.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "generator": generator.get_state(),
+            "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "history": self.history,
+            "wandb_id": wandb_id,
+        }
+
+    def run(self, opts: RunOptions, cfg: Any, resumed: dict[str, Any] | None, run: Any) -> int:
+        """Trains from iteration 0 or from ``resumed``; returns the wall time spent here in seconds."""
+        from tqdm import tqdm
+
+        generator = torch.Generator().manual_seed(self.seed)
+        start = 0
+        if resumed is not None:
+            self.learner.load_state_dict(resumed["learner"])
+            self.optimizer.load_state_dict(resumed["optimizer"])
+            generator.set_state(resumed["generator"])
+            torch.set_rng_state(resumed["torch_rng"])
+            if resumed["cuda_rng"] is not None and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(resumed["cuda_rng"])
+            self.history = resumed["history"]
+            start = resumed["iteration"]
+        wandb_id = getattr(run, "id", None)
+
+        def checkpoint(iteration: int) -> None:
+            atomic_write(opts.out / "checkpoint.pt", lambda p: torch.save(self.state(iteration, generator, cfg, wandb_id), p))
+
+        # Ctrl-C and SIGTERM (kill, a cluster's pre-emption) stop the run at the end of the current
+        # iteration, so the checkpoint written then is consistent; a second Ctrl-C stops at once
+        # (the last periodic checkpoint stays valid).
+        stop: list[int] = []
+
+        def request_stop(signum: int, frame: Any) -> None:
+            if stop:
+                raise KeyboardInterrupt
+            stop.append(signum)
+
+        handlers = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+        began = time.perf_counter()
+        bar = tqdm(range(start, self.iterations), initial=start, total=self.iterations, desc="meta-train",
+                   dynamic_ncols=True, mininterval=0.5, disable=None)  # fmt: skip
+        window: list[float] = []
+        step_time = 0.0
+        try:
+            for iteration in bar:
+                batch = self.sample(generator).to(self.device)
+                t0 = time.perf_counter()
+                out = self.learner.run(batch)
+                self.optimizer.zero_grad(set_to_none=True)
+                out.loss.backward()
+                logging = (iteration + 1) % self.log_every == 0
+                if logging:
+                    grads = [p.grad for p in self.learner.parameters() if p.grad is not None]
+                    grad_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+                self.optimizer.step()
+                step_time += time.perf_counter() - t0
+                window.append(float(out.loss.detach()))
+                if logging:
+                    row = {
+                        "iteration": iteration + 1,
+                        "train/meta_loss": sum(window) / len(window),
+                        "train/meta_grad_norm": grad_norm,
+                        "train/step_time_ms": 1e3 * step_time / len(window),
+                        **self._inner_losses(out, batch),
+                        **self._rates(),
+                        **self.metrics(out, batch),
+                    }
+                    if (iteration + 1) % self.val_every == 0 or iteration + 1 == self.iterations:
+                        row.update(self.validate())
+                    self.history.append(row)
+                    run.log(row, step=iteration + 1)
+                    bar.set_postfix(meta_loss=f"{row['train/meta_loss']:.4f}")
+                    window, step_time = [], 0.0
+                if stop or (iteration + 1) % self.checkpoint_every == 0 or iteration + 1 == self.iterations:
+                    checkpoint(iteration + 1)
+                if stop:
+                    bar.close()
+                    finish_wandb(run)
+                    print(f"\nstopped after iteration {iteration + 1}; continue with the same command plus --resume",
+                          file=sys.stderr)  # fmt: skip
+                    raise SystemExit(130 if stop[0] == signal.SIGINT else 143)
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+            bar.close()
+        return int(time.perf_counter() - began)
+
+    def _inner_losses(self, out: maml.MetaOutput, batch: maml.TaskBatch) -> dict[str, float]:
+        row = {"train/query_loss": float(out.query_losses.mean())}
+        if out.support_losses.shape[0]:
+            with torch.no_grad():
+                after, _ = self.learner.task_losses(out.fast, batch.support_x, batch.support_y)
+            row["train/support_loss_before"] = float(out.support_losses[0].mean())
+            row["train/support_loss_after"] = float(after.mean())
+        return row
+
+    def _rates(self) -> dict[str, float]:
+        return {f"inner_lr/{k}": float(v.detach().mean()) for k, v in self.learner.rate_parameters.items()}
+
+
+def main(run: Callable[[Sequence[str] | None], None], argv: Sequence[str] | None = None) -> None:
+    """Runs an experiment's entry point, turning UsageError into a message and exit code 2."""
+    try:
+        run(argv)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -1,0 +1,203 @@
+"""Few-shot sine regression with MAML, the protocol of Finn et al. (2017) by default.
+
+    python -m experiments.sine                        # 70,000 meta-iterations, then the evaluation
+    python -m experiments.sine --iterations 2000 --inner-lr 0.02 --out runs/try
+    python -m experiments.sine --help
+
+Meta-trains a 1-40-40-1 ReLU MLP on 10-shot tasks (meta-batch 25, inner lr 0.01, one inner step,
+Adam at 0.001), then evaluates on 600 fresh tasks at 1, 5 and 10 inner steps for K = 5, 10, 20.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+
+import maml
+import tasks
+from experiments import common
+
+
+def _field(default: Any, help: str) -> Any:
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+@dataclasses.dataclass(frozen=True)
+class SineConfig:
+    """Every hyperparameter of the sine experiment (each is a flag and a YAML key)."""
+
+    iterations: int = _field(70_000, "meta-iterations")
+    meta_batch: int = _field(25, "tasks per meta-batch")
+    shots: int = _field(10, "support points per training task (K)")
+    query: int = _field(10, "query points per training task")
+    inner_lr: float = _field(0.01, "inner SGD learning rate (initial value if learned)")
+    steps: int = _field(1, "inner steps in training")
+    meta_lr: float = _field(0.001, "Adam learning rate of the outer loop")
+    hidden: int = _field(40, "width of the two hidden layers")
+    mode: str = _field("second_order", "second_order, first_order or checkpointed")
+    batching: str = _field("vmap", "vmap or loop")
+    learn_inner_lr: str | None = _field(None, "null, scalar or per_parameter (Meta-SGD)")
+    seed: int = _field(0, "seeds the initialisation and the task sampler")
+    log_every: int = _field(100, "iterations between training logs")
+    val_every: int = _field(1000, "iterations between validations")
+    val_tasks: int = _field(100, "fixed validation tasks (K = shots, steps = steps)")
+    checkpoint_every: int = _field(1000, "iterations between checkpoints")
+    eval_tasks: int = _field(600, "fresh test tasks in the final evaluation")
+    eval_shots: tuple[int, ...] = _field((5, 10, 20), "K values of the final evaluation")
+    eval_steps: tuple[int, ...] = _field((1, 5, 10), "inner steps of the final evaluation")
+    eval_query: int = _field(100, "query points per test task")
+
+
+def validate_config(cfg: SineConfig) -> None:
+    """Raises ValueError naming the key for an invalid value."""
+    for key in ("iterations", "meta_batch", "shots", "query", "hidden", "log_every", "val_every", "val_tasks",
+                "checkpoint_every", "eval_tasks", "eval_query"):  # fmt: skip
+        if getattr(cfg, key) < 1:
+            raise ValueError(f"{key}={getattr(cfg, key)} must be >= 1.")
+    if cfg.steps < 0 or any(s < 0 for s in cfg.eval_steps) or any(k < 1 for k in cfg.eval_shots):
+        raise ValueError("steps and eval_steps must be >= 0 and eval_shots >= 1.")
+    for key, choices in (("mode", maml.MODES), ("batching", maml.BATCHINGS), ("learn_inner_lr", maml.LEARN_INNER_LR)):
+        if getattr(cfg, key) not in choices:
+            raise ValueError(f"{key}={getattr(cfg, key)!r} is not one of {', '.join(map(repr, choices))}.")
+    if not cfg.inner_lr > 0 or not cfg.meta_lr > 0:
+        raise ValueError("inner_lr and meta_lr must be > 0.")
+
+
+def build_model(hidden: int) -> nn.Module:
+    """The paper's regressor: 1 -> hidden -> hidden -> 1 with ReLU."""
+    return nn.Sequential(nn.Linear(1, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+
+
+@torch.no_grad()
+def evaluate(learner: maml.MetaLearner, cfg: SineConfig, device: torch.device, seed: int) -> dict[str, Any]:
+    """Test MSE on ``eval_tasks`` fresh tasks for each K in eval_shots and steps in eval_steps, with 95 % CIs."""
+    sine = tasks.Sine()
+    results: dict[str, Any] = {}
+    for shots in cfg.eval_shots:
+        # The same tasks and points for every number of steps: the columns are comparable.
+        g = torch.Generator().manual_seed(seed + shots)
+        batch = sine.sample(cfg.eval_tasks, shots=shots, query=cfg.eval_query, generator=g).to(device)
+        for steps in cfg.eval_steps:
+            mse, ci = common.mean_ci95(learner.run(batch, steps=steps).query_losses)
+            results[f"{shots}shot_{steps}step"] = {"mse": mse, "ci95": ci, "shots": shots, "steps": steps}
+    return results
+
+
+def plot(out: Path, model: nn.Module, learner: maml.MetaLearner, history: list[dict[str, float]], device: torch.device) -> None:
+    """learning_curves.png and sine_fit.png (true curve, support points, prediction before/after 1 and 10 steps)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    its = [r["iteration"] for r in history]
+    axes[0].plot(its, [r["train/meta_loss"] for r in history], label="train meta-loss")
+    val = [(r["iteration"], r["val/mse"]) for r in history if "val/mse" in r]
+    if val:
+        axes[0].plot(*zip(*val), "o-", label="validation MSE")
+    axes[0].set(xlabel="meta-iteration", ylabel="MSE", yscale="log", title="learning curves")
+    axes[0].legend()
+    for key, label in (("train/support_loss_before", "support, before"), ("train/support_loss_after", "support, after")):
+        axes[1].plot(its, [r.get(key, float("nan")) for r in history], label=label)
+    axes[1].set(xlabel="meta-iteration", ylabel="MSE", yscale="log", title="inner loss")
+    axes[1].legend()
+    fig.tight_layout()
+    common.atomic_write(out / "learning_curves.png", lambda p: fig.savefig(p, format="png", dpi=120))
+    plt.close(fig)
+
+    g = torch.Generator().manual_seed(12345)
+    batch, truth = tasks.Sine().sample(1, shots=5, query=1, generator=g, return_params=True)
+    batch = batch.to(device)
+    xs = torch.linspace(-5, 5, 200).view(1, -1, 1)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(xs[0, :, 0], truth.true_y(xs)[0, :, 0], "k-", lw=2, label="true function")
+    ax.plot(batch.support_x[0, :, 0].cpu(), batch.support_y[0, :, 0].cpu(), "r^", ms=9, label="5 support points")
+    for steps, style in ((0, ":"), (1, "--"), (10, "-")):
+        with torch.no_grad():
+            fast = learner.adapt(batch.support_x[0], batch.support_y[0], steps=steps)
+            pred = functional_call(model, fast, (xs[0].to(device),))
+        ax.plot(xs[0, :, 0], pred[:, 0].cpu(), style, label=f"MAML, {steps} step{'s' if steps != 1 else ''}")
+    ax.set(xlabel="x", ylabel="y", title="one test task, K = 5")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    common.atomic_write(out / "sine_fit.png", lambda p: fig.savefig(p, format="png", dpi=120))
+    plt.close(fig)
+
+
+def run(argv: Sequence[str] | None = None) -> None:
+    cfg, opts = common.parse_args(SineConfig, argv, __doc__.split("\n\n")[0], validate_config)
+    resumed = common.prepare_out(opts, cfg)  # before writing anything
+    opts.out.mkdir(parents=True, exist_ok=True)
+    common.save_config(opts.out, cfg)
+
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.hidden).to(opts.device)
+    learner = maml.MetaLearner(model, F.mse_loss, inner_lr=cfg.inner_lr, steps=cfg.steps, mode=cfg.mode,
+                               batching=cfg.batching, learn_inner_lr=cfg.learn_inner_lr)  # fmt: skip
+    optimizer = torch.optim.Adam(learner.parameters(), lr=cfg.meta_lr)
+    sine = tasks.Sine()
+    val_batch = sine.sample(cfg.val_tasks, shots=cfg.shots, query=cfg.query,
+                            generator=torch.Generator().manual_seed(cfg.seed + 10_000)).to(opts.device)  # fmt: skip
+
+    def validate() -> dict[str, float]:
+        with torch.no_grad():
+            mse, ci = common.mean_ci95(learner.run(val_batch).query_losses)
+        return {"val/mse": mse, "val/mse_ci95": ci}
+
+    trainer = common.Trainer(
+        learner=learner,
+        optimizer=optimizer,
+        sample=lambda g: sine.sample(cfg.meta_batch, shots=cfg.shots, query=cfg.query, generator=g),
+        metrics=lambda out, batch: {"train/mse": float(out.query_losses.mean())},
+        validate=validate,
+        iterations=cfg.iterations,
+        log_every=cfg.log_every,
+        val_every=cfg.val_every,
+        checkpoint_every=cfg.checkpoint_every,
+        seed=cfg.seed,
+        device=opts.device,
+    )
+    wandb_run = common.init_wandb(opts, cfg, "sine", resumed["wandb_id"] if resumed else None)
+    began = time.perf_counter()
+    train_seconds = trainer.run(opts, cfg, resumed, wandb_run)
+    results = evaluate(learner, cfg, opts.device, seed=cfg.seed + 20_000)
+    for key, r in results.items():
+        wandb_run.summary[f"test/mse_{key}"] = r["mse"]
+        wandb_run.summary[f"test/mse_{key}_ci95"] = r["ci95"]
+    plot(opts.out, model, learner, trainer.history, opts.device)
+    common.write_results(opts.out, {
+        "experiment": "sine",
+        "config": dataclasses.asdict(cfg),
+        "test": results,
+        "final_val": {k: v for k, v in (trainer.history[-1] if trainer.history else {}).items() if k.startswith("val/")},
+        "iterations": cfg.iterations,
+        "train_seconds_this_process": train_seconds,
+        "wall_seconds_this_process": round(time.perf_counter() - began, 1),
+        "device": str(opts.device),
+        **common.provenance(),
+    })  # fmt: skip
+    common.finish_wandb(wandb_run)
+    print(_table(results, cfg))
+
+
+def _table(results: dict[str, Any], cfg: SineConfig) -> str:
+    """The test MSE as a K x steps table, mean +- 95 % CI half-width."""
+    head = "".join(f"{f'{s} step' + ('s' if s != 1 else ''):>18}" for s in cfg.eval_steps)
+    lines = [f"test MSE on {cfg.eval_tasks} tasks (mean +- 95% CI)", f"{'K':<4}{head}"]
+    for k in cfg.eval_shots:
+        cells = (results[f"{k}shot_{s}step"] for s in cfg.eval_steps)
+        lines.append(f"{k:<4}" + "".join(f"{c['mse']:>11.3f} +- {c['ci95']:.3f}" for c in cells))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    common.main(run)
