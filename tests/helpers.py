@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -134,3 +137,20 @@ def finite_difference_error(
             raise AssertionError("central differences did not converge: the meta-loss is not smooth here")
         worst = max(worst, abs(analytic - fine) / max(abs(fine), 1e-12))
     return worst
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def omniglot_root() -> Path:
+    """The real Omniglot archives: $OMNIGLOT_DIR, else ../shared/data/omniglot. Missing data fails, never skips."""
+    root = Path(os.environ.get("OMNIGLOT_DIR") or REPO.parent / "shared" / "data" / "omniglot")
+    archives = ("images_background_small1.zip", "images_background_small2.zip")
+    missing = [a for a in archives if not (root / a).is_file()]
+    if missing:
+        pytest.fail(
+            f"the real Omniglot archives {missing} are not in {root}; set OMNIGLOT_DIR to the folder "
+            f"holding them (CI: .ci/run sets it to ../shared/data/omniglot).",
+            pytrace=False,
+        )
+    return root

@@ -188,3 +188,12 @@ def test_loading_rates_of_another_kind(mlp):
     per_parameter = maml.MetaLearner(model, loss_fn, inner_lr=0.1, learn_inner_lr="per_parameter")
     with raises(ValueError, "state['inner_lrs'] has rates ['inner_lr'] but this learner learns ['0.bias', '0.weight'"):
         per_parameter.load_state_dict(scalar.state_dict())
+
+
+def test_steps_per_call_is_checked(mlp):
+    model, batch, loss_fn = mlp
+    learner = maml.MetaLearner(model, loss_fn, inner_lr=0.1)
+    with raises(ValueError, "steps=-2 is out of range; it must be >= 0."):
+        learner.run(batch, steps=-2)
+    with raises(TypeError, "steps must be an int, got 2.0 (float)."):
+        learner.adapt(batch.support_x[0], batch.support_y[0], steps=2.0)

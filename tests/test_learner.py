@@ -150,3 +150,19 @@ def test_task_batch_to_and_indexing():
     assert batch[1].num_tasks == 1 and torch.equal(batch[1].query_x[0], batch.query_x[1])
     assert batch[-1].num_tasks == 1 and torch.equal(batch[-1].query_x[0], batch.query_x[-1])
     assert batch[0:2].num_tasks == 2
+
+
+@pytest.mark.parametrize("mode", maml.MODES)
+def test_steps_per_call_overrides_the_learners_steps(mode):
+    model, batch, loss_fn = make("conv_batchnorm_maxpool")
+    one = maml.MetaLearner(model, loss_fn, inner_lr=0.3, steps=1, mode=mode)
+    four = maml.MetaLearner(model, loss_fn, inner_lr=0.3, steps=4, mode=mode)
+    assert torch.equal(flat_grad_at(one, batch, steps=4), flat_grad(four, batch))
+    fast = one.adapt(batch.support_x[0], batch.support_y[0], steps=4)
+    assert all(torch.equal(v, four.adapt(batch.support_x[0], batch.support_y[0])[k]) for k, v in fast.items())
+    assert one.run(batch, steps=4).support_losses.shape == (4, 3)
+
+
+def flat_grad_at(learner: maml.MetaLearner, batch: maml.TaskBatch, steps: int) -> torch.Tensor:
+    grads = torch.autograd.grad(learner.run(batch, steps=steps).loss, list(learner.parameters()))
+    return torch.cat([g.flatten() for g in grads])

@@ -1,0 +1,1 @@
+"""Benchmarks of the toolkit; run one with ``python -m benchmarks.<name>``."""

@@ -1,0 +1,1 @@
+"""Private implementation of :mod:`tasks`; import from ``tasks`` instead."""

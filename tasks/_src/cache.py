@@ -1,0 +1,95 @@
+"""An on-disk cache of decoded tensors: next to the data if writable, else a user cache folder."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CACHE_ENV = "MAML_CACHE_DIR"
+_NEXT_TO_DATA = ".maml-cache"
+
+
+def user_cache_dir() -> Path:
+    """``$MAML_CACHE_DIR``, else ``$XDG_CACHE_HOME/maml-toolkit``, else ``~/.cache/maml-toolkit``."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "maml-toolkit"
+
+
+def candidates(data_dir: Path, cache_dir: str | os.PathLike[str] | None) -> list[Path]:
+    """Folders to look for and write the cache in, best first.
+
+    Args:
+        data_dir: the folder the data lies in.
+        cache_dir: an explicit folder (then the only candidate), or ``None``: a
+            ``.maml-cache`` folder next to the data, then :func:`user_cache_dir`.
+    """
+    if cache_dir is not None:
+        return [Path(cache_dir).expanduser()]
+    return [data_dir / _NEXT_TO_DATA, user_cache_dir()]
+
+
+def load(folders: list[Path], name: str, validate: Callable[[Any], bool]) -> tuple[Any, Path] | None:
+    """The first readable, valid cache file ``name`` in ``folders`` and its path, else ``None``.
+
+    An unreadable or invalid file (truncated, from another version, tampered with) is a miss,
+    never an error: the caller decodes again and overwrites it.
+    """
+    for folder in folders:
+        path = folder / name
+        if not path.is_file():
+            continue
+        try:
+            payload = torch.load(path, map_location="cpu", weights_only=True)
+            if validate(payload):
+                return payload, path
+        except Exception:  # noqa: BLE001 - any failure to read a cache is a cache miss
+            continue
+    return None
+
+
+def save(folders: list[Path], name: str, payload: Any) -> Path | None:
+    """Writes ``payload`` as ``name`` in the first folder that accepts it; its path, or ``None``.
+
+    The file is written under a temporary name and renamed into place, so readers (other
+    processes too) never see a partial file.
+    """
+    for folder in folders:
+        if not _writable(folder):
+            continue
+        tmp = None
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
+            with os.fdopen(fd, "wb") as f:
+                torch.save(payload, f)
+            os.chmod(tmp, 0o644)  # mkstemp makes it private; a cache is shared by the users of the data
+            os.replace(tmp, folder / name)
+            return folder / name
+        except OSError:
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
+            continue
+    return None
+
+
+def _writable(folder: Path) -> bool:
+    """Whether ``folder`` may be written: neither it nor its parent is marked read-only.
+
+    A folder without any write permission bit (a read-only data set) is respected even
+    where the permissions would not stop us, as for root.
+    """
+    for path in (folder, folder.parent):
+        try:
+            mode = path.stat().st_mode
+        except OSError:
+            continue  # not there yet: mkdir decides
+        if not mode & 0o222 or not os.access(path, os.W_OK):
+            return False
+    return True
