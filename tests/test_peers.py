@@ -9,7 +9,6 @@ import warnings
 
 import pytest
 import torch
-from torch import nn
 
 import maml
 from helpers import make
