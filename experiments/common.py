@@ -376,6 +376,9 @@ class Trainer:
     seed: int
     device: torch.device
     history: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    # Meta-losses and step time since the last log row: checkpointed, so a resumed run logs the same rows.
+    window: list[float] = dataclasses.field(default_factory=list)
+    step_time: float = 0.0
 
     def state(self, iteration: int, generator: torch.Generator, cfg: Any, wandb_id: str | None) -> dict[str, Any]:
         return {
@@ -387,6 +390,7 @@ class Trainer:
             "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
             "history": self.history,
+            "window": (self.window, self.step_time),
             "wandb_id": wandb_id,
         }
 
@@ -404,6 +408,7 @@ class Trainer:
             if resumed["cuda_rng"] is not None and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(resumed["cuda_rng"])
             self.history = resumed["history"]
+            self.window, self.step_time = resumed["window"]
             start = resumed["iteration"]
         wandb_id = getattr(run, "id", None)
 
@@ -424,8 +429,6 @@ class Trainer:
         began = time.perf_counter()
         bar = tqdm(range(start, self.iterations), initial=start, total=self.iterations, desc="meta-train",
                    dynamic_ncols=True, mininterval=0.5, disable=None)  # fmt: skip
-        window: list[float] = []
-        step_time = 0.0
         try:
             for iteration in bar:
                 batch = self.sample(generator).to(self.device)
@@ -438,14 +441,14 @@ class Trainer:
                     grads = [p.grad for p in self.learner.parameters() if p.grad is not None]
                     grad_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
                 self.optimizer.step()
-                step_time += time.perf_counter() - t0
-                window.append(float(out.loss.detach()))
+                self.step_time += time.perf_counter() - t0
+                self.window.append(float(out.loss.detach()))
                 if logging:
                     row = {
                         "iteration": iteration + 1,
-                        "train/meta_loss": sum(window) / len(window),
+                        "train/meta_loss": sum(self.window) / len(self.window),
                         "train/meta_grad_norm": grad_norm,
-                        "train/step_time_ms": 1e3 * step_time / len(window),
+                        "train/step_time_ms": 1e3 * self.step_time / len(self.window),
                         **self._inner_losses(out, batch),
                         **self._rates(),
                         **self.metrics(out, batch),
@@ -455,7 +458,7 @@ class Trainer:
                     self.history.append(row)
                     run.log(row, step=iteration + 1)
                     bar.set_postfix(meta_loss=f"{row['train/meta_loss']:.4f}")
-                    window, step_time = [], 0.0
+                    self.window, self.step_time = [], 0.0
                 if stop or (iteration + 1) % self.checkpoint_every == 0 or iteration + 1 == self.iterations:
                     checkpoint(iteration + 1)
                 if stop:

@@ -42,6 +42,7 @@ class SineConfig:
     steps: int = _field(1, "inner steps in training")
     meta_lr: float = _field(0.001, "Adam learning rate of the outer loop")
     hidden: int = _field(40, "width of the two hidden layers")
+    init: str = _field("paper", "paper (weights ~ truncated normal, std 0.01; zero biases, as in Finn et al.'s code) or torch")
     mode: str = _field("second_order", "second_order, first_order or checkpointed")
     batching: str = _field("vmap", "vmap or loop")
     learn_inner_lr: str | None = _field(None, "null, scalar or per_parameter (Meta-SGD)")
@@ -64,16 +65,26 @@ def validate_config(cfg: SineConfig) -> None:
             raise ValueError(f"{key}={getattr(cfg, key)} must be >= 1.")
     if cfg.steps < 0 or any(s < 0 for s in cfg.eval_steps) or any(k < 1 for k in cfg.eval_shots):
         raise ValueError("steps and eval_steps must be >= 0 and eval_shots >= 1.")
-    for key, choices in (("mode", maml.MODES), ("batching", maml.BATCHINGS), ("learn_inner_lr", maml.LEARN_INNER_LR)):
+    for key, choices in (("mode", maml.MODES), ("batching", maml.BATCHINGS), ("learn_inner_lr", maml.LEARN_INNER_LR),
+                         ("init", ("paper", "torch"))):  # fmt: skip
         if getattr(cfg, key) not in choices:
             raise ValueError(f"{key}={getattr(cfg, key)!r} is not one of {', '.join(map(repr, choices))}.")
     if not cfg.inner_lr > 0 or not cfg.meta_lr > 0:
         raise ValueError("inner_lr and meta_lr must be > 0.")
 
 
-def build_model(hidden: int) -> nn.Module:
-    """The paper's regressor: 1 -> hidden -> hidden -> 1 with ReLU."""
-    return nn.Sequential(nn.Linear(1, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+def build_model(hidden: int, init: str = "paper") -> nn.Module:
+    """The paper's regressor: 1 -> hidden -> hidden -> 1 with ReLU.
+
+    ``init="paper"`` draws the weights as the reference implementation does (truncated normal,
+    std 0.01, biases 0); ``"torch"`` keeps PyTorch's default initialisation.
+    """
+    model = nn.Sequential(nn.Linear(1, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+    if init == "paper":
+        for layer in model[::2]:
+            nn.init.trunc_normal_(layer.weight, std=0.01, a=-0.02, b=0.02)
+            nn.init.zeros_(layer.bias)
+    return model
 
 
 @torch.no_grad()
@@ -86,8 +97,10 @@ def evaluate(learner: maml.MetaLearner, cfg: SineConfig, device: torch.device, s
         g = torch.Generator().manual_seed(seed + shots)
         batch = sine.sample(cfg.eval_tasks, shots=shots, query=cfg.eval_query, generator=g).to(device)
         for steps in cfg.eval_steps:
-            mse, ci = common.mean_ci95(learner.run(batch, steps=steps).query_losses)
-            results[f"{shots}shot_{steps}step"] = {"mse": mse, "ci95": ci, "shots": shots, "steps": steps}
+            losses = learner.run(batch, steps=steps).query_losses
+            mse, ci = common.mean_ci95(losses)
+            diverged = int((~losses.isfinite()).sum())
+            results[f"{shots}shot_{steps}step"] = {"mse": mse, "ci95": ci, "shots": shots, "steps": steps, "diverged_tasks": diverged}
     return results
 
 
@@ -140,7 +153,7 @@ def run(argv: Sequence[str] | None = None) -> None:
     common.save_config(opts.out, cfg)
 
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.hidden).to(opts.device)
+    model = build_model(cfg.hidden, cfg.init).to(opts.device)
     learner = maml.MetaLearner(model, F.mse_loss, inner_lr=cfg.inner_lr, steps=cfg.steps, mode=cfg.mode,
                                batching=cfg.batching, learn_inner_lr=cfg.learn_inner_lr)  # fmt: skip
     optimizer = torch.optim.Adam(learner.parameters(), lr=cfg.meta_lr)
@@ -169,6 +182,9 @@ def run(argv: Sequence[str] | None = None) -> None:
     wandb_run = common.init_wandb(opts, cfg, "sine", resumed["wandb_id"] if resumed else None)
     began = time.perf_counter()
     train_seconds = trainer.run(opts, cfg, resumed, wandb_run)
+    # Test-time adaptation may take more steps than training did; a task whose inner loop
+    # diverges there is reported (as an infinite MSE and in diverged_tasks), not fatal.
+    learner.check_finite = False
     results = evaluate(learner, cfg, opts.device, seed=cfg.seed + 20_000)
     for key, r in results.items():
         wandb_run.summary[f"test/mse_{key}"] = r["mse"]
