@@ -41,12 +41,28 @@ class UsageError(Exception):
 class RunOptions:
     """How to run, as opposed to what to train (the experiment's config dataclass)."""
 
+    experiment: str
     out: Path
     resume: bool
     overwrite: bool
     wandb: str
     device: torch.device
     config_file: Path | None
+
+
+def field(default: Any, help: str) -> Any:
+    """A config dataclass field with its ``--help`` text."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+def check_config(cfg: Any, positive: Sequence[str], choices: dict[str, Sequence[Any]]) -> None:
+    """Raises ValueError naming the key of the first value that is not >= 1 or not among its choices."""
+    for key in positive:
+        if getattr(cfg, key) < 1:
+            raise ValueError(f"{key}={getattr(cfg, key)} must be >= 1.")
+    for key, allowed in choices.items():
+        if getattr(cfg, key) not in allowed:
+            raise ValueError(f"{key}={getattr(cfg, key)!r} is not one of {', '.join(map(repr, allowed))}.")
 
 
 def _flag(name: str) -> str:
@@ -143,7 +159,9 @@ def _load_yaml(path: Path, cls: type) -> dict[str, Any]:
     return out
 
 
-def parse_args(cls: type, argv: Sequence[str] | None, description: str, validate: Callable[[Any], None]) -> tuple[Any, RunOptions]:
+def parse_args(
+    experiment: str, cls: type, argv: Sequence[str] | None, description: str, validate: Callable[[Any], None]
+) -> tuple[Any, RunOptions]:
     """Parses the command line into the experiment's config dataclass and the run options.
 
     Precedence: the dataclass defaults, then ``--config FILE`` (YAML), then flags. Every field is
@@ -155,12 +173,12 @@ def parse_args(cls: type, argv: Sequence[str] | None, description: str, validate
     """
     types_ = _field_types(cls)
     parser = argparse.ArgumentParser(
-        prog=f"python -m {cls.__module__}", description=description, allow_abbrev=False,
+        prog=f"python -m experiments.{experiment}", description=description, allow_abbrev=False,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )  # fmt: skip
     run = parser.add_argument_group("run")
     run.add_argument("--config", type=Path, help="YAML file of config keys (flags override it)")
-    run.add_argument("--out", type=Path, default=Path("runs") / cls.__module__.rsplit(".", 1)[-1], help="output folder")
+    run.add_argument("--out", type=Path, default=Path("runs") / experiment, help="output folder")
     run.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     run.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
     run.add_argument("--wandb", choices=("offline", "online", "disabled"), help="wandb mode (default: $WANDB_MODE, "
@@ -202,7 +220,7 @@ def parse_args(cls: type, argv: Sequence[str] | None, description: str, validate
         raise UsageError(f"--device {args.device!r} is not a torch device; use cpu, cuda or cuda:N.") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device {args.device}: CUDA is not available on this machine; use --device cpu.")
-    return cfg, RunOptions(args.out, args.resume, args.overwrite, args.wandb or default_wandb_mode(), device, args.config)
+    return cfg, RunOptions(experiment, args.out, args.resume, args.overwrite, args.wandb or default_wandb_mode(), device, args.config)
 
 
 def default_wandb_mode() -> str:
@@ -308,8 +326,26 @@ def provenance() -> dict[str, Any]:
     return {"versions": versions, "git_commit": commit, "git_dirty": dirty, "host": platform.node()}
 
 
-def write_results(out: Path, results: dict[str, Any]) -> None:
-    atomic_write(out / "results.json", lambda p: p.write_text(json.dumps(results, indent=2) + "\n"))
+def finish(opts: RunOptions, cfg: Any, run: Any, trainer: Trainer, test: dict[str, dict[str, Any]], metric: str,
+           **extra: Any) -> None:  # fmt: skip
+    """Puts the test metric in the wandb summary, writes results.json, and closes the wandb run."""
+    for key, r in test.items():
+        run.summary[f"test/{metric}_{key}"] = r[metric]
+        run.summary[f"test/{metric}_{key}_ci95"] = r["ci95"]
+    last = trainer.history[-1] if trainer.history else {}
+    results = {
+        "experiment": opts.experiment,
+        "config": dataclasses.asdict(cfg),
+        **extra,
+        "test": test,
+        "final_val": {k: v for k, v in last.items() if k.startswith("val/")},
+        "iterations": trainer.iterations,
+        "train_seconds": round(trainer.train_seconds, 1),
+        "device": str(opts.device),
+        **provenance(),
+    }
+    atomic_write(opts.out / "results.json", lambda p: p.write_text(json.dumps(results, indent=2) + "\n"))
+    finish_wandb(run)
 
 
 # ---------------------------------------------------------------------------- wandb
@@ -379,6 +415,8 @@ class Trainer:
     # Meta-losses and step time since the last log row: checkpointed, so a resumed run logs the same rows.
     window: list[float] = dataclasses.field(default_factory=list)
     step_time: float = 0.0
+    train_seconds: float = 0.0  # wall time of the training loop, summed over resumed runs
+    _began: float = dataclasses.field(default=0.0, repr=False)
 
     def state(self, iteration: int, generator: torch.Generator, cfg: Any, wandb_id: str | None) -> dict[str, Any]:
         return {
@@ -391,11 +429,12 @@ class Trainer:
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
             "history": self.history,
             "window": (self.window, self.step_time),
+            "train_seconds": self.train_seconds + time.perf_counter() - self._began,
             "wandb_id": wandb_id,
         }
 
-    def run(self, opts: RunOptions, cfg: Any, resumed: dict[str, Any] | None, run: Any) -> int:
-        """Trains from iteration 0 or from ``resumed``; returns the wall time spent here in seconds."""
+    def run(self, opts: RunOptions, cfg: Any, resumed: dict[str, Any] | None, run: Any) -> None:
+        """Trains from iteration 0 or from ``resumed``."""
         from tqdm import tqdm
 
         generator = torch.Generator().manual_seed(self.seed)
@@ -409,6 +448,7 @@ class Trainer:
                 torch.cuda.set_rng_state_all(resumed["cuda_rng"])
             self.history = resumed["history"]
             self.window, self.step_time = resumed["window"]
+            self.train_seconds = resumed["train_seconds"]
             start = resumed["iteration"]
         wandb_id = getattr(run, "id", None)
 
@@ -426,7 +466,7 @@ class Trainer:
             stop.append(signum)
 
         handlers = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-        began = time.perf_counter()
+        self._began = time.perf_counter()
         bar = tqdm(range(start, self.iterations), initial=start, total=self.iterations, desc="meta-train",
                    dynamic_ncols=True, mininterval=0.5, disable=None)  # fmt: skip
         try:
@@ -471,7 +511,7 @@ class Trainer:
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
             bar.close()
-        return int(time.perf_counter() - began)
+        self.train_seconds += time.perf_counter() - self._began
 
     def _inner_losses(self, out: maml.MetaOutput, batch: maml.TaskBatch) -> dict[str, float]:
         row = {"train/query_loss": float(out.query_losses.mean())}

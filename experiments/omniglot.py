@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,10 +27,6 @@ import tasks
 from experiments import common
 
 
-def _field(default: Any, help: str) -> Any:
-    return dataclasses.field(default=default, metadata={"help": help})
-
-
 # The paper's settings by number of ways: (inner steps, inner lr, meta-batch).
 PAPER = {5: (1, 0.4, 32), 20: (5, 0.1, 16)}
 
@@ -40,31 +35,31 @@ PAPER = {5: (1, 0.4, 32), 20: (5, 0.1, 16)}
 class OmniglotConfig:
     """Every hyperparameter of the Omniglot experiment (each is a flag and a YAML key)."""
 
-    data: str | None = _field(None, "Omniglot archives or folders (default: $OMNIGLOT_DIR)")
-    ways: int = _field(5, "classes per task (N)")
-    shots: int = _field(1, "support images per class (K)")
-    query: int = _field(15, "query images per class")
-    steps: int | None = _field(None, "inner steps in training (null: 1 for 5-way, 5 for 20-way)")
-    inner_lr: float | None = _field(None, "inner learning rate (null: 0.4 for 5-way, 0.1 for 20-way)")
-    meta_batch: int | None = _field(None, "tasks per meta-batch (null: 32 for 5-way, 16 for 20-way)")
-    iterations: int = _field(60_000, "meta-iterations")
-    meta_lr: float = _field(0.001, "Adam learning rate of the outer loop")
-    filters: int = _field(64, "filters in each of the 4 conv blocks")
-    rotations: bool = _field(True, "rotated training characters as extra classes")
-    split_by: str = _field("alphabet", "character, alphabet or archive")
-    split_fractions: tuple[float, ...] = _field((0.6, 0.15, 0.25), "train, validation, test shares")
-    split_seed: int = _field(0, "fixes the character split")
-    mode: str = _field("second_order", "second_order, first_order or checkpointed")
-    batching: str = _field("auto", "vmap, loop, or auto (loop on CPU, vmap on GPU)")
-    learn_inner_lr: str | None = _field(None, "null, scalar or per_parameter (Meta-SGD)")
-    seed: int = _field(0, "seeds the initialisation and the task sampler")
-    log_every: int = _field(50, "iterations between training logs")
-    val_every: int = _field(500, "iterations between validations")
-    val_tasks: int = _field(100, "fixed validation tasks")
-    checkpoint_every: int = _field(200, "iterations between checkpoints")
-    eval_tasks: int = _field(600, "test tasks in the final evaluation")
-    eval_steps: tuple[int, ...] = _field((3, 5), "inner steps of the final evaluation")
-    eval_chunk: int = _field(50, "test tasks per evaluation pass (bounds memory)")
+    data: str | None = common.field(None, "Omniglot archives or folders (default: $OMNIGLOT_DIR)")
+    ways: int = common.field(5, "classes per task (N)")
+    shots: int = common.field(1, "support images per class (K)")
+    query: int = common.field(15, "query images per class")
+    steps: int | None = common.field(None, "inner steps in training (null: 1 for 5-way, 5 for 20-way)")
+    inner_lr: float | None = common.field(None, "inner learning rate (null: 0.4 for 5-way, 0.1 for 20-way)")
+    meta_batch: int | None = common.field(None, "tasks per meta-batch (null: 32 for 5-way, 16 for 20-way)")
+    iterations: int = common.field(60_000, "meta-iterations")
+    meta_lr: float = common.field(0.001, "Adam learning rate of the outer loop")
+    filters: int = common.field(64, "filters in each of the 4 conv blocks")
+    rotations: bool = common.field(True, "rotated training characters as extra classes")
+    split_by: str = common.field("alphabet", "character, alphabet or archive")
+    split_fractions: tuple[float, ...] = common.field((0.6, 0.15, 0.25), "train, validation, test shares")
+    split_seed: int = common.field(0, "fixes the character split")
+    mode: str = common.field("second_order", "second_order, first_order or checkpointed")
+    batching: str = common.field("auto", "vmap, loop, or auto (loop on CPU, vmap on GPU)")
+    learn_inner_lr: str | None = common.field(None, "null, scalar or per_parameter (Meta-SGD)")
+    seed: int = common.field(0, "seeds the initialisation and the task sampler")
+    log_every: int = common.field(50, "iterations between training logs")
+    val_every: int = common.field(500, "iterations between validations")
+    val_tasks: int = common.field(100, "fixed validation tasks")
+    checkpoint_every: int = common.field(200, "iterations between checkpoints")
+    eval_tasks: int = common.field(600, "test tasks in the final evaluation")
+    eval_steps: tuple[int, ...] = common.field((3, 5), "inner steps of the final evaluation")
+    eval_chunk: int = common.field(50, "test tasks per evaluation pass (bounds memory)")
 
     def resolved(self) -> OmniglotConfig:
         """The config with the paper's per-ways defaults and the data path filled in."""
@@ -80,14 +75,13 @@ class OmniglotConfig:
 
 def validate_config(cfg: OmniglotConfig) -> None:
     """Raises ValueError naming the key for an invalid value."""
-    for key in ("ways", "shots", "query", "iterations", "filters", "log_every", "val_every", "val_tasks",
-                "checkpoint_every", "eval_tasks", "eval_chunk"):  # fmt: skip
-        if getattr(cfg, key) < 1:
-            raise ValueError(f"{key}={getattr(cfg, key)} must be >= 1.")
-    for key, choices in (("mode", maml.MODES), ("batching", ("auto", *maml.BATCHINGS)),
-                         ("learn_inner_lr", maml.LEARN_INNER_LR), ("split_by", tasks.SPLIT_BY)):  # fmt: skip
-        if getattr(cfg, key) not in choices:
-            raise ValueError(f"{key}={getattr(cfg, key)!r} is not one of {', '.join(map(repr, choices))}.")
+    common.check_config(
+        cfg,
+        positive=("ways", "shots", "query", "iterations", "filters", "log_every", "val_every", "val_tasks",
+                  "checkpoint_every", "eval_tasks", "eval_chunk"),
+        choices={"mode": maml.MODES, "batching": ("auto", *maml.BATCHINGS), "learn_inner_lr": maml.LEARN_INNER_LR,
+                 "split_by": tasks.SPLIT_BY},
+    )  # fmt: skip
     if cfg.steps is not None and cfg.steps < 0 or any(s < 0 for s in cfg.eval_steps):
         raise ValueError("steps and eval_steps must be >= 0.")
     if cfg.inner_lr is not None and not cfg.inner_lr > 0 or not cfg.meta_lr > 0:
@@ -181,7 +175,7 @@ def plot(out: Path, learner: maml.MetaLearner, sampler: tasks.FewShotSampler, cf
 
 
 def run(argv: Sequence[str] | None = None) -> None:
-    cfg, opts = common.parse_args(OmniglotConfig, argv, __doc__.split("\n\n")[0], validate_config)
+    cfg, opts = common.parse_args("omniglot", OmniglotConfig, argv, __doc__.split("\n\n")[0], validate_config)
     cfg = cfg.resolved()
     if cfg.data is None:
         raise common.UsageError("no data: pass --data PATH (Omniglot archives or folders) or set $OMNIGLOT_DIR.")
@@ -223,27 +217,12 @@ def run(argv: Sequence[str] | None = None) -> None:
         device=opts.device,
     )
     wandb_run = common.init_wandb(opts, cfg, f"omniglot-{cfg.ways}way-{cfg.shots}shot", resumed["wandb_id"] if resumed else None)
-    began = time.perf_counter()
-    train_seconds = trainer.run(opts, cfg, resumed, wandb_run)
+    trainer.run(opts, cfg, resumed, wandb_run)
     results = evaluate(learner, test, cfg, opts.device, seed=cfg.seed + 20_000)
-    for key, r in results.items():
-        wandb_run.summary[f"test/accuracy_{key}"] = r["accuracy"]
-        wandb_run.summary[f"test/accuracy_{key}_ci95"] = r["ci95"]
     plot(opts.out, learner, test, cfg, trainer.history, opts.device)
-    common.write_results(opts.out, {
-        "experiment": "omniglot",
-        "config": dataclasses.asdict(cfg),
-        "data": {"root": str(cfg.data), "characters": [len(p.characters) for p in splits],
-                 "alphabets": [p.alphabets for p in splits], "batching": batching},
-        "test": results,
-        "final_val": {k: v for k, v in (trainer.history[-1] if trainer.history else {}).items() if k.startswith("val/")},
-        "iterations": cfg.iterations,
-        "train_seconds_this_process": train_seconds,
-        "wall_seconds_this_process": round(time.perf_counter() - began, 1),
-        "device": str(opts.device),
-        **common.provenance(),
-    })  # fmt: skip
-    common.finish_wandb(wandb_run)
+    data = {"root": str(cfg.data), "characters": [len(p.characters) for p in splits],
+            "alphabets": [p.alphabets for p in splits], "batching": batching}  # fmt: skip
+    common.finish(opts, cfg, wandb_run, trainer, results, "accuracy", data=data)
     print(f"{cfg.ways}-way {cfg.shots}-shot test accuracy on {cfg.eval_tasks} tasks of held-out characters:")
     for key, r in results.items():
         print(f"  {r['steps']} steps: {100 * r['accuracy']:.2f} % +- {100 * r['ci95']:.2f} %")

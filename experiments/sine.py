@@ -11,7 +11,6 @@ Adam at 0.001), then evaluates on 600 fresh tasks at 1, 5 and 10 inner steps for
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -26,49 +25,44 @@ import tasks
 from experiments import common
 
 
-def _field(default: Any, help: str) -> Any:
-    return dataclasses.field(default=default, metadata={"help": help})
-
-
 @dataclasses.dataclass(frozen=True)
 class SineConfig:
     """Every hyperparameter of the sine experiment (each is a flag and a YAML key)."""
 
-    iterations: int = _field(70_000, "meta-iterations")
-    meta_batch: int = _field(25, "tasks per meta-batch")
-    shots: int = _field(10, "support points per training task (K)")
-    query: int = _field(10, "query points per training task")
-    inner_lr: float = _field(0.01, "inner SGD learning rate (initial value if learned)")
-    steps: int = _field(1, "inner steps in training")
-    meta_lr: float = _field(0.001, "Adam learning rate of the outer loop")
-    hidden: int = _field(40, "width of the two hidden layers")
-    init: str = _field("paper", "paper (weights ~ truncated normal, std 0.01; zero biases, as in Finn et al.'s code) or torch")
-    mode: str = _field("second_order", "second_order, first_order or checkpointed")
-    batching: str = _field("vmap", "vmap or loop")
-    learn_inner_lr: str | None = _field(None, "null, scalar or per_parameter (Meta-SGD)")
-    seed: int = _field(0, "seeds the initialisation and the task sampler")
-    log_every: int = _field(100, "iterations between training logs")
-    val_every: int = _field(1000, "iterations between validations")
-    val_tasks: int = _field(100, "fixed validation tasks (K = shots, steps = steps)")
-    checkpoint_every: int = _field(1000, "iterations between checkpoints")
-    eval_tasks: int = _field(600, "fresh test tasks in the final evaluation")
-    eval_shots: tuple[int, ...] = _field((5, 10, 20), "K values of the final evaluation")
-    eval_steps: tuple[int, ...] = _field((1, 5, 10), "inner steps of the final evaluation")
-    eval_query: int = _field(100, "query points per test task")
+    iterations: int = common.field(70_000, "meta-iterations")
+    meta_batch: int = common.field(25, "tasks per meta-batch")
+    shots: int = common.field(10, "support points per training task (K)")
+    query: int = common.field(10, "query points per training task")
+    inner_lr: float = common.field(0.01, "inner SGD learning rate (initial value if learned)")
+    steps: int = common.field(1, "inner steps in training")
+    meta_lr: float = common.field(0.001, "Adam learning rate of the outer loop")
+    hidden: int = common.field(40, "width of the two hidden layers")
+    init: str = common.field("paper", "paper (weights ~ truncated normal, std 0.01; zero biases, as in Finn et al.'s code) or torch")
+    mode: str = common.field("second_order", "second_order, first_order or checkpointed")
+    batching: str = common.field("vmap", "vmap or loop")
+    learn_inner_lr: str | None = common.field(None, "null, scalar or per_parameter (Meta-SGD)")
+    seed: int = common.field(0, "seeds the initialisation and the task sampler")
+    log_every: int = common.field(100, "iterations between training logs")
+    val_every: int = common.field(1000, "iterations between validations")
+    val_tasks: int = common.field(100, "fixed validation tasks (K = shots, steps = steps)")
+    checkpoint_every: int = common.field(1000, "iterations between checkpoints")
+    eval_tasks: int = common.field(600, "fresh test tasks in the final evaluation")
+    eval_shots: tuple[int, ...] = common.field((5, 10, 20), "K values of the final evaluation")
+    eval_steps: tuple[int, ...] = common.field((1, 5, 10), "inner steps of the final evaluation")
+    eval_query: int = common.field(100, "query points per test task")
 
 
 def validate_config(cfg: SineConfig) -> None:
     """Raises ValueError naming the key for an invalid value."""
-    for key in ("iterations", "meta_batch", "shots", "query", "hidden", "log_every", "val_every", "val_tasks",
-                "checkpoint_every", "eval_tasks", "eval_query"):  # fmt: skip
-        if getattr(cfg, key) < 1:
-            raise ValueError(f"{key}={getattr(cfg, key)} must be >= 1.")
+    common.check_config(
+        cfg,
+        positive=("iterations", "meta_batch", "shots", "query", "hidden", "log_every", "val_every", "val_tasks",
+                  "checkpoint_every", "eval_tasks", "eval_query"),
+        choices={"mode": maml.MODES, "batching": maml.BATCHINGS, "learn_inner_lr": maml.LEARN_INNER_LR,
+                 "init": ("paper", "torch")},
+    )  # fmt: skip
     if cfg.steps < 0 or any(s < 0 for s in cfg.eval_steps) or any(k < 1 for k in cfg.eval_shots):
         raise ValueError("steps and eval_steps must be >= 0 and eval_shots >= 1.")
-    for key, choices in (("mode", maml.MODES), ("batching", maml.BATCHINGS), ("learn_inner_lr", maml.LEARN_INNER_LR),
-                         ("init", ("paper", "torch"))):  # fmt: skip
-        if getattr(cfg, key) not in choices:
-            raise ValueError(f"{key}={getattr(cfg, key)!r} is not one of {', '.join(map(repr, choices))}.")
     if not cfg.inner_lr > 0 or not cfg.meta_lr > 0:
         raise ValueError("inner_lr and meta_lr must be > 0.")
 
@@ -99,8 +93,14 @@ def evaluate(learner: maml.MetaLearner, cfg: SineConfig, device: torch.device, s
         for steps in cfg.eval_steps:
             losses = learner.run(batch, steps=steps).query_losses
             mse, ci = common.mean_ci95(losses)
-            diverged = int((~losses.isfinite()).sum())
-            results[f"{shots}shot_{steps}step"] = {"mse": mse, "ci95": ci, "shots": shots, "steps": steps, "diverged_tasks": diverged}
+            results[f"{shots}shot_{steps}step"] = {
+                "mse": mse,
+                "ci95": ci,
+                "median": float(losses.median()),
+                "diverged_tasks": int((~losses.isfinite()).sum()),
+                "shots": shots,
+                "steps": steps,
+            }
     return results
 
 
@@ -147,7 +147,7 @@ def plot(out: Path, model: nn.Module, learner: maml.MetaLearner, history: list[d
 
 
 def run(argv: Sequence[str] | None = None) -> None:
-    cfg, opts = common.parse_args(SineConfig, argv, __doc__.split("\n\n")[0], validate_config)
+    cfg, opts = common.parse_args("sine", SineConfig, argv, __doc__.split("\n\n")[0], validate_config)
     resumed = common.prepare_out(opts, cfg)  # before writing anything
     opts.out.mkdir(parents=True, exist_ok=True)
     common.save_config(opts.out, cfg)
@@ -180,28 +180,13 @@ def run(argv: Sequence[str] | None = None) -> None:
         device=opts.device,
     )
     wandb_run = common.init_wandb(opts, cfg, "sine", resumed["wandb_id"] if resumed else None)
-    began = time.perf_counter()
-    train_seconds = trainer.run(opts, cfg, resumed, wandb_run)
+    trainer.run(opts, cfg, resumed, wandb_run)
     # Test-time adaptation may take more steps than training did; a task whose inner loop
     # diverges there is reported (as an infinite MSE and in diverged_tasks), not fatal.
     learner.check_finite = False
     results = evaluate(learner, cfg, opts.device, seed=cfg.seed + 20_000)
-    for key, r in results.items():
-        wandb_run.summary[f"test/mse_{key}"] = r["mse"]
-        wandb_run.summary[f"test/mse_{key}_ci95"] = r["ci95"]
     plot(opts.out, model, learner, trainer.history, opts.device)
-    common.write_results(opts.out, {
-        "experiment": "sine",
-        "config": dataclasses.asdict(cfg),
-        "test": results,
-        "final_val": {k: v for k, v in (trainer.history[-1] if trainer.history else {}).items() if k.startswith("val/")},
-        "iterations": cfg.iterations,
-        "train_seconds_this_process": train_seconds,
-        "wall_seconds_this_process": round(time.perf_counter() - began, 1),
-        "device": str(opts.device),
-        **common.provenance(),
-    })  # fmt: skip
-    common.finish_wandb(wandb_run)
+    common.finish(opts, cfg, wandb_run, trainer, results, "mse")
     print(_table(results, cfg))
 
 
@@ -212,6 +197,9 @@ def _table(results: dict[str, Any], cfg: SineConfig) -> str:
     for k in cfg.eval_shots:
         cells = (results[f"{k}shot_{s}step"] for s in cfg.eval_steps)
         lines.append(f"{k:<4}" + "".join(f"{c['mse']:>11.3f} +- {c['ci95']:.3f}" for c in cells))
+    diverged = [f"K={r['shots']} {r['steps']} steps: {r['diverged_tasks']}" for r in results.values() if r["diverged_tasks"]]
+    if diverged:
+        lines.append("tasks whose inner loop diverged (infinite or NaN loss): " + ", ".join(diverged))
     return "\n".join(lines)
 
 

@@ -69,6 +69,7 @@ def test_sine_end_to_end(tmp_path):
     assert "test MSE on 20 tasks" in printed
 
     results = json.loads((out / "results.json").read_text())
+    assert results["experiment"] == "sine" and results["train_seconds"] > 0
     assert set(results["test"]) == {f"{k}shot_{s}step" for k in (5, 10, 20) for s in (1, 5, 10)}
     assert all(r["mse"] > 0 and r["ci95"] > 0 for r in results["test"].values())
     assert results["versions"]["torch"] == torch.__version__.split("+")[0] or results["versions"]["torch"]
@@ -91,6 +92,7 @@ def test_omniglot_end_to_end(tmp_path):
     assert "5-way 1-shot test accuracy on 6 tasks" in printed
 
     results = json.loads((out / "results.json").read_text())
+    assert results["experiment"] == "omniglot"
     assert set(results["test"]) == {"3step", "5step"}
     assert all(0 <= r["accuracy"] <= 1 and r["tasks"] == 6 for r in results["test"].values())
     chars = results["data"]["characters"]
@@ -167,10 +169,12 @@ def test_unknown_config_key_and_wrong_types(capsys, tmp_path):
 def test_config_file_and_flags_combine(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text("inner-lr: 0.05\niterations: 7\neval_shots: [5]\n")
-    cfg, opts = common.parse_args(sine.SineConfig, ["--config", str(config), "--iterations=9", "--out", str(tmp_path)],
+    cfg, opts = common.parse_args("sine", sine.SineConfig, ["--config", str(config), "--iterations=9", "--out", str(tmp_path)],
                                   "", sine.validate_config)  # fmt: skip
     assert (cfg.inner_lr, cfg.iterations, cfg.eval_shots, cfg.meta_batch) == (0.05, 9, (5,), 25)
     assert opts.out == tmp_path and opts.config_file == config
+    _, opts = common.parse_args("sine", sine.SineConfig, [], "", sine.validate_config)
+    assert opts.out == Path("runs") / "sine"
 
 
 def test_output_folder_holding_another_run_is_refused(capsys, tmp_path):
