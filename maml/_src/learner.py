@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -65,12 +64,16 @@ class MetaLearner:
             fast weights and recomputes the rest in the backward pass).
         batching: ``"vmap"`` (tasks as one batched forward pass) or ``"loop"``; both give the
             same meta-gradients.
-        chunk_size: with ``"vmap"``, batch at most this many tasks at a time (bounds memory).
+        chunk_size: tasks processed together: with ``"vmap"``, at most this many tasks per
+            batched call; with ``"checkpointed"``, per recomputation in the backward pass, so
+            ``chunk_size=1`` holds one task's activations at a time (the least memory).
         learn_inner_lr: ``None`` (fixed), ``"scalar"`` (one learnable rate) or
             ``"per_parameter"`` (Meta-SGD: a learnable rate tensor shaped like each parameter).
             Learnable rates are in :meth:`parameters` and receive meta-gradients.
-        checkpoint_every: with ``"checkpointed"``, inner steps per recomputed segment
-            (default ``ceil(sqrt(steps))``).
+        checkpoint_every: with ``"checkpointed"``, inner steps per recomputed segment. Every
+            step is recomputed exactly once whatever this is, so the default 1 (keep every
+            parameter-sized iterate, hold one step's activations) uses the least memory unless
+            the parameters outweigh a step's activations; raise it to keep fewer iterates.
         check_finite: raise if an inner loss is NaN/Inf, naming the task and step (costs one
             device synchronisation per inner step).
     """
@@ -100,8 +103,10 @@ class MetaLearner:
         checks.one_of("learn_inner_lr", learn_inner_lr, LEARN_INNER_LR)
         checks.integer("chunk_size", chunk_size, 1, optional=True)
         checks.integer("checkpoint_every", checkpoint_every, 1, optional=True)
-        if chunk_size is not None and batching != "vmap":
-            raise ValueError(f"chunk_size={chunk_size} only applies to batching='vmap'; drop it or use vmap.")
+        if chunk_size is not None and batching != "vmap" and mode != "checkpointed":
+            raise ValueError(
+                f"chunk_size={chunk_size} only applies to batching='vmap' or mode='checkpointed'; drop it."
+            )
         if checkpoint_every is not None and mode != "checkpointed":
             raise ValueError(
                 f"checkpoint_every={checkpoint_every} only applies to mode='checkpointed' (mode is {mode!r})."
@@ -118,7 +123,7 @@ class MetaLearner:
         self.batching = batching
         self.chunk_size = chunk_size
         self.learn_inner_lr = learn_inner_lr
-        self.checkpoint_every = checkpoint_every
+        self.checkpoint_every = checkpoint_every or 1
         self.check_finite = check_finite
         self._names = {name for name, _ in model.named_parameters()}
         self._adapted = adapted
@@ -175,6 +180,8 @@ class MetaLearner:
         if not isinstance(batch, TaskBatch):
             raise TypeError(f"batch must be a maml.TaskBatch, got {type(batch).__name__}.")
         params, consts = self._split(params, batch.support_x, batch.query_x)
+        if self.mode == "checkpointed" and torch.is_grad_enabled():
+            return self._run_checkpointed(params, consts, batch, steps)
         fast, support_losses = self._adapt(params, consts, batch.support_x, batch.support_y, steps)
         query_losses, query_out = self._forward(fast, consts, batch.query_x, batch.query_y)
         return MetaOutput(
@@ -294,7 +301,7 @@ class MetaLearner:
         if steps is None:
             steps = self.steps
         checks.integer("steps", steps, 0)
-        every = self.checkpoint_every or max(1, math.ceil(math.sqrt(steps)))
+        every = self.checkpoint_every
         tasks = x.shape[0]
         rates = self.inner_lrs
         mode = self.mode
@@ -319,6 +326,48 @@ class MetaLearner:
             fast = {k: v.detach() for k, v in fast.items()}
         support_losses = torch.stack(losses) if losses else x.new_zeros((0, tasks), dtype=torch.float32)
         return fast, support_losses
+
+    def _run_checkpointed(self, params: Params, consts: Params, batch: TaskBatch, steps: int | None) -> MetaOutput:
+        """The checkpointed meta-loss, one chunk of tasks at a time.
+
+        Each chunk's inner steps and its query loss are checkpointed segments, so the forward
+        pass keeps only parameter-sized iterates and the backward pass recomputes one segment of
+        one chunk at a time: peak memory is the iterates plus one chunk's step (or query) activations.
+        """
+        tasks = batch.num_tasks
+        size = self.chunk_size or tasks
+        losses, outs, support, fast = [], [], [], []
+        for lo in range(0, tasks, size):
+            chunk = batch[lo : lo + size]
+            f, s = self._adapt(params, consts, chunk.support_x, chunk.support_y, steps)
+            loss, out = self._checkpointed_query(f, consts, chunk.query_x, chunk.query_y)
+            losses.append(loss)
+            outs.append(out)
+            support.append(s)
+            fast.append(f)
+        query_losses = torch.cat(losses)
+        return MetaOutput(
+            loss=query_losses.mean(),
+            query_losses=query_losses.detach(),
+            query_out=torch.cat(outs),
+            support_losses=torch.cat(support, dim=1),
+            fast={k: torch.cat([f[k] for f in fast]) for k in params},
+        )
+
+    def _checkpointed_query(self, fast: Params, consts: Params, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        """``(T,)`` query losses at ``fast`` whose activations are recomputed in the backward pass, and the outputs."""
+        names = list(fast)
+        outputs: list[Tensor] = []
+
+        def run(fast_values: list[Tensor], rate_values: list[Tensor], replay: bool) -> tuple[Tensor, ...]:
+            with torch.set_grad_enabled(replay):
+                losses, out = self._forward(dict(zip(names, fast_values)), consts, x, y)
+            if not replay:
+                outputs.append(out)
+            return (losses,)
+
+        (losses,) = checkpointed_segment(run, [fast[n] for n in names], [])
+        return losses, outputs[0]
 
     def _step(
         self,
