@@ -94,7 +94,7 @@ def test_adapt_examples_and_targets_differ(mlp):
     [
         ({"mode": "second-order"}, ValueError, "mode='second-order' is not supported (did you mean 'second_order'?); choose one of 'second_order', 'first_order', 'checkpointed'."),
         ({"mode": "fomaml"}, ValueError, "mode='fomaml' is not supported; choose one of"),
-        ({"batching": "vmapp"}, ValueError, "batching='vmapp' is not supported (did you mean 'vmap'?); choose one of 'vmap', 'loop'."),
+        ({"batching": "vmapp"}, ValueError, "batching='vmapp' is not supported (did you mean 'vmap'?); choose one of 'auto', 'vmap', 'loop'."),
         ({"steps": -1}, ValueError, "steps=-1 is out of range; it must be >= 0."),
         ({"steps": 1.5}, TypeError, "steps must be an int, got 1.5 (float)."),
         ({"inner_lr": -0.1}, ValueError, "inner_lr=-0.1 is out of range; it must be a finite number > 0."),

@@ -166,3 +166,17 @@ def test_steps_per_call_overrides_the_learners_steps(mode):
 def flat_grad_at(learner: maml.MetaLearner, batch: maml.TaskBatch, steps: int) -> torch.Tensor:
     grads = torch.autograd.grad(learner.run(batch, steps=steps).loss, list(learner.parameters()))
     return torch.cat([g.flatten() for g in grads])
+
+
+def test_auto_batching_loops_over_convolutions_on_the_cpu_and_vmaps_the_rest():
+    conv, batch, loss_fn = make("conv_groupnorm")
+    mlp, _, mse = make("mlp")
+    assert maml.MetaLearner(conv, loss_fn, inner_lr=0.1).resolved_batching == "loop"
+    assert maml.MetaLearner(mlp, mse, inner_lr=0.1).resolved_batching == "vmap"
+    for batching in ("vmap", "loop"):
+        assert maml.MetaLearner(conv, loss_fn, inner_lr=0.1, batching=batching).resolved_batching == batching
+    # "auto" is one of the two exact code paths, so it gives their meta-gradient.
+    auto = maml.MetaLearner(conv, loss_fn, inner_lr=0.1, steps=2)
+    vmap = maml.MetaLearner(conv, loss_fn, inner_lr=0.1, steps=2, batching="vmap")
+    assert torch.allclose(flat_grad(auto, batch), flat_grad(vmap, batch), rtol=1e-10, atol=1e-13)
+    assert maml.MetaLearner(conv, loss_fn, inner_lr=0.1, chunk_size=2).resolved_batching == "vmap"

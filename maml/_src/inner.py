@@ -19,7 +19,21 @@ from torch.func import functional_call
 Params = dict[str, Tensor]
 LossFn = Callable[[Tensor, Tensor], Tensor]
 Rates = Mapping[str, float | Tensor]
-Batching = Literal["vmap", "loop"]
+Batching = Literal["auto", "vmap", "loop"]
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+
+
+def choose_batching(model: nn.Module, device: torch.device) -> str:
+    """The faster task batching for ``model`` on ``device``: ``"vmap"`` or ``"loop"``.
+
+    Measured with ``benchmarks/speed.py``: under ``vmap`` a convolution with per-task weights
+    becomes one grouped convolution, which the CPU kernels run 2-2.5x slower than a per-task
+    loop of ordinary convolutions (Omniglot conv net); everything else (linear layers, any
+    layer on a GPU) is faster as one batched call (sine MLP: about 5x over the loop on the CPU).
+    """
+    if device.type == "cpu" and any(isinstance(m, _CONVS) for m in model.modules()):
+        return "loop"
+    return "vmap"
 
 
 class TaskForward:
@@ -29,7 +43,7 @@ class TaskForward:
         model: the network; only its structure is used, its parameters are never read here.
         loss_fn: ``loss_fn(output, y) -> scalar`` for one task's examples.
         batching: ``"vmap"`` runs all tasks as one batched forward pass, ``"loop"`` runs
-            them one after another.
+            them one after another, ``"auto"`` picks one by model and device (:func:`choose_batching`).
         chunk_size: with ``"vmap"``, at most this many tasks per batched call (``None``: all).
     """
 
@@ -37,10 +51,16 @@ class TaskForward:
         self.model = model
         self.loss_fn = loss_fn
         self.batching = batching
-        # randomness="different": dropout draws independent masks for every task, as a loop would.
-        self._vmapped = torch.func.vmap(
-            self._one, in_dims=(0, None, 0, 0), randomness="different", chunk_size=chunk_size
-        )
+        self.chunk_size = chunk_size
+        self._chosen: dict[torch.device, str] = {}
+
+    def resolve(self, device: torch.device) -> str:
+        """The batching used for tensors on ``device``: ``"vmap"`` or ``"loop"``."""
+        if self.batching != "auto":
+            return self.batching
+        if device not in self._chosen:
+            self._chosen[device] = choose_batching(self.model, device)
+        return self._chosen[device]
 
     def _one(self, fast: Params, consts: Params, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
         """One task: ``x (n, *x_shape)``, ``y (n, *y_shape)`` -> loss ``()``, output ``(n, ...)``."""
@@ -67,8 +87,16 @@ class TaskForward:
         Returns:
             ``(T,)`` losses and ``(T, n, ...)`` model outputs.
         """
-        if self.batching == "vmap":
-            return self._vmapped(fast, consts, x, y)
+        if self.resolve(x.device) == "vmap":
+            names = tuple(fast)
+
+            # Only tensors cross the vmap boundary (a tuple, not dicts): fewer pytree passes per call.
+            def one(values: tuple[Tensor, ...], xt: Tensor, yt: Tensor) -> tuple[Tensor, Tensor]:
+                return self._one(dict(zip(names, values)), consts, xt, yt)
+
+            # randomness="different": dropout draws independent masks for every task, as a loop would.
+            batched = torch.func.vmap(one, randomness="different", chunk_size=self.chunk_size)
+            return batched(tuple(fast.values()), x, y)
         # unbind has one backward node that stacks the task gradients; indexing p[t] would
         # build T full-size zero tensors per parameter in the backward pass.
         per_task = [dict(zip(fast, values)) for values in zip(*(v.unbind(0) for v in fast.values()))]

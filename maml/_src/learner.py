@@ -15,11 +15,11 @@ from .checkpoint import checkpointed_segment
 from .inner import LossFn, Params, TaskForward, check_finite, sgd_step
 
 Mode = Literal["second_order", "first_order", "checkpointed"]
-Batching = Literal["vmap", "loop"]
+Batching = Literal["auto", "vmap", "loop"]
 LearnInnerLr = Literal["scalar", "per_parameter"] | None
 
 MODES: tuple[str, ...] = ("second_order", "first_order", "checkpointed")
-BATCHINGS: tuple[str, ...] = ("vmap", "loop")
+BATCHINGS: tuple[str, ...] = ("auto", "vmap", "loop")
 LEARN_INNER_LR: tuple[str | None, ...] = (None, "scalar", "per_parameter")
 
 
@@ -62,8 +62,11 @@ class MetaLearner:
         mode: ``"second_order"`` (exact), ``"first_order"`` (FOMAML: inner gradients are
             constants) or ``"checkpointed"`` (exact, keeps only every ``checkpoint_every``-th
             fast weights and recomputes the rest in the backward pass).
-        batching: ``"vmap"`` (tasks as one batched forward pass) or ``"loop"``; both give the
-            same meta-gradients.
+        batching: ``"vmap"`` (tasks as one batched forward pass), ``"loop"`` (one task after
+            another) or ``"auto"``: ``"loop"`` for a model with convolutions on the CPU (where
+            ``vmap`` turns them into slow grouped convolutions), else ``"vmap"``; with a
+            ``chunk_size`` outside the checkpointed mode, chunked ``"vmap"``. All give the same
+            meta-gradients.
         chunk_size: tasks processed together: with ``"vmap"``, at most this many tasks per
             batched call; with ``"checkpointed"``, per recomputation in the backward pass, so
             ``chunk_size=1`` holds one task's activations at a time (the least memory).
@@ -86,7 +89,7 @@ class MetaLearner:
         steps: int = 1,
         *,
         mode: Mode = "second_order",
-        batching: Batching = "vmap",
+        batching: Batching = "auto",
         chunk_size: int | None = None,
         learn_inner_lr: LearnInnerLr = None,
         checkpoint_every: int | None = None,
@@ -103,7 +106,7 @@ class MetaLearner:
         checks.one_of("learn_inner_lr", learn_inner_lr, LEARN_INNER_LR)
         checks.integer("chunk_size", chunk_size, 1, optional=True)
         checks.integer("checkpoint_every", checkpoint_every, 1, optional=True)
-        if chunk_size is not None and batching != "vmap" and mode != "checkpointed":
+        if chunk_size is not None and batching == "loop" and mode != "checkpointed":
             raise ValueError(
                 f"chunk_size={chunk_size} only applies to batching='vmap' or mode='checkpointed'; drop it."
             )
@@ -128,7 +131,9 @@ class MetaLearner:
         self._names = {name for name, _ in model.named_parameters()}
         self._adapted = adapted
         self._integer_inputs = any(isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for m in model.modules())
-        self._forward = TaskForward(model, loss_fn, batching, chunk_size)
+        # A chunk_size outside the checkpointed mode asks for chunked vmap, so "auto" honours it.
+        chunked = chunk_size is not None and mode != "checkpointed"
+        self._forward = TaskForward(model, loss_fn, "vmap" if batching == "auto" and chunked else batching, chunk_size)
 
         # Learnable rates, keyed "inner_lr" (scalar) or by parameter name (per_parameter).
         self.rate_parameters: dict[str, nn.Parameter] = {}
@@ -146,6 +151,11 @@ class MetaLearner:
         """The meta-parameters: the model's parameters, then the learnable inner rates."""
         yield from self.model.parameters()
         yield from self.rate_parameters.values()
+
+    @property
+    def resolved_batching(self) -> str:
+        """The batching used on the model's current device: ``"vmap"`` or ``"loop"`` (resolves ``"auto"``)."""
+        return self._forward.resolve(next(self.model.parameters()).device)
 
     @property
     def inner_lrs(self) -> dict[str, float | Tensor]:

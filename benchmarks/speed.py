@@ -1,0 +1,315 @@
+"""How fast is one meta-training step, against learn2learn, higher and a plain loop? Prints tables.
+
+    .venv/bin/python -m benchmarks.speed                       # every workload on the CPU (~10 min, 2 cores)
+    .venv/bin/python -m benchmarks.speed --workloads sine1 sine5 --repeats 50
+    .venv/bin/python -m benchmarks.speed --device cuda         # CUDA events instead of wall clocks
+
+One meta-training step is: zero the gradients, the meta-loss over the meta-batch, its backward
+pass, and an Adam step. Timed for this engine (every mode and batching, and ``batching="auto"``,
+the engine's own choice), learn2learn's ``MAML`` (second and first order), higher's
+``innerloop_ctx`` with SGD, and a plain per-task loop over ``torch.func.functional_call`` with
+``torch.autograd.grad(create_graph=True)``. All start from the same weights, run in this one
+process and are interleaved: every repetition times every method once, after warm-up, so a
+change in machine load hits all of them alike. Each table gives the median and the spread
+(fastest..slowest repetition), the speed-up over learn2learn (second order; first-order methods
+against learn2learn's first order), the floating-point operations of a step counted with
+``torch.utils.flop_counter.FlopCounterMode`` over the median time, against the machine's measured
+peak for a large float32 matrix product, and the largest relative difference of the
+meta-gradient from learn2learn's, computed from the same weights before timing.
+
+Workloads, on the real task distributions (Omniglot: $OMNIGLOT_DIR, else ../shared/data/omniglot):
+    sine1, sine5     the 1-40-40-1 ReLU MLP, meta-batch 25, 10 support and 10 query points, 1 / 5 inner steps
+    omniglot5        the MAML conv net (4 x 64 3x3 filters, BatchNorm, ReLU, max-pool), 5-way 1-shot,
+                     15 query per class, meta-batch 32, 1 inner step (lr 0.4)
+    omniglot20       20-way 1-shot, 15 query per class, meta-batch 16, 5 inner steps (lr 0.1)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import os
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if __package__ in (None, ""):  # run as a file: make the repository's packages importable
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import Tensor, nn  # noqa: E402
+from torch.func import functional_call  # noqa: E402
+from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
+
+import maml  # noqa: E402
+import tasks  # noqa: E402
+from benchmarks.sampling import omniglot_net, sine_net  # noqa: E402
+
+with warnings.catch_warnings():  # gym, imported by learn2learn, warns about its own deprecation
+    warnings.simplefilter("ignore")
+    import higher
+    import learn2learn as l2l
+
+LossFn = Callable[[Tensor, Tensor], Tensor]
+# backward(batch) leaves the meta-gradient in .grad of the meta-parameters it was built with.
+Backward = Callable[[maml.TaskBatch], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    name: str
+    net: Callable[[], nn.Module]
+    sample: Callable[[torch.Generator], maml.TaskBatch]
+    loss_fn: LossFn
+    inner_lr: float
+    steps: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    name: str
+    first_order: bool
+    # build(model, workload) -> (meta-parameters, backward)
+    build: Callable[[nn.Module, Workload], tuple[list[Tensor], Backward]]
+
+
+def workloads(data: Path, device: torch.device) -> dict[str, Workload]:
+    sine = tasks.Sine()
+
+    def sine_batch(g: torch.Generator) -> maml.TaskBatch:
+        return sine.sample(25, shots=10, query=10, generator=g, device=device)
+
+    def omniglot(ways: int, meta_batch: int) -> Callable[[torch.Generator], maml.TaskBatch]:
+        sampler = tasks.Omniglot(data).sampler(ways=ways, shots=1, query=15)
+        return lambda g: sampler.sample(meta_batch, g, device=device)
+
+    return {
+        "sine1": Workload("sine MLP, 25 tasks, 10-shot, 1 step", sine_net, sine_batch, F.mse_loss, 0.01, 1),
+        "sine5": Workload("sine MLP, 25 tasks, 10-shot, 5 steps", sine_net, sine_batch, F.mse_loss, 0.01, 5),
+        "omniglot5": Workload(
+            "Omniglot conv net, 32 tasks, 5-way 1-shot, 1 step", lambda: omniglot_net(5), omniglot(5, 32),
+            F.cross_entropy, 0.4, 1,
+        ),
+        "omniglot20": Workload(
+            "Omniglot conv net, 16 tasks, 20-way 1-shot, 5 steps", lambda: omniglot_net(20), omniglot(20, 16),
+            F.cross_entropy, 0.1, 5,
+        ),
+    }  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- the methods
+
+
+def engine(mode: str, batching: str) -> Method:
+    def build(model: nn.Module, wl: Workload) -> tuple[list[Tensor], Backward]:
+        learner = maml.MetaLearner(model, wl.loss_fn, inner_lr=wl.inner_lr, steps=wl.steps, mode=mode, batching=batching)
+        return list(learner.parameters()), lambda batch: learner.meta_loss(batch).backward()
+
+    return Method(f"maml {mode} {batching}", mode == "first_order", build)
+
+
+def learn2learn(first_order: bool) -> Method:
+    def build(model: nn.Module, wl: Workload) -> tuple[list[Tensor], Backward]:
+        meta = l2l.algorithms.MAML(model, lr=wl.inner_lr, first_order=first_order)
+
+        def backward(batch: maml.TaskBatch) -> None:
+            for sx, sy, qx, qy in zip(batch.support_x, batch.support_y, batch.query_x, batch.query_y):
+                learner = meta.clone()
+                for _ in range(wl.steps):
+                    learner.adapt(wl.loss_fn(learner(sx), sy))
+                (wl.loss_fn(learner(qx), qy) / batch.num_tasks).backward()
+
+        return list(meta.parameters()), backward
+
+    return Method("learn2learn MAML" + (" first-order" if first_order else ""), first_order, build)
+
+
+def higher_sgd() -> Method:
+    def build(model: nn.Module, wl: Workload) -> tuple[list[Tensor], Backward]:
+        inner_opt = torch.optim.SGD(model.parameters(), lr=wl.inner_lr)
+
+        def backward(batch: maml.TaskBatch) -> None:
+            for sx, sy, qx, qy in zip(batch.support_x, batch.support_y, batch.query_x, batch.query_y):
+                with higher.innerloop_ctx(model, inner_opt, copy_initial_weights=False) as (fmodel, diffopt):
+                    for _ in range(wl.steps):
+                        diffopt.step(wl.loss_fn(fmodel(sx), sy))
+                    (wl.loss_fn(fmodel(qx), qy) / batch.num_tasks).backward()
+
+        return list(model.parameters()), backward
+
+    return Method("higher innerloop_ctx", False, build)
+
+
+def plain_loop() -> Method:
+    """What one writes by hand: a per-task loop, functional_call and autograd.grad(create_graph=True)."""
+
+    def build(model: nn.Module, wl: Workload) -> tuple[list[Tensor], Backward]:
+        def backward(batch: maml.TaskBatch) -> None:
+            params = dict(model.named_parameters())
+            for sx, sy, qx, qy in zip(batch.support_x, batch.support_y, batch.query_x, batch.query_y):
+                fast = params
+                for _ in range(wl.steps):
+                    loss = wl.loss_fn(functional_call(model, fast, (sx,)), sy)
+                    grads = torch.autograd.grad(loss, list(fast.values()), create_graph=True)
+                    fast = {k: v - wl.inner_lr * g for (k, v), g in zip(fast.items(), grads)}
+                (wl.loss_fn(functional_call(model, fast, (qx,)), qy) / batch.num_tasks).backward()
+
+        return list(model.parameters()), backward
+
+    return Method("plain loop, autograd.grad", False, build)
+
+
+METHODS: list[Method] = [
+    *(engine(mode, batching) for mode in maml.MODES for batching in ("auto", "vmap", "loop")),
+    learn2learn(first_order=False),
+    learn2learn(first_order=True),
+    higher_sgd(),
+    plain_loop(),
+]
+REFERENCE = {False: "learn2learn MAML", True: "learn2learn MAML first-order"}
+
+
+# ---------------------------------------------------------------------------- measuring
+
+
+class Clock:
+    """Wall time on the CPU; CUDA events (no host-side stall between marks) on a GPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def time(self, fn: Callable[[], None]) -> float:
+        if not self.cuda:
+            start = time.perf_counter()
+            fn()
+            return time.perf_counter() - start
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        begin.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        return begin.elapsed_time(end) / 1e3
+
+
+def peak_flops(device: torch.device, clock: Clock, n: int = 4096) -> float:
+    """The machine's float32 matrix-product rate (FLOP/s): the best of a few n x n products."""
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    a @ b
+    return 2 * n**3 / min(clock.time(lambda: a @ b) for _ in range(5))
+
+
+def relative_difference(got: list[Tensor], expected: list[Tensor]) -> float:
+    flat = torch.cat([g.flatten() for g in got]).double()
+    ref = torch.cat([e.flatten() for e in expected]).double()
+    return float((flat - ref).abs().max() / ref.abs().max())
+
+
+def run_workload(wl: Workload, methods: list[Method], device: torch.device, repeats: int, warmup: int,
+                 clock: Clock, peak: float) -> list[dict[str, object]]:  # fmt: skip
+    torch.manual_seed(0)
+    base = wl.net().to(device)
+    batches = [wl.sample(torch.Generator().manual_seed(i)) for i in range(warmup + repeats)]
+
+    steps: dict[str, Callable[[maml.TaskBatch], None]] = {}
+    grads: dict[str, list[Tensor]] = {}
+    flops: dict[str, int] = {}
+    for method in methods:
+        model = copy.deepcopy(base)
+        params, backward = method.build(model, wl)
+        # The meta-gradient from the shared initial weights, for the agreement column.
+        backward(batches[0])
+        grads[method.name] = [p.grad.detach().clone() for p in model.parameters()]
+        for p in params:
+            p.grad = None
+        counter = FlopCounterMode(display=False)
+        with counter:
+            backward(batches[0])
+        flops[method.name] = counter.get_total_flops()
+        optimizer = torch.optim.Adam(params, lr=1e-3)
+
+        def step(batch: maml.TaskBatch, backward: Backward = backward, optimizer: torch.optim.Optimizer = optimizer) -> None:
+            optimizer.zero_grad(set_to_none=True)
+            backward(batch)
+            optimizer.step()
+
+        steps[method.name] = step
+
+    times: dict[str, list[float]] = {m.name: [] for m in methods}
+    for i, batch in enumerate(batches):
+        for method in methods:  # interleaved: every repetition times every method once
+            seconds = clock.time(lambda: steps[method.name](batch))
+            if i >= warmup:
+                times[method.name].append(seconds)
+
+    rows = []
+    for method in methods:
+        median = statistics.median(times[method.name])
+        ref = REFERENCE[method.first_order]
+        rows.append({
+            "method": method.name,
+            "median": median,
+            "min": min(times[method.name]),
+            "max": max(times[method.name]),
+            "speedup": statistics.median(times[ref]) / median if ref in times else float("nan"),
+            "gflops": flops[method.name] / 1e9,
+            "rate": flops[method.name] / median,
+            "peak_fraction": flops[method.name] / median / peak,
+            "grad_diff": relative_difference(grads[method.name], grads[ref]) if ref in grads else float("nan"),
+        })  # fmt: skip
+    return rows
+
+
+def print_table(title: str, rows: list[dict[str, object]], repeats: int) -> None:
+    print(f"\n{title}  (median of {repeats}; spread = fastest..slowest)")
+    head = (f"| {'method':<28} | {'median':>10} | {'spread':>19} | {'vs learn2learn':>14} | {'GFLOP':>7} "
+            f"| {'GFLOP/s':>7} | {'% of peak':>9} | {'grad rel. diff':>14} |")  # fmt: skip
+    print(head)
+    print("|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|")
+    for r in rows:
+        print(f"| {r['method']:<28} | {fmt_time(r['median']):>10} | "
+              f"{fmt_time(r['min']) + '..' + fmt_time(r['max']).strip():>19} | {r['speedup']:>13.2f}x | "
+              f"{r['gflops']:>7.2f} | {r['rate'] / 1e9:>7.1f} | {100 * r['peak_fraction']:>8.1f}% | "
+              f"{r['grad_diff']:>14.1e} |")  # fmt: skip
+
+
+def fmt_time(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms" if seconds < 1 else f"{seconds:.3f} s"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    default_data = os.environ.get("OMNIGLOT_DIR") or str(REPO.parent / "shared" / "data" / "omniglot")
+    parser.add_argument("--data", default=default_data, help="Omniglot archives or folders (default: %(default)s)")
+    parser.add_argument("--device", default="cpu", help="default: %(default)s")
+    parser.add_argument("--workloads", nargs="+", default=["sine1", "sine5", "omniglot5", "omniglot20"])
+    parser.add_argument("--methods", nargs="+", help="substrings of method names to keep (default: all)")
+    parser.add_argument("--repeats", type=int, help="timed steps per method (default: 30 for sine, 5 for Omniglot)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per method first (default: %(default)s)")
+    args = parser.parse_args(argv)
+
+    device = torch.device(args.device)
+    clock = Clock(device)
+    peak = peak_flops(device, clock)
+    threads = torch.get_num_threads()
+    print(f"device: {device}, torch {torch.__version__}, {threads} CPU threads, "
+          f"measured float32 matmul peak {peak / 1e9:.0f} GFLOP/s")  # fmt: skip
+    all_workloads = workloads(Path(args.data), device)
+    methods = [m for m in METHODS if not args.methods or any(s in m.name for s in args.methods)]
+    for key in args.workloads:
+        wl = all_workloads[key]
+        repeats = args.repeats or (30 if key.startswith("sine") else 5)
+        chosen = maml.MetaLearner(wl.net().to(device), wl.loss_fn, inner_lr=wl.inner_lr).resolved_batching
+        print_table(f"{key}: {wl.name}; batching='auto' picks {chosen!r}",
+                    run_workload(wl, methods, device, repeats, args.warmup, clock, peak), repeats)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
