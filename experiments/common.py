@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import yaml
 from torch import Tensor
 
@@ -39,7 +40,11 @@ class UsageError(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class RunOptions:
-    """How to run, as opposed to what to train (the experiment's config dataclass)."""
+    """How to run, as opposed to what to train (the experiment's config dataclass).
+
+    Under ``torchrun``, ``rank`` and ``world_size`` place this process among the ones that
+    share each meta-batch, and ``device`` is its own (``cuda:LOCAL_RANK`` for ``--device cuda``).
+    """
 
     experiment: str
     out: Path
@@ -48,6 +53,13 @@ class RunOptions:
     wandb: str
     device: torch.device
     config_file: Path | None
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def main(self) -> bool:
+        """Whether this process is rank 0, the one that logs and writes under ``--out``."""
+        return self.rank == 0
 
 
 def field(default: Any, help: str) -> Any:
@@ -220,7 +232,9 @@ def parse_args(
         raise UsageError(f"--device {args.device!r} is not a torch device; use cpu, cuda or cuda:N.") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device {args.device}: CUDA is not available on this machine; use --device cpu.")
-    return cfg, RunOptions(experiment, args.out, args.resume, args.overwrite, args.wandb or default_wandb_mode(), device, args.config)
+    device, rank, world_size = join_processes(device)
+    return cfg, RunOptions(experiment, args.out, args.resume, args.overwrite, args.wandb or default_wandb_mode(), device,
+                           args.config, rank, world_size)  # fmt: skip
 
 
 def default_wandb_mode() -> str:
@@ -236,16 +250,98 @@ def default_wandb_mode() -> str:
         return "offline"
 
 
+# ---------------------------------------------------------------------------- several processes (torchrun)
+
+
+def join_processes(device: torch.device) -> tuple[torch.device, int, int]:
+    """Under ``torchrun``, joins its process group; returns this process's device, rank and world size.
+
+    torchrun (or any launcher of ``init_method="env://"``) sets RANK, WORLD_SIZE, LOCAL_RANK,
+    MASTER_ADDR and MASTER_PORT; without them this is the only process: ``(device, 0, 1)``.
+    The backend is gloo on CPU and NCCL on GPUs, each process on the GPU ``cuda:LOCAL_RANK``.
+
+    Raises:
+        UsageError: a device that the backends cannot serve, a GPU index that several
+            processes of this machine would share, or fewer GPUs than processes.
+    """
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return device, 0, 1
+    if not dist.is_available():
+        raise UsageError("this PyTorch build has no torch.distributed; run the script without torchrun.")
+    if device.type == "cuda":
+        local_rank, local_size = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        if device.index is not None and local_size > 1:
+            raise UsageError(f"--device {device}: the {local_size} processes on this machine would share one GPU; "
+                             f"pass --device cuda, and each process takes the GPU cuda:LOCAL_RANK.")  # fmt: skip
+        if device.index is None:
+            if local_rank >= torch.cuda.device_count():
+                raise UsageError(f"process LOCAL_RANK={local_rank} needs the GPU cuda:{local_rank}, but this machine has "
+                                 f"{torch.cuda.device_count()}; start at most that many processes per machine "
+                                 f"(--nproc-per-node).")  # fmt: skip
+            device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)  # NCCL and broadcast_object_list use the current device
+        dist.init_process_group("nccl")
+    elif device.type == "cpu":
+        dist.init_process_group("gloo")
+    else:
+        raise UsageError(f"--device {device}: several processes need --device cpu (gloo) or --device cuda (NCCL).")
+    return device, dist.get_rank(), dist.get_world_size()
+
+
+def check_shards(meta_batch: int, opts: RunOptions) -> None:
+    """Raises UsageError when the meta-batch cannot be split into equal shares, one per process.
+
+    Equal shares make the mean of the processes' meta-gradients the meta-gradient of the whole
+    meta-batch (see ``maml.shard``); checked at start-up rather than at the first step.
+    """
+    if meta_batch % opts.world_size:
+        fits = [n for n in range(1, meta_batch + 1) if meta_batch % n == 0]
+        raise UsageError(
+            f"--meta-batch {meta_batch} cannot be split evenly across {opts.world_size} processes (the world size "
+            f"torchrun started): each process adapts the same number of tasks. Pass a --meta-batch that is a "
+            f"multiple of {opts.world_size}, or start a number of processes (--nnodes x --nproc-per-node) that "
+            f"divides {meta_batch}: {', '.join(map(str, fits))}."
+        )
+
+
+def broadcast(value: Any, opts: RunOptions) -> Any:
+    """Rank 0's ``value`` on every process (any picklable object); ``value`` itself in one process."""
+    if opts.world_size == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 # ---------------------------------------------------------------------------- output folder
 
 
 def prepare_out(opts: RunOptions, cfg: Any) -> dict[str, Any] | None:
     """Checks the output folder before anything is written; returns the checkpoint when resuming.
 
+    With several processes, rank 0 alone reads ``--out`` (the others may run on machines
+    that do not see it) and sends every rank the checkpoint or the error, so that all ranks
+    resume from the same state or stop together.
+
     Raises:
         UsageError: ``--out`` holds another run (without ``--resume``/``--overwrite``), or the
             checkpoint to resume is missing, unreadable, or from a different config.
     """
+    outcome: dict[str, Any] | UsageError | None = None
+    if opts.main:
+        try:
+            outcome = _check_out(opts, cfg)
+        except UsageError as e:
+            if opts.world_size == 1:
+                raise
+            outcome = e
+    outcome = broadcast(outcome, opts)
+    if isinstance(outcome, UsageError):
+        raise outcome
+    return outcome
+
+
+def _check_out(opts: RunOptions, cfg: Any) -> dict[str, Any] | None:
     out = opts.out
     if opts.resume and opts.overwrite:
         raise UsageError("--resume and --overwrite contradict each other; pick one.")
@@ -342,6 +438,7 @@ def finish(opts: RunOptions, cfg: Any, run: Any, trainer: Trainer, test: dict[st
         "iterations": trainer.iterations,
         "train_seconds": round(trainer.train_seconds, 1),
         "device": str(opts.device),
+        "processes": opts.world_size,
         **provenance(),
     }
     atomic_write(opts.out / "results.json", lambda p: p.write_text(json.dumps(results, indent=2) + "\n"))
@@ -388,12 +485,20 @@ class Trainer:
     written atomically, so a run killed at any point and resumed with ``--resume`` ends with
     exactly the parameters of an uninterrupted run.
 
+    Under ``torchrun`` every process samples the full meta-batch from the same generator,
+    adapts its share (``maml.shard``), and the meta-gradients are averaged in one all-reduce
+    before the same optimizer step everywhere: the trajectory does not depend on the number
+    of processes (to float rounding), and a run may resume with another number. Rank 0 alone
+    validates, logs and writes checkpoints.
+
     Attributes:
         learner: the meta-learner (its model is trained).
         optimizer: the outer optimizer over ``learner.parameters()``.
-        sample: ``sample(generator) -> TaskBatch`` on the CPU, one meta-batch of training tasks.
-        metrics: ``metrics(output, batch) -> dict`` of extra training metrics (e.g. accuracy).
-        validate: ``validate() -> dict`` of validation metrics (its own fixed tasks).
+        sample: ``sample(generator) -> TaskBatch``, one meta-batch of training tasks.
+        metrics: ``metrics(output, batch) -> dict`` of extra training metrics (e.g. accuracy),
+            each a mean over the tasks of ``batch`` (with several processes, of this rank's
+            share; the logged value is the mean over the ranks, the full meta-batch's).
+        validate: ``validate() -> dict`` of validation metrics (its own fixed tasks); runs on rank 0 only.
         iterations: total meta-iterations.
         log_every, val_every, checkpoint_every: in iterations.
         seed: seeds the sampler's generator.
@@ -451,13 +556,14 @@ class Trainer:
             self.train_seconds = resumed["train_seconds"]
             start = resumed["iteration"]
         wandb_id = getattr(run, "id", None)
+        main, sharded = opts.main, opts.world_size > 1
 
         def checkpoint(iteration: int) -> None:
             atomic_write(opts.out / "checkpoint.pt", lambda p: torch.save(self.state(iteration, generator, cfg, wandb_id), p))
 
         # Ctrl-C and SIGTERM (kill, a cluster's pre-emption) stop the run at the end of the current
         # iteration, so the checkpoint written then is consistent; a second Ctrl-C stops at once
-        # (the last periodic checkpoint stays valid).
+        # (the last periodic checkpoint stays valid). torchrun passes the signal on to every process.
         stop: list[int] = []
 
         def request_stop(signum: int, frame: Any) -> None:
@@ -468,45 +574,62 @@ class Trainer:
         handlers = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
         self._began = time.perf_counter()
         bar = tqdm(range(start, self.iterations), initial=start, total=self.iterations, desc="meta-train",
-                   dynamic_ncols=True, mininterval=0.5, disable=None)  # fmt: skip
+                   dynamic_ncols=True, mininterval=0.5, disable=None if main else True)  # fmt: skip
         try:
             for iteration in bar:
-                batch = self.sample(generator).to(self.device)
+                # The full meta-batch on every rank, whatever their number: the same trajectory.
+                batch = maml.shard(self.sample(generator)).to(self.device)
                 t0 = time.perf_counter()
                 out = self.learner.run(batch)
                 self.optimizer.zero_grad(set_to_none=True)
                 out.loss.backward()
+                if sharded:
+                    # One all-reduce carries the meta-gradients, the meta-loss and whether a rank was
+                    # signalled; ranks get signals at different moments, and deciding on the shared
+                    # vote makes them all stop after the same iteration (none left in a collective).
+                    votes = torch.stack([out.loss.detach(), out.loss.new_tensor(float(bool(stop)))])
+                    loss, vote = maml.all_reduce_grads(self.learner.parameters(), votes).tolist()
+                    stopping = vote > 0
+                else:
+                    loss, stopping = float(out.loss.detach()), bool(stop)
                 logging = (iteration + 1) % self.log_every == 0
                 if logging:
                     grads = [p.grad for p in self.learner.parameters() if p.grad is not None]
                     grad_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
                 self.optimizer.step()
                 self.step_time += time.perf_counter() - t0
-                self.window.append(float(out.loss.detach()))
+                self.window.append(loss)
                 if logging:
+                    inner, metrics = self._inner_losses(out, batch), self.metrics(out, batch)
                     row = {
                         "iteration": iteration + 1,
                         "train/meta_loss": sum(self.window) / len(self.window),
                         "train/meta_grad_norm": grad_norm,
                         "train/step_time_ms": 1e3 * self.step_time / len(self.window),
-                        **self._inner_losses(out, batch),
+                        **inner,
                         **self._rates(),
-                        **self.metrics(out, batch),
+                        **metrics,
                     }
-                    if (iteration + 1) % self.val_every == 0 or iteration + 1 == self.iterations:
+                    if sharded:  # means over this rank's tasks -> means over the meta-batch
+                        shard_means = torch.tensor([*inner.values(), *metrics.values()], dtype=torch.float64, device=self.device)
+                        row.update(zip([*inner, *metrics], maml.all_reduce_mean(shard_means).tolist()))
+                    if main and ((iteration + 1) % self.val_every == 0 or iteration + 1 == self.iterations):
                         row.update(self.validate())
                     self.history.append(row)
-                    run.log(row, step=iteration + 1)
+                    if main:
+                        run.log(row, step=iteration + 1)
                     bar.set_postfix(meta_loss=f"{row['train/meta_loss']:.4f}")
                     self.window, self.step_time = [], 0.0
-                if stop or (iteration + 1) % self.checkpoint_every == 0 or iteration + 1 == self.iterations:
+                if main and (stopping or (iteration + 1) % self.checkpoint_every == 0 or iteration + 1 == self.iterations):
                     checkpoint(iteration + 1)
-                if stop:
+                if stopping:
                     bar.close()
-                    finish_wandb(run)
-                    print(f"\nstopped after iteration {iteration + 1}; continue with the same command plus --resume",
-                          file=sys.stderr)  # fmt: skip
-                    raise SystemExit(130 if stop[0] == signal.SIGINT else 143)
+                    if main:
+                        finish_wandb(run)
+                        print(f"\nstopped after iteration {iteration + 1}; continue with the same command plus --resume",
+                              file=sys.stderr)  # fmt: skip
+                    # A rank stopped by another's signal exits as if it had received SIGTERM.
+                    raise SystemExit(130 if stop and stop[0] == signal.SIGINT else 143)
         finally:
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
@@ -527,9 +650,17 @@ class Trainer:
 
 
 def main(run: Callable[[Sequence[str] | None], None], argv: Sequence[str] | None = None) -> None:
-    """Runs an experiment's entry point, turning UsageError into a message and exit code 2."""
+    """Runs an experiment's entry point, turning UsageError into a message and exit code 2.
+
+    Leaves the process group that ``parse_args`` joined under torchrun, however the run ends.
+    """
     try:
         run(argv)
     except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
+        # Under torchrun every rank may print it; the rank says which process did.
+        where = f" (rank {dist.get_rank()})" if dist.is_available() and dist.is_initialized() else ""
+        print(f"error{where}: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()

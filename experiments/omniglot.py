@@ -3,6 +3,7 @@
     python -m experiments.omniglot --data ../shared/data/omniglot
     python -m experiments.omniglot --data ~/data/omniglot --ways 20     # 20-way: 5 steps, lr 0.1, meta-batch 16
     python -m experiments.omniglot --help
+    torchrun --standalone --nproc-per-node 4 -m experiments.omniglot --data ~/data/omniglot --device cuda  # 4 GPUs
 
 Reads every Omniglot archive or folder under --data (images_background, images_evaluation or
 the minimal splits), splits the characters into train/validation/test (by alphabet by
@@ -50,7 +51,7 @@ class OmniglotConfig:
     split_fractions: tuple[float, ...] = common.field((0.6, 0.15, 0.25), "train, validation, test shares")
     split_seed: int = common.field(0, "fixes the character split")
     mode: str = common.field("second_order", "second_order, first_order or checkpointed")
-    batching: str = common.field("auto", "vmap, loop, or auto (loop on CPU, vmap on GPU)")
+    batching: str = common.field("auto", "auto (the engine's choice: loop on CPU, vmap on GPU), vmap or loop")
     learn_inner_lr: str | None = common.field(None, "null, scalar or per_parameter (Meta-SGD)")
     seed: int = common.field(0, "seeds the initialisation and the task sampler")
     log_every: int = common.field(50, "iterations between training logs")
@@ -79,7 +80,7 @@ def validate_config(cfg: OmniglotConfig) -> None:
         cfg,
         positive=("ways", "shots", "query", "iterations", "filters", "log_every", "val_every", "val_tasks",
                   "checkpoint_every", "eval_tasks", "eval_chunk"),
-        choices={"mode": maml.MODES, "batching": ("auto", *maml.BATCHINGS), "learn_inner_lr": maml.LEARN_INNER_LR,
+        choices={"mode": maml.MODES, "batching": maml.BATCHINGS, "learn_inner_lr": maml.LEARN_INNER_LR,
                  "split_by": tasks.SPLIT_BY},
     )  # fmt: skip
     if cfg.steps is not None and cfg.steps < 0 or any(s < 0 for s in cfg.eval_steps):
@@ -179,6 +180,8 @@ def run(argv: Sequence[str] | None = None) -> None:
     cfg = cfg.resolved()
     if cfg.data is None:
         raise common.UsageError("no data: pass --data PATH (Omniglot archives or folders) or set $OMNIGLOT_DIR.")
+    assert cfg.meta_batch is not None  # resolved() fills it in
+    common.check_shards(cfg.meta_batch, opts)
     resumed = common.prepare_out(opts, cfg)
     try:
         omni = tasks.Omniglot(cfg.data, rotations=cfg.rotations)
@@ -187,14 +190,14 @@ def run(argv: Sequence[str] | None = None) -> None:
     except (FileNotFoundError, ValueError, TypeError) as e:
         raise common.UsageError(f"--data {cfg.data}: {e}") from None
     train, val, test = samplers
-    opts.out.mkdir(parents=True, exist_ok=True)
-    common.save_config(opts.out, cfg)
+    if opts.main:
+        opts.out.mkdir(parents=True, exist_ok=True)
+        common.save_config(opts.out, cfg)
 
-    batching = cfg.batching if cfg.batching != "auto" else ("vmap" if opts.device.type == "cuda" else "loop")
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.ways, cfg.filters).to(opts.device)
     learner = maml.MetaLearner(model, F.cross_entropy, inner_lr=cfg.inner_lr, steps=cfg.steps, mode=cfg.mode,
-                               batching=batching, learn_inner_lr=cfg.learn_inner_lr)  # fmt: skip
+                               batching=cfg.batching, learn_inner_lr=cfg.learn_inner_lr)  # fmt: skip
     optimizer = torch.optim.Adam(learner.parameters(), lr=cfg.meta_lr)
     val_batch = val.sample(cfg.val_tasks, torch.Generator().manual_seed(cfg.seed + 10_000), device=opts.device)
 
@@ -216,12 +219,15 @@ def run(argv: Sequence[str] | None = None) -> None:
         seed=cfg.seed,
         device=opts.device,
     )
-    wandb_run = common.init_wandb(opts, cfg, f"omniglot-{cfg.ways}way-{cfg.shots}shot", resumed["wandb_id"] if resumed else None)
+    name = f"omniglot-{cfg.ways}way-{cfg.shots}shot"
+    wandb_run = common.init_wandb(opts, cfg, name, resumed["wandb_id"] if resumed else None) if opts.main else None
     trainer.run(opts, cfg, resumed, wandb_run)
+    if not opts.main:
+        return  # rank 0 evaluates and writes the results
     results = evaluate(learner, test, cfg, opts.device, seed=cfg.seed + 20_000)
     plot(opts.out, learner, test, cfg, trainer.history, opts.device)
     data = {"root": str(cfg.data), "characters": [len(p.characters) for p in splits],
-            "alphabets": [p.alphabets for p in splits], "batching": batching}  # fmt: skip
+            "alphabets": [p.alphabets for p in splits], "batching": learner.resolved_batching}  # fmt: skip
     common.finish(opts, cfg, wandb_run, trainer, results, "accuracy", data=data)
     print(f"{cfg.ways}-way {cfg.shots}-shot test accuracy on {cfg.eval_tasks} tasks of held-out characters:")
     for key, r in results.items():

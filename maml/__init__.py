@@ -7,7 +7,18 @@
 """
 
 from ._src.batch import TaskBatch
+from ._src.distributed import all_reduce_grads, all_reduce_mean, shard
 from ._src.learner import BATCHINGS, LEARN_INNER_LR, MODES, MetaLearner, MetaOutput
 
-__all__ = ["BATCHINGS", "LEARN_INNER_LR", "MODES", "MetaLearner", "MetaOutput", "TaskBatch"]
+__all__ = [
+    "BATCHINGS",
+    "LEARN_INNER_LR",
+    "MODES",
+    "MetaLearner",
+    "MetaOutput",
+    "TaskBatch",
+    "all_reduce_grads",
+    "all_reduce_mean",
+    "shard",
+]
 __version__ = "0.1.0"
