@@ -9,8 +9,8 @@ pass, and an Adam step. Timed for this engine (every mode and batching, and ``ba
 the engine's own choice), learn2learn's ``MAML`` (second and first order), higher's
 ``innerloop_ctx`` with SGD, and a plain per-task loop over ``torch.func.functional_call`` with
 ``torch.autograd.grad(create_graph=True)``. All start from the same weights, run in this one
-process and are interleaved: every repetition times every method once, after warm-up, so a
-change in machine load hits all of them alike. Each table gives the median and the spread
+process and are interleaved: every repetition times every method once (in a rotating order),
+after warm-up, so a change in machine load hits all of them alike. Each table gives the median and the spread
 (fastest..slowest repetition), the speed-up over learn2learn (second order; first-order methods
 against learn2learn's first order), the floating-point operations of a step counted with
 ``torch.utils.flop_counter.FlopCounterMode`` over the median time, against the machine's measured
@@ -243,7 +243,9 @@ def run_workload(wl: Workload, methods: list[Method], device: torch.device, repe
 
     times: dict[str, list[float]] = {m.name: [] for m in methods}
     for i, batch in enumerate(batches):
-        for method in methods:  # interleaved: every repetition times every method once
+        # Interleaved: every repetition times every method once, in an order rotated by one each
+        # time, so that no method always follows the same one (whose garbage it would free).
+        for method in methods[i % len(methods) :] + methods[: i % len(methods)]:
             seconds = clock.time(lambda: steps[method.name](batch))
             if i >= warmup:
                 times[method.name].append(seconds)
