@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
+from torch import Tensor
 from torch.func import functional_call
 
 import maml
@@ -15,7 +19,9 @@ EXACT = [
     ("second_order", "vmap", 2),
     ("second_order", "loop", None),
     ("checkpointed", "vmap", None),
+    ("checkpointed", "vmap", 2),
     ("checkpointed", "loop", None),
+    ("checkpointed", "loop", 2),
 ]
 EXACT_IDS = [f"{m}-{b}" + (f"-chunk{c}" if c else "") for m, b, c in EXACT]
 
@@ -60,6 +66,93 @@ def test_checkpointed_equals_second_order(case, steps, every, batching):
     expected, got = flat_grad(ref, batch), flat_grad(ckpt, batch)
     assert torch.allclose(got, expected, rtol=0, atol=1e-10 * expected.abs().max())
     assert torch.equal(ckpt.run(batch).support_losses, ref.run(batch).support_losses)
+
+
+@pytest.mark.parametrize("learn_inner_lr", ["per_parameter", "scalar", None])
+@pytest.mark.parametrize("chunk_size", [1, 2])
+@pytest.mark.parametrize("batching", ["vmap", "loop"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_checkpointed_in_chunks_equals_second_order(case, batching, chunk_size, learn_inner_lr):
+    # 3 tasks in chunks of 1 or 2 (a ragged last chunk), every norm layer the engine supports.
+    ref, batch = learner(case, 4, "second_order", batching, learn_inner_lr=learn_inner_lr)
+    ckpt, _ = learner(case, 4, "checkpointed", batching, chunk_size, learn_inner_lr=learn_inner_lr, checkpoint_every=2)
+    expected, got = flat_grad(ref, batch), flat_grad(ckpt, batch)
+    assert torch.allclose(got, expected, rtol=0, atol=1e-10 * expected.abs().max())
+    a, b = ckpt.run(batch), ref.run(batch)
+    for field in ("loss", "query_losses", "query_out", "support_losses"):
+        assert torch.allclose(getattr(a, field), getattr(b, field), rtol=1e-12, atol=1e-14)
+    for k in b.fast:
+        assert torch.allclose(a.fast[k], b.fast[k], rtol=1e-12, atol=1e-14)
+
+
+class SavedTensors:
+    """Bytes of the distinct storages that autograd graphs hold for their backward pass: now, and at the peak."""
+
+    def __init__(self) -> None:
+        self.alive: dict[int, tuple[int, int]] = {}  # id(box) -> (storage address, bytes)
+        self.peak = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda box: box.t)
+
+    def __enter__(self) -> SavedTensors:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
+
+    def live(self) -> int:
+        gc.collect()
+        return self._bytes()
+
+    def _bytes(self) -> int:
+        return sum(dict(self.alive.values()).values())
+
+    def _pack(self, t: Tensor) -> _Box:
+        box = _Box(t)
+        self.alive[id(box)] = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        weakref.finalize(box, self.alive.pop, id(box), None)  # the graph dropped the tensor
+        self.peak = max(self.peak, self._bytes())
+        return box
+
+
+class _Box:
+    def __init__(self, t: Tensor) -> None:
+        self.t = t
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1])
+@pytest.mark.parametrize("batching", ["vmap", "loop"])
+def test_checkpointed_keeps_only_parameter_sized_iterates(batching, chunk_size):
+    # What the graph holds between the forward and the backward pass: second order keeps every
+    # step's activations; the checkpointed mode keeps one fast-weight iterate per task and step
+    # (and the shared initial parameters), whatever the activations weigh.
+    steps = 6
+    ckpt, batch = learner("conv_batchnorm_maxpool", steps, "checkpointed", batching, chunk_size)
+    ref, _ = learner("conv_batchnorm_maxpool", steps, "second_order", batching)
+    params = sum(p.numel() * p.element_size() for p in ckpt.model.parameters())
+    with SavedTensors() as saved:
+        loss = ckpt.meta_loss(batch)
+        kept = saved.live()
+    assert kept <= (steps * batch.num_tasks + 1) * params
+    with SavedTensors() as saved:
+        ref.meta_loss(batch)
+        assert saved.live() > 10 * kept
+    loss.backward()  # the kept tensors are all the backward pass needs
+
+
+@pytest.mark.parametrize("batching", ["vmap", "loop"])
+def test_checkpointed_recomputes_one_chunk_at_a_time(batching):
+    # The most the graphs hold at once, forward and backward: with chunk_size=1 one task's
+    # recomputed activations, not all three tasks'. A loop recomputes one task at a time by default.
+    def peak(chunk_size: int | None) -> int:
+        lrn, batch = learner("conv_batchnorm_maxpool", 4, "checkpointed", batching, chunk_size)
+        with SavedTensors() as saved:
+            lrn.meta_loss(batch).backward()
+        return saved.peak
+
+    whole, one = peak(3), peak(1)
+    assert one < 0.5 * whole
+    assert peak(None) == (one if batching == "loop" else whole)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -68,8 +68,9 @@ class MetaLearner:
             ``chunk_size`` outside the checkpointed mode, chunked ``"vmap"``. All give the same
             meta-gradients.
         chunk_size: tasks processed together: with ``"vmap"``, at most this many tasks per
-            batched call; with ``"checkpointed"``, per recomputation in the backward pass, so
-            ``chunk_size=1`` holds one task's activations at a time (the least memory).
+            batched call; with ``"checkpointed"``, per recomputed segment (default: every task
+            with ``"vmap"``, one with ``"loop"``, where it costs no speed), so ``chunk_size=1``
+            holds one task's activations at a time (the least memory).
         learn_inner_lr: ``None`` (fixed), ``"scalar"`` (one learnable rate) or
             ``"per_parameter"`` (Meta-SGD: a learnable rate tensor shaped like each parameter).
             Learnable rates are in :meth:`parameters` and receive meta-gradients.
@@ -311,7 +312,6 @@ class MetaLearner:
         if steps is None:
             steps = self.steps
         checks.integer("steps", steps, 0)
-        every = self.checkpoint_every
         tasks = x.shape[0]
         rates = self.inner_lrs
         mode = self.mode
@@ -325,9 +325,7 @@ class MetaLearner:
                 mode = "first_order"
             losses: list[Tensor] = []
             if mode == "checkpointed":
-                for start in range(0, steps, every):
-                    count = min(every, steps - start)
-                    fast = self._checkpointed(fast, consts, rates, x, y, start, count, steps, losses)
+                fast, losses = self._checkpointed_steps(fast, consts, rates, x, y, steps)
             else:
                 for step in range(steps):
                     fast, loss = self._step(fast, consts, rates, x, y, step, steps, create_graph=mode == "second_order")
@@ -344,25 +342,64 @@ class MetaLearner:
         pass keeps only parameter-sized iterates and the backward pass recomputes one segment of
         one chunk at a time: peak memory is the iterates plus one chunk's step (or query) activations.
         """
-        tasks = batch.num_tasks
-        size = self.chunk_size or tasks
-        losses, outs, support, fast = [], [], [], []
-        for lo in range(0, tasks, size):
+        fast, support_losses = self._adapt(params, consts, batch.support_x, batch.support_y, steps)
+        size = self._checkpoint_chunk(batch.num_tasks)
+        losses, outs = [], []
+        for lo in range(0, batch.num_tasks, size):
             chunk = batch[lo : lo + size]
-            f, s = self._adapt(params, consts, chunk.support_x, chunk.support_y, steps)
+            f = {k: v[lo : lo + size] for k, v in fast.items()}
             loss, out = self._checkpointed_query(f, consts, chunk.query_x, chunk.query_y)
             losses.append(loss)
             outs.append(out)
-            support.append(s)
-            fast.append(f)
         query_losses = torch.cat(losses)
         return MetaOutput(
             loss=query_losses.mean(),
             query_losses=query_losses.detach(),
             query_out=torch.cat(outs),
-            support_losses=torch.cat(support, dim=1),
-            fast={k: torch.cat([f[k] for f in fast]) for k in params},
+            support_losses=support_losses,
+            fast=fast,
         )
+
+    def _checkpoint_chunk(self, tasks: int) -> int:
+        """Tasks per checkpointed segment: ``chunk_size``, else all of them with vmap and one with a loop.
+
+        A loop runs the tasks one after another anyway, so recomputing them one at a time costs
+        no speed and holds one task's activations instead of every task's.
+        """
+        if self.chunk_size is not None:
+            return self.chunk_size
+        return 1 if self.resolved_batching == "loop" else tasks
+
+    def _checkpointed_steps(
+        self, fast: Params, consts: Params, rates: dict[str, Any], x: Tensor, y: Tensor, steps: int
+    ) -> tuple[Params, list[Tensor]]:
+        """The checkpointed inner loop: each segment is ``checkpoint_every`` steps of one chunk of tasks.
+
+        The segments run step by step, every chunk in turn, so with one step per segment (the
+        default) the tasks draw their dropout masks in the same order as in second order.
+
+        Returns:
+            The fast weights ``(T, *shape)`` and each step's ``(T,)`` support losses.
+        """
+        tasks = x.shape[0]
+        size = self._checkpoint_chunk(tasks)
+        starts = range(0, tasks, size)
+        chunks = [{k: v[lo : lo + size] for k, v in fast.items()} for lo in starts]
+        losses: list[list[Tensor]] = [[] for _ in starts]
+        hint = f"learn_inner_lr={self.learn_inner_lr!r}" if self.learn_inner_lr else f"inner_lr={self.inner_lr}"
+        for start in range(0, steps, self.checkpoint_every):
+            count = min(self.checkpoint_every, steps - start)
+            for i, lo in enumerate(starts):
+                xs, ys = x[lo : lo + size], y[lo : lo + size]
+                chunks[i] = self._checkpointed(chunks[i], consts, rates, xs, ys, count, losses[i])
+            if self.check_finite:  # once every chunk took these steps, so that the task index is the batch's
+                for step in range(start, start + count):
+                    check_finite(torch.cat([chunk[step] for chunk in losses]), step, steps, hint)
+        if len(chunks) > 1:
+            fast = {k: torch.cat([c[k] for c in chunks]) for k in fast}
+        else:
+            fast = chunks[0]
+        return fast, [torch.cat(per_step) for per_step in zip(*losses)]
 
     def _checkpointed_query(self, fast: Params, consts: Params, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
         """``(T,)`` query losses at ``fast`` whose activations are recomputed in the backward pass, and the outputs."""
@@ -376,7 +413,7 @@ class MetaLearner:
                 outputs.append(out)
             return (losses,)
 
-        (losses,) = checkpointed_segment(run, [fast[n] for n in names], [])
+        (losses,) = checkpointed_segment(run, [fast[n] for n in names], [], returns_fast=False)
         return losses, outputs[0]
 
     def _step(
@@ -404,21 +441,20 @@ class MetaLearner:
         rates: dict[str, Any],
         x: Tensor,
         y: Tensor,
-        start: int,
         count: int,
-        steps: int,
         losses: list[Tensor],
     ) -> Params:
+        """One segment: ``count`` inner steps, appending their support losses to ``losses``."""
         names = list(fast)
         learned = [n for n in names if isinstance(rates[n], Tensor)]
 
         def run(fast_values: list[Tensor], rate_values: list[Tensor], replay: bool) -> tuple[Tensor, ...]:
             f = dict(zip(names, fast_values))
             r = {**rates, **dict(zip(learned, rate_values))}
-            for step in range(start, start + count):
+            for _ in range(count):
                 if not replay:  # values only: a fresh leaf per step keeps no graph across steps
                     f = {k: v.detach().requires_grad_() for k, v in f.items()}
-                f, loss = self._step(f, consts, r, x, y, step, steps, create_graph=replay)
+                f, loss = sgd_step(self._forward, f, consts, r, x, y, create_graph=replay)
                 if not replay:
                     losses.append(loss)
             return tuple(f.values())
