@@ -293,8 +293,8 @@ def report(results: dict[tuple[str, int], Result], methods: list[str], steps: li
         row = " | ".join(f"{cells.get((m, s), '-'):>{w}}" for s, w in zip(steps, widths))
         print(f"| {m.ljust(width)} | {row} |")
 
-    def fmt(value: float | None, spec: str) -> str:
-        return "-" if value is None else format(value, spec)
+    def fmt(value: float | None, spec: str, unit: str = "") -> str:
+        return "-" if value is None else format(value, spec) + unit
 
     checkpointed = [m for m in ("checkpointed", "checkpointed_chunk1") if m in methods]
     print("\nratios: memory and time of the checkpointed mode over second order's, learn2learn's memory over its")
@@ -304,7 +304,9 @@ def report(results: dict[tuple[str, int], Result], methods: list[str], steps: li
             mem = ratio(results, name, "second_order", s, "extra_mib")
             sec = ratio(results, name, "second_order", s, "seconds")
             peer = ratio(results, "learn2learn", name, s, "extra_mib")
-            parts.append(f"{name}: memory {fmt(mem, '.3f')}, time {fmt(sec, '.2f')}, learn2learn {fmt(peer, '.1f')}x")
+            parts.append(
+                f"{name}: memory {fmt(mem, '.3f')}, time {fmt(sec, '.2f')}, learn2learn {fmt(peer, '.1f', 'x')}"
+            )
         print(f"  {s:>2} steps: " + "; ".join(parts))
     print()
     verdicts = []
