@@ -360,6 +360,11 @@ class MetaLearner:
             fast=fast,
         )
 
+    @property
+    def _rate_hint(self) -> str:
+        """The inner-rate setting to name in a NaN/Inf error."""
+        return f"learn_inner_lr={self.learn_inner_lr!r}" if self.learn_inner_lr else f"inner_lr={self.inner_lr}"
+
     def _checkpoint_chunk(self, tasks: int) -> int:
         """Tasks per checkpointed segment: ``chunk_size``, else all of them with vmap and one with a loop.
 
@@ -386,7 +391,6 @@ class MetaLearner:
         starts = range(0, tasks, size)
         chunks = [{k: v[lo : lo + size] for k, v in fast.items()} for lo in starts]
         losses: list[list[Tensor]] = [[] for _ in starts]
-        hint = f"learn_inner_lr={self.learn_inner_lr!r}" if self.learn_inner_lr else f"inner_lr={self.inner_lr}"
         for start in range(0, steps, self.checkpoint_every):
             count = min(self.checkpoint_every, steps - start)
             for i, lo in enumerate(starts):
@@ -394,7 +398,7 @@ class MetaLearner:
                 chunks[i] = self._checkpointed(chunks[i], consts, rates, xs, ys, count, losses[i])
             if self.check_finite:  # once every chunk took these steps, so that the task index is the batch's
                 for step in range(start, start + count):
-                    check_finite(torch.cat([chunk[step] for chunk in losses]), step, steps, hint)
+                    check_finite(torch.cat([chunk[step] for chunk in losses]), step, steps, self._rate_hint)
         if len(chunks) > 1:
             fast = {k: torch.cat([c[k] for c in chunks]) for k in fast}
         else:
@@ -430,8 +434,7 @@ class MetaLearner:
     ) -> tuple[Params, Tensor]:
         new, losses = sgd_step(self._forward, fast, consts, rates, x, y, create_graph=create_graph)
         if self.check_finite:
-            hint = f"learn_inner_lr={self.learn_inner_lr!r}" if self.learn_inner_lr else f"inner_lr={self.inner_lr}"
-            check_finite(losses, step, steps, hint)
+            check_finite(losses, step, steps, self._rate_hint)
         return new, losses
 
     def _checkpointed(
