@@ -654,13 +654,23 @@ def main(run: Callable[[Sequence[str] | None], None], argv: Sequence[str] | None
 
     Leaves the process group that ``parse_args`` joined under torchrun, however the run ends.
     """
+    together = False  # whether every rank ends here at the same point of the run
     try:
         run(argv)
+        together = True
     except UsageError as e:
         # Under torchrun every rank may print it; the rank says which process did.
         where = f" (rank {dist.get_rank()})" if dist.is_available() and dist.is_initialized() else ""
         print(f"error{where}: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    except SystemExit as e:
+        together = e.code in (130, 143)  # the stop that every rank voted for after one iteration
+        raise
     finally:
         if dist.is_available() and dist.is_initialized():
+            if together:
+                # Ranks > 0 finish before rank 0 (which evaluates and writes); a rank that tore down
+                # its gloo connections while rank 0 still held them has died of SIGABRT at exit.
+                # Leaving together is the shutdown that gloo and NCCL expect.
+                dist.barrier()
             dist.destroy_process_group()
