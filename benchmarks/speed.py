@@ -9,7 +9,7 @@ pass, and an Adam step. Timed for this engine (every mode and batching, and ``ba
 the engine's own choice), learn2learn's ``MAML`` (second and first order), higher's
 ``innerloop_ctx`` with SGD, and a plain per-task loop over ``torch.func.functional_call`` with
 ``torch.autograd.grad(create_graph=True)``. All start from the same weights, run in this one
-process and are interleaved: every repetition times every method once (in a rotating order),
+process and are interleaved: every repetition times every method once (in a random order),
 after warm-up, so a change in machine load hits all of them alike. Each table gives the median and the spread
 (fastest..slowest repetition), the speed-up over learn2learn (second order; first-order methods
 against learn2learn's first order), the floating-point operations of a step counted with
@@ -30,6 +30,7 @@ import argparse
 import copy
 import dataclasses
 import os
+import random
 import statistics
 import sys
 import time
@@ -242,10 +243,12 @@ def run_workload(wl: Workload, methods: list[Method], device: torch.device, repe
         steps[method.name] = step
 
     times: dict[str, list[float]] = {m.name: [] for m in methods}
+    order = random.Random(0)
     for i, batch in enumerate(batches):
-        # Interleaved: every repetition times every method once, in an order rotated by one each
-        # time, so that no method always follows the same one (whose garbage it would free).
-        for method in methods[i % len(methods) :] + methods[: i % len(methods)]:
+        # Interleaved: every repetition times every method once, in a fresh random order, so that
+        # no method always follows the same one (whose garbage it would free, whose cache lines it
+        # would find). A rotation would not do: it keeps the cyclic order, hence every predecessor.
+        for method in order.sample(methods, len(methods)):
             seconds = clock.time(lambda: steps[method.name](batch))
             if i >= warmup:
                 times[method.name].append(seconds)

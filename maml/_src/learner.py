@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from . import checks
 from .batch import TaskBatch
 from .checkpoint import checkpointed_segment
+from .compiled import compile_step, meta_step, with_gradient
 from .inner import LossFn, Params, TaskForward, check_finite, sgd_step
 
 Mode = Literal["second_order", "first_order", "checkpointed"]
@@ -80,6 +81,13 @@ class MetaLearner:
             the parameters outweigh a step's activations; raise it to keep fewer iterates.
         check_finite: raise if an inner loss is NaN/Inf, naming the task and step (costs one
             device synchronisation per inner step).
+        compile: compute the meta-loss and its meta-gradient together, in one ``torch.compile``'d
+            function of ``torch.func.grad`` transforms (second and first order), when grad mode is
+            on. Exact like the eager engine, several times faster where eager operator calls
+            dominate (small models), at a one-off compile of seconds to minutes per input shape
+            and step count. The returned loss carries its gradient as a constant: ``backward()``
+            works, differentiating the meta-gradient again does not, and ``MetaOutput.fast``
+            is detached. Under ``torch.no_grad()`` (evaluation) the eager engine runs.
     """
 
     def __init__(
@@ -95,6 +103,7 @@ class MetaLearner:
         learn_inner_lr: LearnInnerLr = None,
         checkpoint_every: int | None = None,
         check_finite: bool = True,
+        compile: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
@@ -115,6 +124,14 @@ class MetaLearner:
             raise ValueError(
                 f"checkpoint_every={checkpoint_every} only applies to mode='checkpointed' (mode is {mode!r})."
             )
+        if not isinstance(compile, bool):
+            raise TypeError(f"compile must be True or False, got {compile!r} ({type(compile).__name__}).")
+        if compile and mode == "checkpointed":
+            raise ValueError(
+                "compile=True applies to mode='second_order' or 'first_order': the checkpointed mode "
+                "recomputes its segments in a backward pass of its own, which torch.compile cannot trace. "
+                "Use mode='second_order' with compile=True for speed, or mode='checkpointed' without it for memory."
+            )
         adapted = [name for name, p in model.named_parameters() if p.requires_grad]
         if not adapted:
             raise ValueError("model has no parameter with requires_grad=True: there is nothing to adapt.")
@@ -129,6 +146,8 @@ class MetaLearner:
         self.learn_inner_lr = learn_inner_lr
         self.checkpoint_every = checkpoint_every or 1
         self.check_finite = check_finite
+        self.compile = compile
+        self._compiled: Any = None
         self._names = {name for name, _ in model.named_parameters()}
         self._adapted = adapted
         self._integer_inputs = any(isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for m in model.modules())
@@ -193,6 +212,8 @@ class MetaLearner:
         params, consts = self._split(params, batch.support_x, batch.query_x)
         if self.mode == "checkpointed" and torch.is_grad_enabled():
             return self._run_checkpointed(params, consts, batch, steps)
+        if self.compile and torch.is_grad_enabled():
+            return self._run_compiled(params, consts, batch, steps)
         fast, support_losses = self._adapt(params, consts, batch.support_x, batch.support_y, steps)
         query_losses, query_out = self._forward(fast, consts, batch.query_x, batch.query_y)
         return MetaOutput(
@@ -359,6 +380,56 @@ class MetaLearner:
             support_losses=support_losses,
             fast=fast,
         )
+
+    def _run_compiled(self, params: Params, consts: Params, batch: TaskBatch, steps: int | None) -> MetaOutput:
+        """The meta-loss with its meta-gradient computed now, by the compiled step, one chunk of tasks at a time.
+
+        With the loop, each call is one task (no grouped convolutions, one task's activations);
+        with vmap, all tasks (or ``chunk_size``). The loss and gradient are the chunks' means
+        weighted by their sizes, which is the mean over the meta-batch.
+        """
+        if steps is None:
+            steps = self.steps
+        checks.integer("steps", steps, 0)
+        if self._compiled is None:
+            if self.learn_inner_lr == "scalar":
+                rate_of: dict[str, str | float] = {k: "inner_lr" for k in self._adapted}
+            elif self.learn_inner_lr == "per_parameter":
+                rate_of = {k: k for k in self._adapted}
+            else:
+                rate_of = {k: self.inner_lr for k in self._adapted}
+            step = meta_step(self._forward, rate_of, first_order=self.mode == "first_order")
+            self._compiled = compile_step(step)
+        tasks = batch.num_tasks
+        size = 1 if self.resolved_batching == "loop" else (self.chunk_size or tasks)
+        values = {k: v.detach() for k, v in params.items()}
+        rate_values = {k: v.detach() for k, v in self.rate_parameters.items()}
+        consts = {k: v.detach() for k, v in consts.items()}
+        grads: list[Tensor] = []
+        loss: Tensor | None = None
+        parts: list[tuple[Tensor, Tensor, Tensor, Params]] = []
+        for lo in range(0, tasks, size):
+            chunk = batch if size >= tasks else batch[lo : lo + size]
+            (g_params, g_rates), (chunk_loss, *rest) = self._compiled(
+                values, rate_values, consts, chunk.support_x, chunk.support_y, chunk.query_x, chunk.query_y, steps
+            )
+            weight = chunk.num_tasks / tasks
+            chunk_grads = [*g_params.values(), *g_rates.values()]
+            if loss is None:
+                loss, grads = chunk_loss * weight, [g * weight for g in chunk_grads]
+            else:
+                loss, grads = loss + chunk_loss * weight, [a + g * weight for a, g in zip(grads, chunk_grads)]
+            parts.append(tuple(rest))  # type: ignore[arg-type]
+        query_losses = torch.cat([p[0] for p in parts])
+        query_out = torch.cat([p[1] for p in parts])
+        support_losses = torch.cat([p[2] for p in parts], dim=1)  # (steps, T)
+        fast = {k: torch.cat([p[3][k] for p in parts]) for k in values}
+        if self.check_finite:
+            for i in range(steps):
+                check_finite(support_losses[i], i, steps, self._rate_hint)
+        assert loss is not None
+        loss = with_gradient(loss, [*params.values(), *self.rate_parameters.values()], grads)
+        return MetaOutput(loss=loss, query_losses=query_losses, query_out=query_out, support_losses=support_losses, fast=fast)
 
     @property
     def _rate_hint(self) -> str:
