@@ -5,17 +5,20 @@
     .venv/bin/python -m benchmarks.speed --device cuda         # CUDA events instead of wall clocks
 
 One meta-training step is: zero the gradients, the meta-loss over the meta-batch, its backward
-pass, and an Adam step. Timed for this engine (every mode and batching, and ``batching="auto"``,
-the engine's own choice), learn2learn's ``MAML`` (second and first order), higher's
-``innerloop_ctx`` with SGD, and a plain per-task loop over ``torch.func.functional_call`` with
-``torch.autograd.grad(create_graph=True)``. All start from the same weights, run in this one
-process and are interleaved: every repetition times every method once (in a random order),
-after warm-up, so a change in machine load hits all of them alike. Each table gives the median and the spread
-(fastest..slowest repetition), the speed-up over learn2learn (second order; first-order methods
-against learn2learn's first order), the floating-point operations of a step counted with
-``torch.utils.flop_counter.FlopCounterMode`` over the median time, against the machine's measured
-peak for a large float32 matrix product, and the largest relative difference of the
-meta-gradient from learn2learn's, computed from the same weights before timing.
+pass, and an Adam step (the fused kernel, the same for every method). Timed for this engine
+(every mode and batching, ``batching="auto"`` (the engine's own choice), ``compile=True``, and on
+the conv net a model in ``channels_last`` memory format), learn2learn's ``MAML`` (second and first
+order; and with a channels_last model), higher's ``innerloop_ctx`` with SGD, and a plain per-task
+loop over ``torch.func.functional_call`` with ``torch.autograd.grad(create_graph=True)``. All
+start from the same weights, run in this one process and are interleaved: every repetition times
+every method once (in a random order), after warm-up (which includes a compiled method's one-off
+compilation), so a change in machine load hits all of them alike. Each table gives the median and
+the spread (fastest..slowest repetition), the speed-up over learn2learn (second order; first-order
+methods against learn2learn's first order), the floating-point operations of a step counted with
+``torch.utils.flop_counter.FlopCounterMode`` (for a compiled method, those of the eager method
+doing the same math) over the median time, against the machine's measured peak for a large
+float32 matrix product, and the largest relative difference of the meta-gradient from
+learn2learn's, computed from the same weights before timing.
 
 Workloads, on the real task distributions (Omniglot: $OMNIGLOT_DIR, else ../shared/data/omniglot):
     sine1, sine5     the 1-40-40-1 ReLU MLP, meta-batch 25, 10 support and 10 query points, 1 / 5 inner steps
@@ -78,6 +81,10 @@ class Method:
     first_order: bool
     # build(model, workload) -> (meta-parameters, backward)
     build: Callable[[nn.Module, Workload], tuple[list[Tensor], Backward]]
+    # The model in channels_last memory format (conv workloads only).
+    channels_last: bool = False
+    # Counted by (the FlopCounterMode cannot see inside a compiled graph): the eager method doing the same math.
+    flops_of: Method | None = None
 
 
 def workloads(data: Path, device: torch.device) -> dict[str, Workload]:
@@ -107,15 +114,17 @@ def workloads(data: Path, device: torch.device) -> dict[str, Workload]:
 # ---------------------------------------------------------------------------- the methods
 
 
-def engine(mode: str, batching: str) -> Method:
+def engine(mode: str, batching: str, *, compile: bool = False, channels_last: bool = False) -> Method:
     def build(model: nn.Module, wl: Workload) -> tuple[list[Tensor], Backward]:
-        learner = maml.MetaLearner(model, wl.loss_fn, inner_lr=wl.inner_lr, steps=wl.steps, mode=mode, batching=batching)
+        learner = maml.MetaLearner(model, wl.loss_fn, inner_lr=wl.inner_lr, steps=wl.steps, mode=mode,
+                                   batching=batching, compile=compile)  # fmt: skip
         return list(learner.parameters()), lambda batch: learner.meta_loss(batch).backward()
 
-    return Method(f"maml {mode} {batching}", mode == "first_order", build)
+    name = f"maml {mode} {batching}" + (" compiled" if compile else "") + (" channels_last" if channels_last else "")
+    return Method(name, mode == "first_order", build, channels_last, engine(mode, batching) if compile else None)
 
 
-def learn2learn(first_order: bool) -> Method:
+def learn2learn(first_order: bool, channels_last: bool = False) -> Method:
     def build(model: nn.Module, wl: Workload) -> tuple[list[Tensor], Backward]:
         meta = l2l.algorithms.MAML(model, lr=wl.inner_lr, first_order=first_order)
 
@@ -128,7 +137,8 @@ def learn2learn(first_order: bool) -> Method:
 
         return list(meta.parameters()), backward
 
-    return Method("learn2learn MAML" + (" first-order" if first_order else ""), first_order, build)
+    name = "learn2learn MAML" + (" first-order" if first_order else "") + (" channels_last" if channels_last else "")
+    return Method(name, first_order, build, channels_last)
 
 
 def higher_sgd() -> Method:
@@ -168,8 +178,13 @@ def plain_loop() -> Method:
 
 METHODS: list[Method] = [
     *(engine(mode, batching) for mode in maml.MODES for batching in ("auto", "vmap", "loop")),
+    engine("second_order", "auto", compile=True),
+    engine("first_order", "auto", compile=True),
+    engine("second_order", "auto", channels_last=True),
+    engine("first_order", "auto", channels_last=True),
     learn2learn(first_order=False),
     learn2learn(first_order=True),
+    learn2learn(first_order=False, channels_last=True),
     higher_sgd(),
     plain_loop(),
 ]
@@ -221,8 +236,12 @@ def run_workload(wl: Workload, methods: list[Method], device: torch.device, repe
     steps: dict[str, Callable[[maml.TaskBatch], None]] = {}
     grads: dict[str, list[Tensor]] = {}
     flops: dict[str, int] = {}
+    convs = any(isinstance(m, nn.Conv2d) for m in base.modules())
+    methods = [m for m in methods if convs or not m.channels_last]
     for method in methods:
         model = copy.deepcopy(base)
+        if method.channels_last:
+            model = model.to(memory_format=torch.channels_last)
         params, backward = method.build(model, wl)
         # The meta-gradient from the shared initial weights, for the agreement column.
         backward(batches[0])
@@ -230,10 +249,14 @@ def run_workload(wl: Workload, methods: list[Method], device: torch.device, repe
         for p in params:
             p.grad = None
         counter = FlopCounterMode(display=False)
+        counted = backward if method.flops_of is None else method.flops_of.build(copy.deepcopy(base), wl)[1]
         with counter:
-            backward(batches[0])
+            counted(batches[0])
         flops[method.name] = counter.get_total_flops()
-        optimizer = torch.optim.Adam(params, lr=1e-3)
+        for p in params:
+            p.grad = None
+        # The same optimizer for every method: Adam with its fused kernel (one call for all parameters).
+        optimizer = torch.optim.Adam(params, lr=1e-3, fused=True)
 
         def step(batch: maml.TaskBatch, backward: Backward = backward, optimizer: torch.optim.Optimizer = optimizer) -> None:
             optimizer.zero_grad(set_to_none=True)

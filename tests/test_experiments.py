@@ -164,6 +164,8 @@ def test_unknown_config_key_and_wrong_types(capsys, tmp_path):
     fails(capsys, sine.run, ["--meta-batch", "2.5"], "--meta-batch: meta_batch must be an int, got '2.5' (str)")
     fails(capsys, sine.run, ["--mode", "fomaml"], "mode='fomaml' is not one of 'second_order', 'first_order', 'checkpointed'")
     fails(capsys, sine.run, ["--config", str(tmp_path / "nope.yaml")], "no such file")
+    fails(capsys, sine.run, ["--compile", "true", "--mode", "checkpointed"],
+          "compile applies to mode second_order or first_order, not checkpointed; drop --compile or pick another --mode.")  # fmt: skip
 
 
 def test_config_file_and_flags_combine(tmp_path):

@@ -405,29 +405,33 @@ class MetaLearner:
         values = {k: v.detach() for k, v in params.items()}
         rate_values = {k: v.detach() for k, v in self.rate_parameters.items()}
         consts = {k: v.detach() for k, v in consts.items()}
-        grads: list[Tensor] = []
-        loss: Tensor | None = None
-        parts: list[tuple[Tensor, Tensor, Tensor, Params]] = []
-        for lo in range(0, tasks, size):
-            chunk = batch if size >= tasks else batch[lo : lo + size]
-            (g_params, g_rates), (chunk_loss, *rest) = self._compiled(
+
+        def call(chunk: TaskBatch) -> tuple[Tensor, list[Tensor], tuple[Tensor, Tensor, Tensor, Params]]:
+            (g_params, g_rates), (loss, *rest) = self._compiled(
                 values, rate_values, consts, chunk.support_x, chunk.support_y, chunk.query_x, chunk.query_y, steps
             )
-            weight = chunk.num_tasks / tasks
-            chunk_grads = [*g_params.values(), *g_rates.values()]
-            if loss is None:
-                loss, grads = chunk_loss * weight, [g * weight for g in chunk_grads]
-            else:
-                loss, grads = loss + chunk_loss * weight, [a + g * weight for a, g in zip(grads, chunk_grads)]
-            parts.append(tuple(rest))  # type: ignore[arg-type]
-        query_losses = torch.cat([p[0] for p in parts])
-        query_out = torch.cat([p[1] for p in parts])
-        support_losses = torch.cat([p[2] for p in parts], dim=1)  # (steps, T)
-        fast = {k: torch.cat([p[3][k] for p in parts]) for k in values}
-        if self.check_finite:
+            return loss, [*g_params.values(), *g_rates.values()], tuple(rest)  # type: ignore[return-value]
+
+        if size >= tasks:
+            loss, grads, (query_losses, query_out, support_losses, fast) = call(batch)
+        else:  # the meta-batch's mean: the chunks' means weighted by their sizes
+            parts = []
+            for lo in range(0, tasks, size):
+                chunk = batch[lo : lo + size]
+                chunk_loss, chunk_grads, rest = call(chunk)
+                weight = chunk.num_tasks / tasks
+                if not parts:
+                    loss, grads = chunk_loss * weight, [g * weight for g in chunk_grads]
+                else:
+                    loss, grads = loss + chunk_loss * weight, [a + g * weight for a, g in zip(grads, chunk_grads)]
+                parts.append(rest)
+            query_losses = torch.cat([p[0] for p in parts])
+            query_out = torch.cat([p[1] for p in parts])
+            support_losses = torch.cat([p[2] for p in parts], dim=1)  # (steps, T)
+            fast = {k: torch.cat([p[3][k] for p in parts]) for k in values}
+        if self.check_finite and not bool(torch.isfinite(support_losses).all()):  # one synchronisation
             for i in range(steps):
                 check_finite(support_losses[i], i, steps, self._rate_hint)
-        assert loss is not None
         loss = with_gradient(loss, [*params.values(), *self.rate_parameters.values()], grads)
         return MetaOutput(loss=loss, query_losses=query_losses, query_out=query_out, support_losses=support_losses, fast=fast)
 
