@@ -177,3 +177,20 @@ def test_on_two_machines_a_stopped_run_resumes_from_rank_0s_checkpoint(tmp_path)
     for key, value in a["learner"]["model"].items():
         torch.testing.assert_close(b["learner"]["model"][key], value, rtol=0, atol=1e-5, msg=key)
     assert list(machines[1].iterdir()) == []  # rank 1 wrote nothing
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: run on a GPU machine (CI has none)")
+def test_on_gpus_one_rank_per_gpu_follows_the_single_process_run(tmp_path, capsys):
+    gpus = torch.cuda.device_count()
+    args = ["--iterations", "200", "--meta-batch", str(10 * gpus), "--log-every", "50", "--val-every", "200",
+            "--checkpoint-every", "200", "--device", "cuda", "--wandb", "disabled", *SMALL_SINE]  # fmt: skip
+    finished(script("experiments.sine", [*args, "--out", str(tmp_path / "one")], tmp_path))
+    finished(torchrun(["-m", "experiments.sine", *args, "--out", str(tmp_path / "nccl")], tmp_path, processes=gpus))
+    a, b = checkpoint(tmp_path / "one"), checkpoint(tmp_path / "nccl")
+    assert a["iteration"] == b["iteration"] == 200
+    for key, value in a["learner"]["model"].items():
+        torch.testing.assert_close(b["learner"]["model"][key], value, rtol=0, atol=1e-5, msg=key)
+    with capsys.disabled():  # the step time, for the README
+        steps = [[row["train/step_time_ms"] for row in c["history"]] for c in (a, b)]
+        print(f"\n{torch.cuda.get_device_name()}: {gpus} rank(s); step time per logged window (ms): "
+              f"one process {[round(t, 2) for t in steps[0]]}, torchrun {[round(t, 2) for t in steps[1]]}")
