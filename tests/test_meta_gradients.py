@@ -192,3 +192,15 @@ def test_zero_steps_is_the_query_loss_at_the_initial_parameters():
     expected = torch.stack([lrn.loss_fn(lrn.model(x), y) for x, y in zip(batch.query_x, batch.query_y)]).mean()
     assert torch.allclose(out.loss, expected, rtol=1e-14)
     assert out.support_losses.shape == (0, batch.num_tasks)
+
+
+@pytest.mark.parametrize("config", EXACT, ids=EXACT_IDS)
+def test_a_channels_last_model_has_the_same_meta_gradient(config):
+    # channels_last is the fast layout for conv nets on the CPU; under vmap the layers cannot ask
+    # for a tensor's memory format, so the engine must hand them contiguous weights.
+    ref, batch = learner("conv_batchnorm_maxpool", 2, *config)
+    expected = flat_grad(ref, batch)
+    ref.model.to(memory_format=torch.channels_last)
+    assert ref.model[0].weight.is_contiguous(memory_format=torch.channels_last)
+    got = flat_grad(ref, batch)
+    assert torch.allclose(got, expected, rtol=0, atol=1e-12 * expected.abs().max())

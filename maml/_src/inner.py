@@ -89,14 +89,17 @@ class TaskForward:
         """
         if self.resolve(x.device) == "vmap":
             names = tuple(fast)
+            # A channels_last model's weights would make its layers ask, inside vmap, whether a
+            # tensor is channels_last, which vmap cannot answer: batched calls get contiguous ones.
+            shared = {k: v.contiguous() for k, v in consts.items()}
 
             # Only tensors cross the vmap boundary (a tuple, not dicts): fewer pytree passes per call.
             def one(values: tuple[Tensor, ...], xt: Tensor, yt: Tensor) -> tuple[Tensor, Tensor]:
-                return self._one(dict(zip(names, values)), consts, xt, yt)
+                return self._one(dict(zip(names, values)), shared, xt, yt)
 
             # randomness="different": dropout draws independent masks for every task, as a loop would.
             batched = torch.func.vmap(one, randomness="different", chunk_size=self.chunk_size)
-            return batched(tuple(fast.values()), x, y)
+            return batched(tuple(v.contiguous() for v in fast.values()), x, y)
         # unbind has one backward node that stacks the task gradients; indexing p[t] would
         # build T full-size zero tensors per parameter in the backward pass.
         per_task = [dict(zip(fast, values)) for values in zip(*(v.unbind(0) for v in fast.values()))]
