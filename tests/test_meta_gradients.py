@@ -194,11 +194,17 @@ def test_zero_steps_is_the_query_loss_at_the_initial_parameters():
     assert out.support_losses.shape == (0, batch.num_tasks)
 
 
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+)
 @pytest.mark.parametrize("config", EXACT, ids=EXACT_IDS)
-def test_a_channels_last_model_has_the_same_meta_gradient(config):
-    # channels_last is the fast layout for conv nets on the CPU; under vmap the layers cannot ask
-    # for a tensor's memory format, so the engine must hand them contiguous weights.
+def test_a_channels_last_model_has_the_same_meta_gradient(config, device):
+    # channels_last is the fast layout for conv nets on the CPU; under vmap a layer cannot ask for
+    # a tensor's memory format (cuDNN's batch norm does: "NYI: querying is_contiguous inside of
+    # vmap"), so the engine hands the batched calls contiguous weights.
     ref, batch = learner("conv_batchnorm_maxpool", 2, *config)
+    ref.model.to(device)
+    batch = batch.to(device)
     expected = flat_grad(ref, batch)
     ref.model.to(memory_format=torch.channels_last)
     assert ref.model[0].weight.is_contiguous(memory_format=torch.channels_last)
