@@ -199,10 +199,6 @@ def run(argv: Sequence[str] | None = None) -> None:
 
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.ways, cfg.filters).to(opts.device)
-    if opts.device.type == "cpu":
-        # NHWC: the CPU's convolution, pooling and batch-norm kernels are vectorised over channels
-        # (one meta-step 12 % faster, benchmarks/speed.py); the fast weights keep the format.
-        model = model.to(memory_format=torch.channels_last)
     learner = maml.MetaLearner(model, F.cross_entropy, inner_lr=cfg.inner_lr, steps=cfg.steps, mode=cfg.mode,
                                batching=cfg.batching, learn_inner_lr=cfg.learn_inner_lr, compile=cfg.compile)  # fmt: skip
     optimizer = torch.optim.Adam(learner.parameters(), lr=cfg.meta_lr, fused=True)  # one kernel for all parameters
