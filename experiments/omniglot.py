@@ -201,7 +201,7 @@ def run(argv: Sequence[str] | None = None) -> None:
     model = build_model(cfg.ways, cfg.filters).to(opts.device)
     learner = maml.MetaLearner(model, F.cross_entropy, inner_lr=cfg.inner_lr, steps=cfg.steps, mode=cfg.mode,
                                batching=cfg.batching, learn_inner_lr=cfg.learn_inner_lr, compile=cfg.compile)  # fmt: skip
-    optimizer = torch.optim.Adam(learner.parameters(), lr=cfg.meta_lr, fused=True)  # one kernel for all parameters
+    optimizer = torch.optim.Adam(learner.parameters(), lr=cfg.meta_lr)
     val_batch = val.sample(cfg.val_tasks, torch.Generator().manual_seed(cfg.seed + 10_000), device=opts.device)
 
     def validate() -> dict[str, float]:

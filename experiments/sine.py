@@ -164,7 +164,7 @@ def run(argv: Sequence[str] | None = None) -> None:
     model = build_model(cfg.hidden, cfg.init).to(opts.device)
     learner = maml.MetaLearner(model, F.mse_loss, inner_lr=cfg.inner_lr, steps=cfg.steps, mode=cfg.mode,
                                batching=cfg.batching, learn_inner_lr=cfg.learn_inner_lr, compile=cfg.compile)  # fmt: skip
-    optimizer = torch.optim.Adam(learner.parameters(), lr=cfg.meta_lr, fused=True)  # one kernel for all parameters
+    optimizer = torch.optim.Adam(learner.parameters(), lr=cfg.meta_lr)
     sine = tasks.Sine()
     val_batch = sine.sample(cfg.val_tasks, shots=cfg.shots, query=cfg.query,
                             generator=torch.Generator().manual_seed(cfg.seed + 10_000)).to(opts.device)  # fmt: skip
