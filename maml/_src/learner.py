@@ -364,7 +364,7 @@ class MetaLearner:
         one chunk at a time: peak memory is the iterates plus one chunk's step (or query) activations.
         """
         fast, support_losses = self._adapt(params, consts, batch.support_x, batch.support_y, steps)
-        size = self._checkpoint_chunk(batch.num_tasks)
+        size = self._tasks_per_chunk(batch.num_tasks)
         losses, outs = [], []
         for lo in range(0, batch.num_tasks, size):
             chunk = batch[lo : lo + size]
@@ -392,16 +392,13 @@ class MetaLearner:
             steps = self.steps
         checks.integer("steps", steps, 0)
         if self._compiled is None:
-            if self.learn_inner_lr == "scalar":
-                rate_of: dict[str, str | float] = {k: "inner_lr" for k in self._adapted}
-            elif self.learn_inner_lr == "per_parameter":
-                rate_of = {k: k for k in self._adapted}
-            else:
-                rate_of = {k: self.inner_lr for k in self._adapted}
+            # inner_lrs names each parameter's rate; the compiled step takes the learnable ones by key.
+            key = {id(p): k for k, p in self.rate_parameters.items()}
+            rate_of = {k: key[id(r)] if isinstance(r, Tensor) else r for k, r in self.inner_lrs.items()}
             step = meta_step(self._forward, rate_of, first_order=self.mode == "first_order")
             self._compiled = compile_step(step)
         tasks = batch.num_tasks
-        size = 1 if self.resolved_batching == "loop" else (self.chunk_size or tasks)
+        size = self._tasks_per_chunk(tasks)
         values = {k: v.detach() for k, v in params.items()}
         rate_values = {k: v.detach() for k, v in self.rate_parameters.items()}
         consts = {k: v.detach() for k, v in consts.items()}
@@ -440,11 +437,11 @@ class MetaLearner:
         """The inner-rate setting to name in a NaN/Inf error."""
         return f"learn_inner_lr={self.learn_inner_lr!r}" if self.learn_inner_lr else f"inner_lr={self.inner_lr}"
 
-    def _checkpoint_chunk(self, tasks: int) -> int:
-        """Tasks per checkpointed segment: ``chunk_size``, else all of them with vmap and one with a loop.
+    def _tasks_per_chunk(self, tasks: int) -> int:
+        """Tasks per checkpointed segment or compiled call: ``chunk_size``, else all of them with vmap and one with a loop.
 
-        A loop runs the tasks one after another anyway, so recomputing them one at a time costs
-        no speed and holds one task's activations instead of every task's.
+        A loop runs the tasks one after another anyway, so taking them one at a time costs no
+        speed and holds one task's activations instead of every task's.
         """
         if self.chunk_size is not None:
             return self.chunk_size
@@ -462,7 +459,7 @@ class MetaLearner:
             The fast weights ``(T, *shape)`` and each step's ``(T,)`` support losses.
         """
         tasks = x.shape[0]
-        size = self._checkpoint_chunk(tasks)
+        size = self._tasks_per_chunk(tasks)
         starts = range(0, tasks, size)
         chunks = [{k: v[lo : lo + size] for k, v in fast.items()} for lo in starts]
         losses: list[list[Tensor]] = [[] for _ in starts]
