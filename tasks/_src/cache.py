@@ -1,4 +1,9 @@
-"""An on-disk cache of decoded tensors: next to the data if writable, else a user cache folder."""
+"""An on-disk cache of decoded tensors.
+
+Where: an explicit folder if given; else ``$MAML_CACHE_DIR`` if set (and then only there, so a
+shared or version-controlled data folder is never written into); else a ``.maml-cache`` folder
+next to the data if writable, else ``$XDG_CACHE_HOME/maml-toolkit`` or ``~/.cache/maml-toolkit``.
+"""
 
 from __future__ import annotations
 
@@ -27,11 +32,16 @@ def candidates(data_dir: Path, cache_dir: str | os.PathLike[str] | None) -> list
 
     Args:
         data_dir: the folder the data lies in.
-        cache_dir: an explicit folder (then the only candidate), or ``None``: a
-            ``.maml-cache`` folder next to the data, then :func:`user_cache_dir`.
+        cache_dir: an explicit folder (then the only candidate), or ``None``: then
+            ``$MAML_CACHE_DIR`` when set (the only candidate too), else a ``.maml-cache``
+            folder next to the data, then :func:`user_cache_dir`.
     """
     if cache_dir is not None:
         return [Path(cache_dir).expanduser()]
+    if os.environ.get(CACHE_ENV):
+        # Setting the variable says where the cache belongs: the data folder may be shared or
+        # under version control, so it is not written into even when the variable's folder fails.
+        return [user_cache_dir()]
     return [data_dir / _NEXT_TO_DATA, user_cache_dir()]
 
 

@@ -1,0 +1,1 @@
+"""Private implementation of :mod:`maml`; import from ``maml`` instead."""
