@@ -98,7 +98,7 @@ def test_compiled_evaluation_under_no_grad_runs_eagerly():
     eager, compiled, batch = pair("mlp", 2, batching="vmap")
     with torch.no_grad():
         out = compiled.run(batch, steps=4)
-    assert compiled._compiled is None  # nothing was compiled for an evaluation
+    assert not compiled._compiled  # nothing was compiled for an evaluation
     with torch.no_grad():
         expected = eager.run(batch, steps=4)
     assert torch.equal(out.query_losses, expected.query_losses)

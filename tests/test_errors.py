@@ -100,7 +100,7 @@ def test_adapt_examples_and_targets_differ(mlp):
         ({"inner_lr": -0.1}, ValueError, "inner_lr=-0.1 is out of range; it must be a finite number > 0."),
         ({"inner_lr": float("nan")}, ValueError, "inner_lr=nan is out of range"),
         ({"inner_lr": "0.1"}, TypeError, "inner_lr must be a Python float, got '0.1' (str)"),
-        ({"learn_inner_lr": "meta_sgd"}, ValueError, "learn_inner_lr='meta_sgd' is not supported; choose one of None, 'scalar', 'per_parameter'."),
+        ({"learn_inner_lr": "meta_sgd"}, ValueError, "learn_inner_lr='meta_sgd' is not supported; choose one of None, 'scalar', 'per_parameter', 'per_layer_per_step'."),
         ({"chunk_size": 0}, ValueError, "chunk_size=0 is out of range; it must be >= 1."),
         ({"chunk_size": 2, "batching": "loop"}, ValueError, "chunk_size=2 only applies to batching='vmap'"),
         ({"checkpoint_every": 2}, ValueError, "checkpoint_every=2 only applies to mode='checkpointed' (mode is 'second_order')."),

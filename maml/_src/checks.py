@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import difflib
 import math
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
+from torch.nn.utils.parametrizations import _WeightNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 
 def close_matches(word: str, choices: Iterable[str]) -> str:
@@ -92,3 +96,151 @@ def no_running_stats(model: nn.Module) -> None:
                 f"with its own batch statistics, or call model.eval() to normalize with the fixed running "
                 f"statistics."
             )
+
+
+def module_kind(module: nn.Module) -> str:
+    """The class a user would name a module by: ``Linear`` for a parametrized one (``ParametrizedLinear``)."""
+    cls = type(module).__bases__[0] if parametrize.is_parametrized(module) else type(module)
+    return cls.__name__
+
+
+def warn_weight_norm(model: nn.Module, mode: str) -> None:
+    """Warns that ``weight_norm`` layers make the exact modes inexact: PyTorch's second derivative of it is wrong.
+
+    ``torch._weight_norm``, which both ``torch.nn.utils.parametrizations.weight_norm`` and the
+    older hook-based ``torch.nn.utils.weight_norm`` call, fails ``torch.autograd.gradgradcheck``
+    (the derivative of its fused backward is wrong), so a meta-gradient through it is off by tens
+    of percent; the same norm in plain torch ops is exact (tests/test_model_support.py).
+    """
+    if mode == "first_order":
+        return
+    found = []
+    for name, m in model.named_modules():
+        if parametrize.is_parametrized(m):
+            for tensor, chain in m.parametrizations.items():
+                if any(isinstance(p, _WeightNorm) for p in chain):
+                    found.append(f"the {tensor!r} of {module_kind(m)} {name!r}")
+        for hook in m._forward_pre_hooks.values():
+            if isinstance(hook, WeightNorm):
+                found.append(f"the {hook.name!r} of {module_kind(m)} {name!r}")
+    if found:
+        warnings.warn(
+            f"weight_norm normalizes {' and '.join(found)}, but PyTorch's second derivative of it is wrong "
+            f"(torch._weight_norm fails torch.autograd.gradgradcheck), so mode={mode!r} gives inexact "
+            f"meta-gradients through it. Use mode='first_order', or write the norm in plain torch ops, e.g. "
+            f"weight = g * v / v.norm(dim=1, keepdim=True) for a Linear layer, which are exact.",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+
+def grad_mode_possible(method: str) -> None:
+    """The inner loop differentiates the support loss, which ``torch.inference_mode()`` forbids."""
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            f"MetaLearner.{method} cannot run under torch.inference_mode(): the inner loop differentiates the "
+            f"support loss, which inference mode forbids even inside torch.enable_grad(). Evaluate under "
+            f"torch.no_grad() instead, which gives the same values without keeping a graph."
+        )
+
+
+def one_task(support_x: Tensor, seen: torch.Size | None) -> None:
+    """``support_x`` of ``adapt`` must be one task: refuses ``(T, n, *x_shape)`` when the examples' shape is known.
+
+    A model that broadcasts over leading dimensions (an MLP) takes a whole batch as one task of
+    ``T`` examples without complaint; only the shape of the examples the learner saw before
+    (``seen``, from earlier calls) tells the two apart.
+    """
+    if seen is not None and support_x.shape[1:] != seen and support_x.shape[2:] == seen:
+        tasks, n = support_x.shape[:2]
+        raise ValueError(
+            f"support_x has shape {tuple(support_x.shape)}: a batch of {tasks} tasks of {n} examples shaped "
+            f"{tuple(seen)}, the shape of the examples this learner saw before, but adapt takes one task, "
+            f"(n, *x_shape). Pass one task (support_x[t], support_y[t]), or use "
+            f"learner.run(maml.TaskBatch(...)) for every task."
+        )
+
+class _EvaluationLoss(Tensor):
+    """A loss computed under ``torch.no_grad()``: an ordinary tensor whose ``backward()`` says why it has no graph.
+
+    Grad mode off records no graph, so no tensor made under it can carry a node whose backward
+    raises; a subclass can answer ``loss.backward()`` itself. Every operation on it returns an
+    ordinary tensor (the subclass does not propagate), it prints and saves as one, and it does
+    not require grad, so evaluation code sees no difference.
+    """
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def backward(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        if self.requires_grad:  # made a leaf by hand: an ordinary backward
+            return self.as_subclass(Tensor).backward(*args, **kwargs)
+        raise RuntimeError(
+            "this meta-loss was computed under torch.no_grad(), which records no graph, "
+            "so it has no meta-gradient to backpropagate; call learner.meta_loss(batch) with grad mode "
+            "on to train, and keep torch.no_grad() for evaluation."
+        )
+
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:
+        return self.as_subclass(Tensor).__repr__(*args, **kwargs)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return self.as_subclass(Tensor).__reduce_ex__(protocol)
+
+
+def evaluation_loss(loss: Tensor) -> Tensor:
+    """``loss``, computed without a graph, as a tensor whose ``backward()`` says so."""
+    return loss.as_subclass(_EvaluationLoss)
+
+
+def adapt_set(adapt: Any, model: nn.Module) -> list[str]:
+    """The names of the parameters the inner loop updates, from ``adapt`` (names, a predicate or ``None``)."""
+    params = dict(model.named_parameters())
+    trainable = [k for k, p in params.items() if p.requires_grad]
+    if adapt is None:
+        names = trainable
+    elif callable(adapt):
+        names = [k for k in trainable if adapt(k)]
+        if not names:
+            raise ValueError(
+                f"adapt={adapt!r} selects none of the model's trainable parameters "
+                f"({', '.join(map(repr, trainable[:6]))}{', ...' if len(trainable) > 6 else ''}); "
+                f"it is called with each named_parameters() name and must return True for those to adapt."
+            )
+    elif isinstance(adapt, (list, tuple, set, frozenset)) and all(isinstance(k, str) for k in adapt):
+        unknown = [k for k in adapt if k not in params]
+        if unknown:
+            hints = "; ".join(f"{k!r}{close_matches(k, params)}" for k in unknown)
+            raise ValueError(f"adapt names parameters the model does not have: {hints}. Use named_parameters() names.")
+        frozen = [k for k in adapt if not params[k].requires_grad]
+        if frozen:
+            raise ValueError(
+                f"adapt names {', '.join(map(repr, frozen))}, which has requires_grad=False; the inner loop "
+                f"differentiates with respect to what it adapts: set requires_grad=True or leave it out of adapt."
+            )
+        names = [k for k in params if k in set(adapt)]  # the model's order, whatever the list's
+        if not names:
+            raise ValueError("adapt=[] adapts nothing; name at least one parameter, or pass None to adapt every one.")
+    else:
+        raise TypeError(
+            f"adapt must be a list of parameter names, a predicate name -> bool, or None, got {adapt!r} "
+            f"({type(adapt).__name__})."
+        )
+    if not names:
+        raise ValueError("model has no parameter with requires_grad=True: there is nothing to adapt.")
+    return names
+
+
+def step_weights(weights: Any, steps: int, like: Tensor) -> Tensor:
+    """``weights`` as a ``(steps,)`` tensor in ``like``'s dtype and device, or an error that says what is expected."""
+    if not isinstance(weights, Tensor):
+        raise TypeError(f"step_weights must be a tensor of shape ({steps},), one weight per inner step, got {weights!r}.")
+    if weights.shape != (steps,) or steps == 0:
+        raise ValueError(
+            f"step_weights has shape {tuple(weights.shape)} but this call takes {steps} inner steps: pass a "
+            f"tensor of shape ({steps},), the weight of the query loss after each step."
+            + (" With steps=0 there is no step to weigh; drop step_weights." if steps == 0 else "")
+        )
+    if not weights.is_floating_point():
+        raise TypeError(f"step_weights must be floating point, got {weights.dtype}.")
+    return weights.to(dtype=like.dtype, device=like.device)

@@ -15,60 +15,59 @@ against finite differences and against the eager engine.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from .inner import Params, TaskForward
+from .inner import Params
+from .loop import InnerLoop
+from .step import func_support_grad, inner_step
 
-# rate_of[name]: the key of a learnable rate in ``rate_params``, or a fixed float.
-RateOf = Mapping[str, str | float]
-# (grads of params, grads of rates), (loss, query losses, query outputs, support losses, fast weights)
-StepResult = tuple[tuple[Params, Params], tuple[Tensor, Tensor, Tensor, Tensor, Params]]
+# (grads of params, rates, trained consts), (loss, query losses, query outputs, support losses, fast, step query losses)
+StepResult = tuple[tuple[Params, Params, Params], tuple[Tensor, Tensor, Tensor, Tensor, Params, Tensor]]
 
 
-def meta_step(
-    forward: TaskForward, rate_of: RateOf, first_order: bool
-) -> Callable[[Params, Params, Params, Tensor, Tensor, Tensor, Tensor, int], StepResult]:
-    """The uncompiled step: ``step(params, rate_params, consts, sx, sy, qx, qy, steps)``.
+def meta_step(loop: InnerLoop, first_order: bool) -> Callable[..., StepResult]:
+    """The uncompiled step: ``step(params, rate_values, trained, consts, sx, sy, qx, qy, steps, step_weights)``.
 
-    Returns ``((d loss / d params, d loss / d rate_params), (loss, query_losses (T,),
-    query_out (T, n_query, ...), support_losses (steps, T), fast (T, *shape)))``, where
-    ``loss`` is the mean query loss over the ``T`` tasks after ``steps`` inner SGD steps.
+    ``trained`` are the trainable parameters outside the adapt set, ``consts`` the rest of the
+    model's tensors. Returns the gradients of the loss with respect to ``params``,
+    ``rate_values`` and ``trained``, and ``(loss, query_losses (T,), query_out (T, n_query, ...),
+    support_losses (steps, T), fast (T, *shape), step_query_losses (steps, T) or (0,))``, where
+    ``loss`` is the mean query loss over the ``T`` tasks after ``steps`` inner steps, or the
+    ``step_weights``-weighted sum of the means after each step.
     """
 
     def meta_loss(
-        params: Params, rate_params: Params, consts: Params, sx: Tensor, sy: Tensor, qx: Tensor, qy: Tensor, steps: int
-    ) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor, Params]]:
-        rates = {k: rate_params[r] if isinstance(r, str) else r for k, r in rate_of.items()}
+        params: Params, rate_values: Params, trained: Params, consts: Params,
+        sx: Tensor, sy: Tensor, qx: Tensor, qy: Tensor, steps: int, step_weights: Tensor | None,
+    ) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor, Params, Tensor]]:  # fmt: skip
+        consts = {**consts, **trained}
         tasks = sx.shape[0]
         fast = {k: p.unsqueeze(0).expand(tasks, *p.shape) for k, p in params.items()}
-        support_losses = []
-        for _ in range(steps):
-
-            def support_loss(f: Params) -> tuple[Tensor, Tensor]:
-                losses, _ = forward(f, consts, sx, sy)
-                # Each task's loss depends on its own slice of `f` only: the gradient of the
-                # sum holds every task's own gradient in its slice.
-                return losses.sum(), losses
-
-            grads, losses = torch.func.grad(support_loss, has_aux=True)(fast)
-            if first_order:  # the inner gradient as a constant (FOMAML)
-                grads = {k: g.detach() for k, g in grads.items()}
-            fast = {k: fast[k] - rates[k] * grads[k] for k in fast}
+        state = loop.rule.init(fast)
+        support_grad = func_support_grad(loop.forward, consts, sx, sy, first_order=first_order)
+        support_losses, scores = [], []
+        for step in range(steps):
+            fast, state, losses = inner_step(support_grad, loop.rule, fast, state, loop.rates.at(rate_values, step), step)
             support_losses.append(losses)
-        query_losses, query_out = forward(fast, consts, qx, qy)
+            if step_weights is not None and step < steps - 1:
+                scores.append(loop.forward(fast, consts, qx, qy)[0])
+        query_losses, query_out = loop.forward(fast, consts, qx, qy)
         support = torch.stack(support_losses) if support_losses else sx.new_zeros((0, tasks), dtype=torch.float32)
-        return query_losses.mean(), (query_losses, query_out, support, fast)
+        if step_weights is None:  # an empty stand-in: the transforms' outputs must all be tensors
+            return query_losses.mean(), (query_losses, query_out, support, fast, query_losses.new_zeros(0))
+        per_step = torch.stack([*scores, query_losses])  # (steps, T)
+        return (step_weights * per_step.mean(1)).sum(), (query_losses, query_out, support, fast, per_step)
 
-    value_and_grad = torch.func.grad_and_value(meta_loss, argnums=(0, 1), has_aux=True)
+    value_and_grad = torch.func.grad_and_value(meta_loss, argnums=(0, 1, 2), has_aux=True)
 
     def step(*args: Any) -> StepResult:
-        grads, (loss, (query_losses, query_out, support, fast)) = value_and_grad(*args)
-        return grads, (loss, query_losses, query_out, support, fast)
+        grads, (loss, (query_losses, query_out, support, fast, per_step)) = value_and_grad(*args)
+        return grads, (loss, query_losses, query_out, support, fast, per_step)
 
     return step
 

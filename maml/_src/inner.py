@@ -9,12 +9,18 @@ reverse-over-reverse batching rules under ``vmap`` are wrong (pytorch/functorch#
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from typing import Literal
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
+
+try:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+except ImportError:  # older torch: the same switch under its earlier name (below)
+    SDPBackend, sdpa_kernel = None, None
 
 Params = dict[str, Tensor]
 LossFn = Callable[[Tensor, Tensor], Tensor]
@@ -30,10 +36,27 @@ def choose_batching(model: nn.Module, device: torch.device) -> str:
     becomes one grouped convolution, which the CPU kernels run 2-2.5x slower than a per-task
     loop of ordinary convolutions (Omniglot conv net); everything else (linear layers, any
     layer on a GPU) is faster as one batched call (sine MLP: about 5x over the loop on the CPU).
+    A model whose forward pass ``vmap`` cannot batch at all (recurrent layers) is found by its
+    first call instead (:func:`maml._src.probe.check_model`), which moves it to the loop.
     """
     if device.type == "cpu" and any(isinstance(m, _CONVS) for m in model.modules()):
         return "loop"
     return "vmap"
+
+
+def exact_attention() -> contextlib.AbstractContextManager[object]:
+    """Runs attention on the math kernel, whose double backward exists, for steps differentiated twice.
+
+    ``F.scaled_dot_product_attention`` (and ``nn.MultiheadAttention`` without weights, which
+    calls it) otherwise picks a fused kernel with no derivative of its backward pass
+    (``aten::_scaled_dot_product_flash_attention_for_cpu_backward`` on the CPU, flash and
+    memory-efficient attention on GPUs), which the exact meta-gradient needs through every
+    inner step. Entering the context costs about 11 microseconds, so callers enter it once per
+    inner loop or replayed segment, not per step.
+    """
+    if sdpa_kernel is None:
+        return torch.backends.cuda.sdp_kernel(enable_flash=False, enable_math=True, enable_mem_efficient=False)
+    return sdpa_kernel(SDPBackend.MATH)
 
 
 class TaskForward:
@@ -56,11 +79,13 @@ class TaskForward:
 
     def resolve(self, device: torch.device) -> str:
         """The batching used for tensors on ``device``: ``"vmap"`` or ``"loop"``."""
-        if self.batching != "auto":
-            return self.batching
         if device not in self._chosen:
-            self._chosen[device] = choose_batching(self.model, device)
+            self._chosen[device] = choose_batching(self.model, device) if self.batching == "auto" else self.batching
         return self._chosen[device]
+
+    def use_loop(self, device: torch.device) -> None:
+        """Runs the tasks on ``device`` one after another from now on (vmap cannot batch the model)."""
+        self._chosen[device] = "loop"
 
     def _one(self, fast: Params, consts: Params, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
         """One task: ``x (n, *x_shape)``, ``y (n, *y_shape)`` -> loss ``()``, output ``(n, ...)``."""
@@ -75,7 +100,9 @@ class TaskForward:
             )
         return loss, out
 
-    def __call__(self, fast: Params, consts: Params, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+    def __call__(
+        self, fast: Params, consts: Params, x: Tensor, y: Tensor, batching: str | None = None
+    ) -> tuple[Tensor, Tensor]:
         """All tasks.
 
         Args:
@@ -83,11 +110,12 @@ class TaskForward:
             consts: parameters and buffers shared by all tasks (no task dimension).
             x: ``(T, n, *x_shape)`` inputs.
             y: ``(T, n, *y_shape)`` targets.
+            batching: ``"vmap"`` or ``"loop"`` for this call (default: :meth:`resolve`'s).
 
         Returns:
             ``(T,)`` losses and ``(T, n, ...)`` model outputs.
         """
-        if self.resolve(x.device) == "vmap":
+        if (batching or self.resolve(x.device)) == "vmap":
             names = tuple(fast)
             # A channels_last model's weights would make its layers ask, inside vmap, whether a
             # tensor is channels_last, which vmap cannot answer: batched calls get contiguous ones.
@@ -119,42 +147,3 @@ def check_finite(losses: Tensor, step: int, steps: int, rates_hint: str) -> None
         f"Lower the inner learning rate ({rates_hint}), check support_x/support_y of task {task}, "
         f"or pass check_finite=False to MetaLearner to skip this check."
     )
-
-
-def sgd_step(
-    forward: TaskForward,
-    fast: Params,
-    consts: Params,
-    rates: Rates,
-    x: Tensor,
-    y: Tensor,
-    *,
-    create_graph: bool,
-) -> tuple[Params, Tensor]:
-    """One inner SGD step on every task: ``fast - rate * grad(support loss)``.
-
-    Args:
-        forward: the per-task forward pass.
-        fast: ``(T, *shape)`` per-task parameters; each must require grad.
-        consts: shared parameters and buffers.
-        rates: the inner learning rate of each parameter in ``fast``: a float, a scalar
-            tensor or a tensor of the parameter's shape (Meta-SGD).
-        x: ``(T, n, *x_shape)`` support inputs.
-        y: ``(T, n, *y_shape)`` support targets.
-        create_graph: keep the gradient in the graph (second order); ``False`` treats the
-            inner gradient as a constant (first order).
-
-    Returns:
-        The new fast weights and the ``(T,)`` support losses before the step (detached).
-    """
-    losses, _ = forward(fast, consts, x, y)
-    # The tasks' losses depend on disjoint slices of `fast`, so the gradient of their sum
-    # holds every task's own gradient in its slice.
-    grads = torch.autograd.grad(
-        losses.sum(), tuple(fast.values()), create_graph=create_graph, allow_unused=True, materialize_grads=True
-    )
-    new: Params = {}
-    for (name, p), g in zip(fast.items(), grads):
-        rate = rates[name]
-        new[name] = torch.addcmul(p, rate, g, value=-1) if isinstance(rate, Tensor) else torch.add(p, g, alpha=-rate)
-    return new, losses.detach()

@@ -1,27 +1,38 @@
-"""MetaLearner: MAML's inner and outer loop over a model's parameters as a dict of tensors."""
+"""MetaLearner: validation, state and dispatch to the execution paths.
+
+What one inner step does is in ``step.py`` (gradient, then the update rule of ``rules.py``,
+at the rates of ``rates.py``); each execution path runs it in a module of its own:
+``eager.py`` (second and first order, evaluation), ``checkpointed.py`` and ``compiled.py``.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
-from . import checks
+from . import checkpointed, checks, eager
 from .batch import TaskBatch
-from .checkpoint import checkpointed_segment
 from .compiled import compile_step, meta_step, with_gradient
-from .inner import LossFn, Params, TaskForward, check_finite, sgd_step
+from .inner import LossFn, Params, TaskForward, check_finite, exact_attention
+from .loop import InnerLoop, Trace
+from .probe import check_model
+from .rates import LEARN_INNER_LR, InnerRates
+from .rules import INNER_OPTIMIZERS, make_rule
 
 Mode = Literal["second_order", "first_order", "checkpointed"]
 Batching = Literal["auto", "vmap", "loop"]
-LearnInnerLr = Literal["scalar", "per_parameter"] | None
+LearnInnerLr = Literal["scalar", "per_parameter", "per_layer_per_step"] | None
+InnerOptimizer = Literal["sgd", "momentum", "adam"]
 
 MODES: tuple[str, ...] = ("second_order", "first_order", "checkpointed")
 BATCHINGS: tuple[str, ...] = ("auto", "vmap", "loop")
-LEARN_INNER_LR: tuple[str | None, ...] = (None, "scalar", "per_parameter")
+
+__all__ = ["BATCHINGS", "INNER_OPTIMIZERS", "LEARN_INNER_LR", "MODES", "MetaLearner", "MetaOutput"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,14 +40,17 @@ class MetaOutput:
     """Everything one pass over a meta-batch computes.
 
     Attributes:
-        loss: ``()`` mean query loss over the tasks at their fast weights; differentiable
-            with respect to the model's parameters and the learnable inner rates.
-        query_losses: ``(T,)`` each task's query loss (detached).
+        loss: ``()`` the meta-loss: the mean query loss over the tasks at their fast weights,
+            or with ``step_weights`` the weighted sum of the means after each inner step;
+            differentiable with respect to the meta-parameters.
+        query_losses: ``(T,)`` each task's query loss after the last inner step (detached).
         query_out: ``(T, n_query, ...)`` the model's outputs on the query inputs at the fast
             weights (detached), e.g. logits for accuracy.
         support_losses: ``(steps, T)`` support loss before each inner step (detached); row
             0 is the loss before adaptation.
         fast: ``(T, *shape)`` per-task fast weights of the adapted parameters.
+        step_query_losses: ``(steps, T)`` each task's query loss after each inner step
+            (detached) when ``step_weights`` was given, else ``None``.
     """
 
     loss: Tensor
@@ -44,50 +58,57 @@ class MetaOutput:
     query_out: Tensor
     support_losses: Tensor
     fast: Params
+    step_query_losses: Tensor | None = None
 
 
 class MetaLearner:
-    """MAML (Finn et al., 2017) over any ``nn.Module``, with exact second-order meta-gradients.
+    """MAML (Finn et al., 2017) and its family over any ``nn.Module``, with exact meta-gradients.
 
-    The inner loop takes ``steps`` SGD steps on each task's support loss, starting from the
-    model's current parameters, through ``torch.func.functional_call``; the model's own
-    parameters are never modified. The meta-loss is the mean query loss at the fast weights.
+    The inner loop takes ``steps`` steps of an update rule on each task's support loss,
+    starting from the model's current parameters, through ``torch.func.functional_call``; the
+    model's own parameters are never modified. The meta-loss is the mean query loss at the
+    fast weights.
 
     Args:
         model: any network of ordinary layers. Parameters with ``requires_grad=False`` are
-            used as they are and not adapted. Norm layers in training mode must not track
-            running statistics (``track_running_stats=False``), or the model must be in eval mode.
+            used as they are. Norm layers in training mode must not track running statistics
+            (``track_running_stats=False``), or the model must be in eval mode; a module that
+            writes its buffers in the forward pass is refused.
         loss_fn: ``loss_fn(output, y) -> scalar`` for one task (mean over its examples).
-        inner_lr: the inner SGD learning rate (the initial value if learned).
-        steps: inner SGD steps per task (0: no adaptation).
+        inner_lr: the inner step size of every rule (the initial value if learned).
+        steps: inner steps per task (0: no adaptation).
         mode: ``"second_order"`` (exact), ``"first_order"`` (FOMAML: inner gradients are
             constants) or ``"checkpointed"`` (exact, keeps only every ``checkpoint_every``-th
-            fast weights and recomputes the rest in the backward pass).
+            fast weights and recomputes the rest in the backward pass, with the same dropout
+            masks as second order). Settable on a live learner (derivative-order annealing).
         batching: ``"vmap"`` (tasks as one batched forward pass), ``"loop"`` (one task after
             another) or ``"auto"``: ``"loop"`` for a model with convolutions on the CPU (where
-            ``vmap`` turns them into slow grouped convolutions), else ``"vmap"``; with a
-            ``chunk_size`` outside the checkpointed mode, chunked ``"vmap"``. All give the same
-            meta-gradients.
+            ``vmap`` turns them into slow grouped convolutions) or one vmap cannot batch
+            (recurrent layers), else ``"vmap"``; with a ``chunk_size`` outside the checkpointed
+            mode, chunked ``"vmap"``. All give the same meta-gradients.
         chunk_size: tasks processed together: with ``"vmap"``, at most this many tasks per
             batched call; with ``"checkpointed"``, per recomputed segment (default: every task
-            with ``"vmap"``, one with ``"loop"``, where it costs no speed), so ``chunk_size=1``
-            holds one task's activations at a time (the least memory).
-        learn_inner_lr: ``None`` (fixed), ``"scalar"`` (one learnable rate) or
-            ``"per_parameter"`` (Meta-SGD: a learnable rate tensor shaped like each parameter).
+            with ``"vmap"``, one with ``"loop"``, where it costs no speed).
+        learn_inner_lr: ``None`` (fixed), ``"scalar"`` (one learnable rate), ``"per_parameter"``
+            (Meta-SGD: a learnable rate tensor shaped like each adapted parameter) or
+            ``"per_layer_per_step"`` (MAML++'s LSLR: one learnable rate per adapted parameter
+            tensor and inner step; more steps than ``steps`` reuse the last step's rate).
             Learnable rates are in :meth:`parameters` and receive meta-gradients.
-        checkpoint_every: with ``"checkpointed"``, inner steps per recomputed segment. Every
-            step is recomputed exactly once whatever this is, so the default 1 (keep every
-            parameter-sized iterate, hold one step's activations) uses the least memory unless
-            the parameters outweigh a step's activations; raise it to keep fewer iterates.
-        check_finite: raise if an inner loss is NaN/Inf, naming the task and step (costs one
-            device synchronisation per inner step).
+        checkpoint_every: with ``"checkpointed"``, inner steps per recomputed segment (default 1).
+        check_finite: raise if an inner loss is NaN/Inf, naming the task and step.
         compile: compute the meta-loss and its meta-gradient together, in one ``torch.compile``'d
             function of ``torch.func.grad`` transforms (second and first order), when grad mode is
-            on. Exact like the eager engine, several times faster where eager operator calls
-            dominate (small models), at a one-off compile of seconds to minutes per input shape
-            and step count. The returned loss carries its gradient as a constant: ``backward()``
-            works, differentiating the meta-gradient again does not, and ``MetaOutput.fast``
-            is detached. Under ``torch.no_grad()`` (evaluation) the eager engine runs.
+            on. The returned loss carries its gradient as a constant: ``backward()`` works,
+            differentiating the meta-gradient again does not, and ``MetaOutput.fast`` is detached.
+        adapt: the parameters the inner loop updates: a list of ``named_parameters()`` names or a
+            predicate ``name -> bool`` (default: every trainable parameter). Trainable parameters
+            outside it are not updated by the inner loop but are meta-learned, with the exact
+            meta-gradient (ANIL: adapt the head; BOIL: adapt the body).
+        inner_optimizer: the update rule: ``"sgd"``, ``"momentum"`` or ``"adam"``, following
+            ``torch.optim.SGD(momentum=...)`` and ``torch.optim.Adam`` step for step, differentiable,
+            with its state kept per task.
+        inner_optimizer_options: the rule's options: momentum ``{"momentum": 0.9, "nesterov": False}``,
+            adam ``{"betas": (0.9, 0.999), "eps": 1e-8}``.
     """
 
     def __init__(
@@ -104,6 +125,9 @@ class MetaLearner:
         checkpoint_every: int | None = None,
         check_finite: bool = True,
         compile: bool = False,
+        adapt: Sequence[str] | Callable[[str], bool] | None = None,
+        inner_optimizer: InnerOptimizer = "sgd",
+        inner_optimizer_options: Mapping[str, Any] | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
@@ -114,6 +138,7 @@ class MetaLearner:
         checks.one_of("mode", mode, MODES)
         checks.one_of("batching", batching, BATCHINGS)
         checks.one_of("learn_inner_lr", learn_inner_lr, LEARN_INNER_LR)
+        checks.one_of("inner_optimizer", inner_optimizer, INNER_OPTIMIZERS)
         checks.integer("chunk_size", chunk_size, 1, optional=True)
         checks.integer("checkpoint_every", checkpoint_every, 1, optional=True)
         if chunk_size is not None and batching == "loop" and mode != "checkpointed":
@@ -126,46 +151,56 @@ class MetaLearner:
             )
         if not isinstance(compile, bool):
             raise TypeError(f"compile must be True or False, got {compile!r} ({type(compile).__name__}).")
-        if compile and mode == "checkpointed":
-            raise ValueError(
-                "compile=True applies to mode='second_order' or 'first_order': the checkpointed mode "
-                "recomputes its segments in a backward pass of its own, which torch.compile cannot trace. "
-                "Use mode='second_order' with compile=True for speed, or mode='checkpointed' without it for memory."
-            )
-        adapted = [name for name, p in model.named_parameters() if p.requires_grad]
-        if not adapted:
-            raise ValueError("model has no parameter with requires_grad=True: there is nothing to adapt.")
+        self.compile = compile
+        self._check_mode(mode)
+        rule = make_rule(inner_optimizer, inner_optimizer_options)
+        adapted = checks.adapt_set(adapt, model)
 
         self.model = model
         self.loss_fn = loss_fn
         self.inner_lr = float(inner_lr)
         self.steps = steps
-        self.mode = mode
+        self._mode = mode
         self.batching = batching
         self.chunk_size = chunk_size
         self.learn_inner_lr = learn_inner_lr
+        self.inner_optimizer = inner_optimizer
         self.checkpoint_every = checkpoint_every or 1
         self.check_finite = check_finite
-        self.compile = compile
-        self._compiled: Any = None
+        self._compiled: dict[str, Any] = {}
+        self._probed: set[Any] = set()
+        self._example_shape: torch.Size | None = None  # of the inputs of earlier calls, to tell a batch from a task
         self._names = {name for name, _ in model.named_parameters()}
         self._adapted = adapted
         self._integer_inputs = any(isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for m in model.modules())
         # A chunk_size outside the checkpointed mode asks for chunked vmap, so "auto" honours it.
         chunked = chunk_size is not None and mode != "checkpointed"
-        self._forward = TaskForward(model, loss_fn, "vmap" if batching == "auto" and chunked else batching, chunk_size)
-
-        # Learnable rates, keyed "inner_lr" (scalar) or by parameter name (per_parameter).
-        self.rate_parameters: dict[str, nn.Parameter] = {}
+        forward = TaskForward(model, loss_fn, "vmap" if batching == "auto" and chunked else batching, chunk_size)
+        self._forward = forward
+        rates = InnerRates(learn_inner_lr, self.inner_lr, tuple(adapted))
+        self._loop = InnerLoop(forward, rule, rates, self._check if check_finite else None)
         params = dict(model.named_parameters())
-        if learn_inner_lr == "scalar":
-            p = params[adapted[0]]
-            self.rate_parameters["inner_lr"] = nn.Parameter(torch.tensor(self.inner_lr, dtype=p.dtype, device=p.device))
-        elif learn_inner_lr == "per_parameter":
-            for name in adapted:
-                self.rate_parameters[name] = nn.Parameter(torch.full_like(params[name], self.inner_lr))
+        self.rate_parameters: dict[str, nn.Parameter] = {k: nn.Parameter(v) for k, v in rates.init(params, steps).items()}
+        checks.warn_weight_norm(model, mode)
 
     # ------------------------------------------------------------------ public API
+
+    @property
+    def mode(self) -> str:
+        """``"second_order"``, ``"first_order"`` or ``"checkpointed"``; may be set between steps."""
+        return self._mode
+
+    @mode.setter
+    def mode(self, mode: str) -> None:
+        checks.one_of("mode", mode, MODES)
+        self._check_mode(mode)
+        if mode == "checkpointed" and self.chunk_size is not None and self.batching == "auto":
+            raise ValueError(
+                f"mode='checkpointed' on a learner built with chunk_size={self.chunk_size} for chunked vmap; "
+                f"build it with mode='checkpointed' to recompute chunk_size tasks at a time."
+            )
+        checks.warn_weight_norm(self.model, mode)
+        self._mode = mode
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """The meta-parameters: the model's parameters, then the learnable inner rates."""
@@ -174,27 +209,45 @@ class MetaLearner:
 
     @property
     def resolved_batching(self) -> str:
-        """The batching used on the model's current device: ``"vmap"`` or ``"loop"`` (resolves ``"auto"``)."""
+        """The batching used on the model's current device: ``"vmap"`` or ``"loop"`` (resolves ``"auto"``).
+
+        Settled by the first call: ``"auto"`` moves a model whose forward pass vmap cannot batch
+        (recurrent layers, ``.item()``) to the loop then (see ``probe.py``).
+        """
         return self._forward.resolve(next(self.model.parameters()).device)
 
     @property
+    def adapted(self) -> tuple[str, ...]:
+        """The names of the parameters the inner loop updates."""
+        return tuple(self._adapted)
+
+    @property
     def inner_lrs(self) -> dict[str, float | Tensor]:
-        """The inner learning rate of every adapted parameter (a float, or a learnable tensor)."""
+        """The inner rate of every adapted parameter: a float, or its learnable tensor (``(steps,)`` per step)."""
         if self.learn_inner_lr == "scalar":
             return {name: self.rate_parameters["inner_lr"] for name in self._adapted}
-        if self.learn_inner_lr == "per_parameter":
-            return dict(self.rate_parameters)
-        return {name: self.inner_lr for name in self._adapted}
+        if self.learn_inner_lr is None:
+            return {name: self.inner_lr for name in self._adapted}
+        return dict(self.rate_parameters)
 
-    def meta_loss(self, batch: TaskBatch) -> Tensor:
-        """The mean query loss over the tasks of ``batch`` after adaptation: a scalar tensor.
+    def meta_loss(self, batch: TaskBatch, step_weights: Tensor | None = None) -> Tensor:
+        """The meta-loss over the tasks of ``batch``: a scalar tensor.
 
         ``meta_loss(batch).backward()`` leaves the meta-gradient in ``.grad`` of the model's
         parameters and of the learnable inner rates.
-        """
-        return self.run(batch).loss
 
-    def run(self, batch: TaskBatch, params: Params | None = None, steps: int | None = None) -> MetaOutput:
+        Args:
+            batch: ``T`` tasks.
+            step_weights: ``(steps,)`` MAML++'s multi-step loss: the sum over ``k`` of
+                ``step_weights[k - 1]`` times the mean query loss after inner step ``k``.
+                Default: the mean query loss after the last step.
+        """
+        loss = self.run(batch, step_weights=step_weights).loss
+        return loss if torch.is_grad_enabled() else checks.evaluation_loss(loss)
+
+    def run(
+        self, batch: TaskBatch, params: Params | None = None, steps: int | None = None, step_weights: Tensor | None = None
+    ) -> MetaOutput:
         """Adapts to every task of ``batch`` and scores the fast weights on its query set.
 
         Args:
@@ -203,26 +256,39 @@ class MetaLearner:
                 default: the model's current parameters.
             steps: inner steps for this call (default: the learner's ``steps``), e.g. more
                 steps at test time than in training.
+            step_weights: ``(steps,)`` weights of the query loss after each inner step (the
+                multi-step loss); see :meth:`meta_loss`.
 
         Returns:
             The meta-loss and what was computed on the way (see :class:`MetaOutput`).
         """
         if not isinstance(batch, TaskBatch):
             raise TypeError(f"batch must be a maml.TaskBatch, got {type(batch).__name__}.")
+        checks.grad_mode_possible("run")
+        steps = self.steps if steps is None else steps
+        checks.integer("steps", steps, 0)
         params, consts = self._split(params, batch.support_x, batch.query_x)
-        if self.mode == "checkpointed" and torch.is_grad_enabled():
-            return self._run_checkpointed(params, consts, batch, steps)
-        if self.compile and torch.is_grad_enabled():
-            return self._run_compiled(params, consts, batch, steps)
-        fast, support_losses = self._adapt(params, consts, batch.support_x, batch.support_y, steps)
-        query_losses, query_out = self._forward(fast, consts, batch.query_x, batch.query_y)
-        return MetaOutput(
-            loss=query_losses.mean(),
-            query_losses=query_losses.detach(),
-            query_out=query_out.detach(),
-            support_losses=support_losses,
-            fast=fast,
-        )
+        if step_weights is not None:
+            step_weights = checks.step_weights(step_weights, steps, params[self._adapted[0]])
+        self._probe(params, consts, batch)
+        self._example_shape = batch.support_x.shape[2:]
+        rate_values = dict(self.rate_parameters)
+        every_step = step_weights is not None
+        grad = torch.is_grad_enabled()
+        with exact_attention() if grad and self._mode != "first_order" else contextlib.nullcontext():
+            if self.compile and grad:
+                return self._run_compiled(params, rate_values, consts, batch, steps, step_weights)
+            if self._mode == "checkpointed" and grad:
+                trace = checkpointed.run(
+                    self._loop, params, rate_values, consts, batch, steps,
+                    chunk=self._tasks_per_chunk(batch.num_tasks), every=self.checkpoint_every, every_step=every_step,
+                )  # fmt: skip
+            else:
+                trace = eager.run(
+                    self._loop, params, rate_values, consts, batch, steps,
+                    first_order=self._mode == "first_order", every_step=every_step,
+                )  # fmt: skip
+        return self._output(trace, step_weights)
 
     def task_losses(self, fast: Params, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
         """Each task's loss and outputs at its own fast weights, e.g. the support loss after adaptation.
@@ -239,6 +305,7 @@ class MetaLearner:
         params = dict(self.model.named_parameters())
         consts = {k: v for k, v in params.items() if k not in fast}
         consts.update(self.model.named_buffers())
+        self._probe({k: v[0] for k, v in fast.items()}, consts, TaskBatch(x, y, x, y))
         return self._forward(fast, consts, x, y)
 
     def adapt(
@@ -247,7 +314,8 @@ class MetaLearner:
         """One task's fast weights.
 
         Args:
-            support_x: ``(n, *x_shape)`` support inputs of one task (no task dimension).
+            support_x: ``(n, *x_shape)`` support inputs of one task (no task dimension); a batch
+                ``(T, n, *x_shape)`` is refused once an earlier call showed the examples' shape.
             support_y: ``(n, *y_shape)`` support targets.
             params: the initial parameters (default: the model's current parameters).
             steps: inner steps for this call (default: the learner's ``steps``).
@@ -265,8 +333,19 @@ class MetaLearner:
                 f"support_x has {support_x.shape[0]} examples but support_y has {support_y.shape[0]}; "
                 f"every input needs exactly one target."
             )
+        checks.grad_mode_possible("adapt")
+        checks.one_task(support_x, self._example_shape)
+        steps = self.steps if steps is None else steps
+        checks.integer("steps", steps, 0)
         params, consts = self._split(params, support_x)
-        fast, _ = self._adapt(params, consts, support_x.unsqueeze(0), support_y.unsqueeze(0), steps)
+        x, y = support_x.unsqueeze(0), support_y.unsqueeze(0)
+        self._probe(params, consts, TaskBatch(x, y, x, y))
+        self._example_shape = support_x.shape[1:]
+        grad = torch.is_grad_enabled()
+        with exact_attention() if grad and self._mode != "first_order" else contextlib.nullcontext():
+            fast, _, _ = eager.adapt(
+                self._loop, params, dict(self.rate_parameters), consts, x, y, steps, first_order=self._mode == "first_order"
+            )
         frozen = {k: v for k, v in consts.items() if k in self._names}
         return {**frozen, **{k: v[0] for k, v in fast.items()}}
 
@@ -299,13 +378,25 @@ class MetaLearner:
     def __repr__(self) -> str:
         return (
             f"MetaLearner({type(self.model).__name__}, inner_lr={self.inner_lr}, steps={self.steps}, "
-            f"mode={self.mode!r}, batching={self.batching!r}, learn_inner_lr={self.learn_inner_lr!r})"
+            f"mode={self._mode!r}, batching={self.batching!r}, learn_inner_lr={self.learn_inner_lr!r}, "
+            f"inner_optimizer={self.inner_optimizer!r})"
         )
 
     # ------------------------------------------------------------------ internals
 
+    def _check_mode(self, mode: str) -> None:
+        if self.compile and mode == "checkpointed":
+            raise ValueError(
+                "compile=True applies to mode='second_order' or 'first_order': the checkpointed mode "
+                "recomputes its segments in a backward pass of its own, which torch.compile cannot trace. "
+                "Use mode='second_order' with compile=True for speed, or mode='checkpointed' without it for memory."
+            )
+
+    def _check(self, losses: Tensor, step: int, steps: int) -> None:
+        check_finite(losses, step, steps, self._rate_hint)
+
     def _split(self, params: Params | None, *inputs: Tensor) -> tuple[Params, Params]:
-        """Validates, then splits into adapted parameters and shared constants (frozen parameters, buffers)."""
+        """Validates, then splits into adapted parameters and shared constants (other parameters, buffers)."""
         if params is None:
             params = dict(self.model.named_parameters())
         else:
@@ -328,109 +419,89 @@ class MetaLearner:
         consts.update(self.model.named_buffers())
         return adapted, consts
 
-    def _adapt(self, params: Params, consts: Params, x: Tensor, y: Tensor, steps: int | None) -> tuple[Params, Tensor]:
-        """Runs the inner loop on ``T`` tasks: ``x (T, n, ...)`` -> fast weights ``(T, *shape)``, losses ``(steps, T)``."""
-        if steps is None:
-            steps = self.steps
-        checks.integer("steps", steps, 0)
-        tasks = x.shape[0]
-        rates = self.inner_lrs
-        mode = self.mode
-        differentiable = torch.is_grad_enabled()
-        with torch.enable_grad():  # the inner loop needs gradients even under torch.no_grad()
-            fast = {k: p.unsqueeze(0).expand(tasks, *p.shape) for k, p in params.items()}
-            if not differentiable:
-                # Evaluation: no meta-gradient wanted, so the same values without a graph to keep.
-                fast = {k: v.detach().requires_grad_() for k, v in fast.items()}
-                rates = {k: r.detach() if isinstance(r, Tensor) else r for k, r in rates.items()}
-                mode = "first_order"
-            losses: list[Tensor] = []
-            if mode == "checkpointed":
-                fast, losses = self._checkpointed_steps(fast, consts, rates, x, y, steps)
-            else:
-                for step in range(steps):
-                    fast, loss = self._step(fast, consts, rates, x, y, step, steps, create_graph=mode == "second_order")
-                    losses.append(loss)
-        if not differentiable:
-            fast = {k: v.detach() for k, v in fast.items()}
-        support_losses = torch.stack(losses) if losses else x.new_zeros((0, tasks), dtype=torch.float32)
-        return fast, support_losses
+    def _probe(self, params: Params, consts: Params, batch: TaskBatch) -> None:
+        """Runs :func:`check_model` once per device and train/eval configuration of the model."""
+        device = batch.support_x.device
+        key = (device, tuple(m.training for m in self.model.modules()))
+        if key in self._probed:
+            return
+        with torch.no_grad():
+            one = {k: v.detach() for k, v in params.items()}
+            shared = {k: v.detach() for k, v in consts.items()}
+        check_model(
+            self._forward, one, shared, batch.support_x[:1], batch.support_y[:1], may_fall_back=self.batching == "auto"
+        )
+        self._probed.add(key)
 
-    def _run_checkpointed(self, params: Params, consts: Params, batch: TaskBatch, steps: int | None) -> MetaOutput:
-        """The checkpointed meta-loss, one chunk of tasks at a time.
-
-        Each chunk's inner steps and its query loss are checkpointed segments, so the forward
-        pass keeps only parameter-sized iterates and the backward pass recomputes one segment of
-        one chunk at a time: peak memory is the iterates plus one chunk's step (or query) activations.
-        """
-        fast, support_losses = self._adapt(params, consts, batch.support_x, batch.support_y, steps)
-        size = self._tasks_per_chunk(batch.num_tasks)
-        losses, outs = [], []
-        for lo in range(0, batch.num_tasks, size):
-            chunk = batch[lo : lo + size]
-            f = {k: v[lo : lo + size] for k, v in fast.items()}
-            loss, out = self._checkpointed_query(f, consts, chunk.query_x, chunk.query_y)
-            losses.append(loss)
-            outs.append(out)
-        query_losses = torch.cat(losses)
+    def _output(self, trace: Trace, step_weights: Tensor | None) -> MetaOutput:
+        if step_weights is None:
+            loss = trace.query_losses.mean()
+        else:
+            assert trace.step_query_losses is not None
+            loss = (step_weights * trace.step_query_losses.mean(1)).sum()
+        per_step = trace.step_query_losses
         return MetaOutput(
-            loss=query_losses.mean(),
-            query_losses=query_losses.detach(),
-            query_out=torch.cat(outs),
-            support_losses=support_losses,
-            fast=fast,
+            loss=loss,
+            query_losses=trace.query_losses.detach(),
+            query_out=trace.query_out,
+            support_losses=trace.support_losses,
+            fast=trace.fast,
+            step_query_losses=None if per_step is None else per_step.detach(),
         )
 
-    def _run_compiled(self, params: Params, consts: Params, batch: TaskBatch, steps: int | None) -> MetaOutput:
+    def _run_compiled(
+        self, params: Params, rate_values: Params, consts: Params, batch: TaskBatch, steps: int, step_weights: Tensor | None
+    ) -> MetaOutput:
         """The meta-loss with its meta-gradient computed now, by the compiled step, one chunk of tasks at a time.
 
         With the loop, each call is one task (no grouped convolutions, one task's activations);
         with vmap, all tasks (or ``chunk_size``). The loss and gradient are the chunks' means
         weighted by their sizes, which is the mean over the meta-batch.
         """
-        if steps is None:
-            steps = self.steps
-        checks.integer("steps", steps, 0)
-        if self._compiled is None:
-            # inner_lrs names each parameter's rate; the compiled step takes the learnable ones by key.
-            key = {id(p): k for k, p in self.rate_parameters.items()}
-            rate_of = {k: key[id(r)] if isinstance(r, Tensor) else r for k, r in self.inner_lrs.items()}
-            step = meta_step(self._forward, rate_of, first_order=self.mode == "first_order")
-            self._compiled = compile_step(step)
+        if self._mode not in self._compiled:
+            self._compiled[self._mode] = compile_step(meta_step(self._loop, first_order=self._mode == "first_order"))
+        compiled = self._compiled[self._mode]
         tasks = batch.num_tasks
         size = self._tasks_per_chunk(tasks)
+        trained = {k: v for k, v in consts.items() if v.requires_grad}
+        inputs = [*params.values(), *rate_values.values(), *trained.values()]
         values = {k: v.detach() for k, v in params.items()}
-        rate_values = {k: v.detach() for k, v in self.rate_parameters.items()}
-        consts = {k: v.detach() for k, v in consts.items()}
+        rates = {k: v.detach() for k, v in rate_values.items()}
+        trained_values = {k: v.detach() for k, v in trained.items()}
+        shared = {k: v.detach() for k, v in consts.items() if k not in trained}
+        weights = None if step_weights is None else step_weights.detach()
 
-        def call(chunk: TaskBatch) -> tuple[Tensor, list[Tensor], tuple[Tensor, Tensor, Tensor, Params]]:
-            (g_params, g_rates), (loss, *rest) = self._compiled(
-                values, rate_values, consts, chunk.support_x, chunk.support_y, chunk.query_x, chunk.query_y, steps
-            )
-            return loss, [*g_params.values(), *g_rates.values()], tuple(rest)  # type: ignore[return-value]
-
-        if size >= tasks:
-            loss, grads, (query_losses, query_out, support_losses, fast) = call(batch)
-        else:  # the meta-batch's mean: the chunks' means weighted by their sizes
-            parts = []
-            for lo in range(0, tasks, size):
-                chunk = batch[lo : lo + size]
-                chunk_loss, chunk_grads, rest = call(chunk)
-                weight = chunk.num_tasks / tasks
-                if not parts:
-                    loss, grads = chunk_loss * weight, [g * weight for g in chunk_grads]
-                else:
-                    loss, grads = loss + chunk_loss * weight, [a + g * weight for a, g in zip(grads, chunk_grads)]
-                parts.append(rest)
-            query_losses = torch.cat([p[0] for p in parts])
-            query_out = torch.cat([p[1] for p in parts])
-            support_losses = torch.cat([p[2] for p in parts], dim=1)  # (steps, T)
-            fast = {k: torch.cat([p[3][k] for p in parts]) for k in values}
+        loss: Tensor | None = None
+        grads: list[Tensor] = []
+        parts = []
+        for lo in range(0, tasks, size):
+            chunk = batch[lo : lo + size]
+            (g_params, g_rates, g_trained), (chunk_loss, *rest) = compiled(
+                values, rates, trained_values, shared,
+                chunk.support_x, chunk.support_y, chunk.query_x, chunk.query_y, steps, weights,
+            )  # fmt: skip
+            chunk_grads = [*g_params.values(), *g_rates.values(), *g_trained.values()]
+            weight = chunk.num_tasks / tasks  # the meta-batch's mean: the chunks' means weighted by their sizes
+            if loss is None:
+                loss, grads = chunk_loss * weight, [g * weight for g in chunk_grads]
+            else:
+                loss, grads = loss + chunk_loss * weight, [a + g * weight for a, g in zip(grads, chunk_grads)]
+            parts.append(rest)
+        assert loss is not None
+        query_losses = torch.cat([p[0] for p in parts])
+        support_losses = torch.cat([p[2] for p in parts], dim=1)  # (steps, T)
         if self.check_finite and not bool(torch.isfinite(support_losses).all()):  # one synchronisation
             for i in range(steps):
-                check_finite(support_losses[i], i, steps, self._rate_hint)
-        loss = with_gradient(loss, [*params.values(), *self.rate_parameters.values()], grads)
-        return MetaOutput(loss=loss, query_losses=query_losses, query_out=query_out, support_losses=support_losses, fast=fast)
+                self._check(support_losses[i], i, steps)
+        per_step = None if step_weights is None else torch.cat([p[4] for p in parts], dim=1)
+        return MetaOutput(
+            loss=with_gradient(loss, inputs, grads),
+            query_losses=query_losses,
+            query_out=torch.cat([p[1] for p in parts]),
+            support_losses=support_losses,
+            fast={k: torch.cat([p[3][k] for p in parts]) for k in values},
+            step_query_losses=per_step,
+        )
 
     @property
     def _rate_hint(self) -> str:
@@ -447,92 +518,3 @@ class MetaLearner:
             return self.chunk_size
         return 1 if self.resolved_batching == "loop" else tasks
 
-    def _checkpointed_steps(
-        self, fast: Params, consts: Params, rates: dict[str, Any], x: Tensor, y: Tensor, steps: int
-    ) -> tuple[Params, list[Tensor]]:
-        """The checkpointed inner loop: each segment is ``checkpoint_every`` steps of one chunk of tasks.
-
-        The segments run step by step, every chunk in turn, so with one step per segment (the
-        default) the tasks draw their dropout masks in the same order as in second order.
-
-        Returns:
-            The fast weights ``(T, *shape)`` and each step's ``(T,)`` support losses.
-        """
-        tasks = x.shape[0]
-        size = self._tasks_per_chunk(tasks)
-        starts = range(0, tasks, size)
-        chunks = [{k: v[lo : lo + size] for k, v in fast.items()} for lo in starts]
-        losses: list[list[Tensor]] = [[] for _ in starts]
-        for start in range(0, steps, self.checkpoint_every):
-            count = min(self.checkpoint_every, steps - start)
-            for i, lo in enumerate(starts):
-                xs, ys = x[lo : lo + size], y[lo : lo + size]
-                chunks[i] = self._checkpointed(chunks[i], consts, rates, xs, ys, count, losses[i])
-            if self.check_finite:  # once every chunk took these steps, so that the task index is the batch's
-                for step in range(start, start + count):
-                    check_finite(torch.cat([chunk[step] for chunk in losses]), step, steps, self._rate_hint)
-        if len(chunks) > 1:
-            fast = {k: torch.cat([c[k] for c in chunks]) for k in fast}
-        else:
-            fast = chunks[0]
-        return fast, [torch.cat(per_step) for per_step in zip(*losses)]
-
-    def _checkpointed_query(self, fast: Params, consts: Params, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
-        """``(T,)`` query losses at ``fast`` whose activations are recomputed in the backward pass, and the outputs."""
-        names = list(fast)
-        outputs: list[Tensor] = []
-
-        def run(fast_values: list[Tensor], rate_values: list[Tensor], replay: bool) -> tuple[Tensor, ...]:
-            with torch.set_grad_enabled(replay):
-                losses, out = self._forward(dict(zip(names, fast_values)), consts, x, y)
-            if not replay:
-                outputs.append(out)
-            return (losses,)
-
-        (losses,) = checkpointed_segment(run, [fast[n] for n in names], [], returns_fast=False)
-        return losses, outputs[0]
-
-    def _step(
-        self,
-        fast: Params,
-        consts: Params,
-        rates: dict[str, Any],
-        x: Tensor,
-        y: Tensor,
-        step: int,
-        steps: int,
-        *,
-        create_graph: bool,
-    ) -> tuple[Params, Tensor]:
-        new, losses = sgd_step(self._forward, fast, consts, rates, x, y, create_graph=create_graph)
-        if self.check_finite:
-            check_finite(losses, step, steps, self._rate_hint)
-        return new, losses
-
-    def _checkpointed(
-        self,
-        fast: Params,
-        consts: Params,
-        rates: dict[str, Any],
-        x: Tensor,
-        y: Tensor,
-        count: int,
-        losses: list[Tensor],
-    ) -> Params:
-        """One segment: ``count`` inner steps, appending their support losses to ``losses``."""
-        names = list(fast)
-        learned = [n for n in names if isinstance(rates[n], Tensor)]
-
-        def run(fast_values: list[Tensor], rate_values: list[Tensor], replay: bool) -> tuple[Tensor, ...]:
-            f = dict(zip(names, fast_values))
-            r = {**rates, **dict(zip(learned, rate_values))}
-            for _ in range(count):
-                if not replay:  # values only: a fresh leaf per step keeps no graph across steps
-                    f = {k: v.detach().requires_grad_() for k, v in f.items()}
-                f, loss = sgd_step(self._forward, f, consts, r, x, y, create_graph=replay)
-                if not replay:
-                    losses.append(loss)
-            return tuple(f.values())
-
-        out = checkpointed_segment(run, [fast[n] for n in names], [rates[n] for n in learned])
-        return dict(zip(names, out))

@@ -1,0 +1,109 @@
+"""What only running a model tells: buffers its forward pass writes, operators vmap cannot batch.
+
+Both are properties of the model's code, not of its layer types (a parametrization, a custom
+module, a fused kernel), so no type list covers them. Before a learner's first call with a
+given model configuration, :func:`check_model` runs one task's forward pass (and loss) twice,
+on copies of the buffers and with the random number generators forked, so the model, its
+buffers and the random stream are left as they were:
+
+- plainly, watching each buffer's version counter, which every in-place write increments:
+  a module that writes its state would overwrite it with every task's fast weights (so the
+  results depend on the order of tasks and calls), and under ``vmap`` the write fails;
+- under ``vmap``, when the tasks would be batched: an operator without a batching rule
+  (the fused recurrent kernels, ``.item()``, data-dependent shapes) moves ``"auto"`` to the
+  loop and fails an explicit ``"vmap"`` with a message naming the module.
+"""
+
+from __future__ import annotations
+
+import traceback
+
+import torch
+from torch import Tensor, nn
+
+from .checks import module_kind
+from .inner import Params, TaskForward
+
+
+def check_model(
+    forward: TaskForward, params: Params, consts: Params, x: Tensor, y: Tensor, *, may_fall_back: bool
+) -> None:
+    """Refuses a model whose forward pass writes its buffers, and settles the batching on ``x``'s device.
+
+    Args:
+        forward: the learner's per-task forward pass.
+        params: one task's parameters that are adapted, without a task dimension.
+        consts: the shared parameters and buffers, keyed like ``named_parameters()``/``named_buffers()``.
+        x: ``(1, n, *x_shape)`` one task's inputs.
+        y: ``(1, n, *y_shape)`` its targets.
+        may_fall_back: the batching was ``"auto"``: a model vmap cannot batch runs in a loop
+            instead of failing.
+
+    Raises:
+        ValueError: the forward pass writes a buffer in place, or vmap was asked for and cannot
+            batch the model.
+    """
+    model = forward.model
+    buffers = [name for name, _ in model.named_buffers()]
+    fast = {k: v.unsqueeze(0) for k, v in params.items()}
+    devices = sorted({t.device.index for t in (*params.values(), x) if t.is_cuda})
+    with torch.random.fork_rng(devices=devices), torch.enable_grad():
+        copies = {**consts, **{k: consts[k].clone() for k in buffers}}
+        # An in-place write increments the version counter; assigning `.data` swaps the storage.
+        before = {k: (copies[k]._version, copies[k].data_ptr()) for k in buffers}
+        forward(fast, copies, x, y, batching="loop")
+        written = [k for k in buffers if (copies[k]._version, copies[k].data_ptr()) != before[k]]
+        if written:
+            raise ValueError(_writes_state(model, written))
+        if forward.resolve(x.device) != "vmap":
+            return
+        try:
+            forward(fast, copies, x, y, batching="vmap")
+        except RuntimeError as e:
+            if not _unbatchable(e):
+                raise
+            if not may_fall_back:
+                raise ValueError(
+                    f"batching='vmap' cannot batch {_module_in(model, e)} over the tasks: PyTorch's vmap has "
+                    f"no rule for an operator of its forward pass. Use batching='loop', or batching='auto', "
+                    f"which picks the loop for such a model. (PyTorch: {str(e).splitlines()[0]})"
+                ) from e
+            forward.use_loop(x.device)
+
+
+def _unbatchable(error: RuntimeError) -> bool:
+    """Whether ``error`` is vmap refusing an operation (rather than an error of the model itself)."""
+    message = str(error)
+    return message.startswith("vmap:") or "Batching rule not implemented" in message
+
+
+def _module_in(model: nn.Module, error: BaseException) -> str:
+    """The innermost of ``model``'s modules running when ``error`` was raised, e.g. ``GRU 'rnn'``."""
+    names = {id(m): name for name, m in model.named_modules()}
+    found = "its forward pass"
+    for frame, _ in traceback.walk_tb(error.__traceback__):
+        module = frame.f_locals.get("self")
+        if isinstance(module, nn.Module) and id(module) in names:
+            found = f"{module_kind(module)} {names[id(module)]!r}"
+    return found
+
+
+def _writes_state(model: nn.Module, written: list[str]) -> str:
+    """The error for buffers ``written`` in place by the forward pass: the module, its buffers, the fix."""
+    owner_name, _, _ = written[0].rpartition(".")
+    owner = model.get_submodule(owner_name)
+    leaves = [name.rpartition(".")[2] for name in written if name.rpartition(".")[0] == owner_name]
+    its = f"its buffer {leaves[0]!r}" if len(leaves) == 1 else f"its buffers {', '.join(map(repr, leaves))}"
+    them = "it" if len(leaves) == 1 else "them"
+    eval_fix = (
+        "Call model.eval() if the module leaves its state alone in eval mode (spectral_norm does), or stop it"
+        if owner.training
+        else "Stop it"
+    )
+    return (
+        f"{module_kind(owner)} {owner_name!r} writes {its} in place in its forward pass (in "
+        f"{'training' if owner.training else 'eval'} mode): every inner step of every task would overwrite "
+        f"{them} with that task's fast weights, so results would depend on the order of the tasks and calls "
+        f"(and vmap cannot batch the writes). {eval_fix} from writing its state in the forward pass (a "
+        f"parametrization comes off with torch.nn.utils.parametrize.remove_parametrizations)."
+    )
