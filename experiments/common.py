@@ -4,20 +4,30 @@ wandb, the meta-training loop, confidence intervals and results.json."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
+import errno
+import functools
+import hashlib
 import importlib.metadata
+import io
 import json
 import math
 import os
 import platform
+import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 import types
 import typing
-from collections.abc import Callable, Sequence
+import urllib.parse
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,14 +77,31 @@ def field(default: Any, help: str) -> Any:
     return dataclasses.field(default=default, metadata={"help": help})
 
 
-def check_config(cfg: Any, positive: Sequence[str], choices: dict[str, Sequence[Any]]) -> None:
-    """Raises ValueError naming the key of the first value that is not >= 1 or not among its choices."""
-    for key in positive:
-        if getattr(cfg, key) < 1:
-            raise ValueError(f"{key}={getattr(cfg, key)} must be >= 1.")
+def check_config(cfg: Any, positive: Sequence[str], choices: dict[str, Sequence[Any]], rates: Sequence[str] = (),
+                 non_negative: Sequence[str] = ()) -> None:  # fmt: skip
+    """Raises ValueError naming the flag and the value of the first invalid one.
+
+    ``positive``: ints (or lists of ints) that must be >= 1; ``non_negative``: >= 0; ``rates``:
+    floats that must be finite and > 0; ``choices``: the values each key allows. A None value
+    (a field whose default is filled in later) passes.
+    """
+    for keys, low in ((positive, 1), (non_negative, 0)):
+        for key in keys:
+            value = getattr(cfg, key)
+            if isinstance(value, tuple) and any(v < low for v in value):
+                raise ValueError(f"{_flag(key)} {','.join(map(str, value))}: each must be an integer >= {low}.")
+            if isinstance(value, int) and value < low:
+                raise ValueError(f"{_flag(key)} {value} must be an integer >= {low}.")
+    for key in rates:
+        value = getattr(cfg, key)
+        if value is not None and not 0 < value <= torch.finfo(torch.float32).max:  # NaN fails; inf overflows float32
+            default = next(f.default for f in dataclasses.fields(cfg) if f.name == key)
+            fix = f", e.g. {default:g} (the default)" if isinstance(default, float) else "; leave it out for the default"
+            big = " (in float32, the parameters' precision)" if math.isfinite(value) and value > 0 else ""
+            raise ValueError(f"{_flag(key)} {value:g} must be a finite number > 0{big}{fix}.")
     for key, allowed in choices.items():
         if getattr(cfg, key) not in allowed:
-            raise ValueError(f"{key}={getattr(cfg, key)!r} is not one of {', '.join(map(repr, allowed))}.")
+            raise ValueError(f"{_flag(key)}: {key}={getattr(cfg, key)!r} is not one of {', '.join(map(repr, allowed))}.")
 
 
 def _flag(name: str) -> str:
@@ -144,6 +171,33 @@ def _type_name(tp: Any) -> str:
     return name + (" or null" if optional else "")
 
 
+def _metavar(tp: Any) -> str:
+    """``INT``, ``FLOAT|null``, ``INT,...`` (a comma-separated list) or ``true|false``, for ``--help``."""
+    base, optional = _base_type(tp)
+    if typing.get_origin(base) in (list, tuple):
+        return _metavar(typing.get_args(base)[0]) + ",..."
+    return {int: "INT", float: "FLOAT", bool: "true|false", str: "STR"}.get(base, "VALUE") + ("|null" if optional else "")
+
+
+def _show(value: Any) -> str:
+    """A default as it is written on the command line: ``null``, ``true``, ``5,10,20``."""
+    if isinstance(value, tuple):
+        return ",".join(map(_show, value))
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    return str(value)
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Appends ``(default: X)`` to a flag's help when it has a default and its help does not name one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_ = action.help or ""
+        if "default" in help_ or action.default in (None, False, argparse.SUPPRESS):
+            return help_
+        return f"{help_} (default: {action.default})"
+
+
 def _suggest(word: str, choices: Sequence[str]) -> str:
     matches = difflib.get_close_matches(word, choices, n=3, cutoff=0.5)
     return f" (did you mean {', '.join(matches)}?)" if matches else ""
@@ -186,7 +240,7 @@ def parse_args(
     types_ = _field_types(cls)
     parser = argparse.ArgumentParser(
         prog=f"python -m experiments.{experiment}", description=description, allow_abbrev=False,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )  # fmt: skip
     run = parser.add_argument_group("run")
     run.add_argument("--config", type=Path, help="YAML file of config keys (flags override it)")
@@ -196,21 +250,29 @@ def parse_args(
     run.add_argument("--wandb", choices=("offline", "online", "disabled"), help="wandb mode (default: $WANDB_MODE, "
                      "else online if logged in, else offline)")  # fmt: skip
     run.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    run.add_argument("--threads", type=int, metavar="INT", help="CPU threads of this process (default: PyTorch's, one per core)")
     hyper = parser.add_argument_group("hyperparameters")
     defaults = {f.name: f.default for f in dataclasses.fields(cls)}
     for name, tp in types_.items():
         help_ = next(f for f in dataclasses.fields(cls) if f.name == name).metadata.get("help", "")
-        hyper.add_argument(_flag(name), f"--{name}" if "_" in name else _flag(name) + "-", dest=name, default=None,
-                           metavar=_type_name(tp).split(" ", 1)[-1].upper().replace(" ", "_"),
-                           help=f"{help_} (default: {defaults[name]})")  # fmt: skip
+        shown = "" if "default" in help_ else f" (default: {_show(defaults[name])})"
+        hyper.add_argument(_flag(name), dest=name, default=None, metavar=_metavar(tp), help=help_ + shown)
 
     def error(message: str) -> typing.NoReturn:
         raise UsageError(message)
 
     parser.error = error  # type: ignore[method-assign]
+    # `wandb agent` passes a parameter as spelled in the sweep file: --inner_lr=0.01 is --inner-lr=0.01.
+    snake = {f"--{name}": _flag(name) for name in types_ if "_" in name}
+
+    def kebab(arg: str) -> str:
+        name, equals, value = arg.partition("=")
+        return snake[name] + equals + value if name in snake else arg
+
+    argv = [kebab(a) for a in (sys.argv[1:] if argv is None else argv)]
     args, unknown = parser.parse_known_args(argv)
     if unknown:
-        flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--") and not o.endswith("-")]
+        flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
         bad = unknown[0].split("=", 1)[0]
         raise UsageError(f"unknown flag {bad}{_suggest(bad, flags)}; see --help for the full list.")
 
@@ -232,6 +294,7 @@ def parse_args(
         raise UsageError(f"--device {args.device!r} is not a torch device; use cpu, cuda or cuda:N.") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device {args.device}: CUDA is not available on this machine; use --device cpu.")
+    set_threads(args.threads)
     device, rank, world_size = join_processes(device)
     return cfg, RunOptions(experiment, args.out, args.resume, args.overwrite, args.wandb or default_wandb_mode(), device,
                            args.config, rank, world_size)  # fmt: skip
@@ -315,18 +378,69 @@ def broadcast(value: Any, opts: RunOptions) -> Any:
 
 # ---------------------------------------------------------------------------- output folder
 
+METRICS_FILE = "metrics.jsonl"  # every logged row, one JSON object a line, as the checkpoint's history
+PLOTS = ("learning_curves.png", "sine_fit.png", "task_grid.png")  # the PNG plots the scripts write
+# Config keys that --resume may change: how long the run goes and how often it logs, validates and
+# checkpoints. None of them changes the trajectory (no learning-rate schedule depends on the length),
+# so a lengthened run ends with the parameters of a run that was that long from the start.
+RESUMABLE = ("iterations", "log_every", "val_every", "checkpoint_every")
+# Config keys naming data on disk: on --resume, another spelling of the path (a trailing slash, a
+# relative path) is the same data, and so is another folder holding the same files (the data moved).
+DATA_KEYS = ("data",)
+_TEMPORARY = re.compile(r"\..+\.tmp(\d+)")  # atomic_write's temporary files, .NAME.tmpPID
+_WANDB_FILES = re.compile(r"(offline-)?run-\d{8}_\d{6}-\w+|latest-run|debug(-internal)?\.log")  # under --out/wandb
+
+
+def set_threads(threads: int | None) -> None:
+    """Sets this process's CPU threads (intra-op, and inter-op where PyTorch still allows it); None keeps PyTorch's.
+
+    Raises:
+        UsageError: ``threads < 1``.
+    """
+    if threads is None:
+        return
+    if threads < 1:
+        raise UsageError(f"--threads {threads} must be >= 1; leave it out for PyTorch's default "
+                         f"({torch.get_num_threads()} on this machine).")  # fmt: skip
+    torch.set_num_threads(threads)
+    try:
+        torch.set_num_interop_threads(threads)
+    except RuntimeError:  # settable once, before any inter-op work; the intra-op threads are what a step uses
+        pass
+
+
+def check_device(device: torch.device) -> None:
+    """Raises UsageError, naming what to pass instead, when ``device`` is not usable on this machine."""
+    available = {"cuda": torch.cuda.is_available, "mps": torch.backends.mps.is_available,
+                 "xpu": lambda: hasattr(torch, "xpu") and torch.xpu.is_available()}  # fmt: skip
+    names = {"cuda": "CUDA GPU", "mps": "Apple MPS GPU", "xpu": "Intel XPU"}
+    if device.type in available and not available[device.type]():
+        reason = f"this PyTorch finds no {names[device.type]}"
+    else:
+        try:
+            torch.empty(1, device=device).add_(1)  # an allocation and a kernel: e.g. cuda:3 on a 1-GPU machine fails
+            return
+        except Exception as e:  # whatever the backend raises (RuntimeError, NotImplementedError, AssertionError)
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0]
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    other = f" or --device {accelerator.type}" if accelerator is not None and accelerator.type != device.type else ""
+    raise UsageError(f"--device {device} is not available on this machine ({reason}); use --device cpu{other}.")
+
 
 def prepare_out(opts: RunOptions, cfg: Any) -> dict[str, Any] | None:
-    """Checks the output folder before anything is written; returns the checkpoint when resuming.
+    """Checks the device and the output folder before anything is written; returns the checkpoint when resuming.
 
     With several processes, rank 0 alone reads ``--out`` (the others may run on machines
     that do not see it) and sends every rank the checkpoint or the error, so that all ranks
     resume from the same state or stop together.
 
     Raises:
-        UsageError: ``--out`` holds another run (without ``--resume``/``--overwrite``), or the
-            checkpoint to resume is missing, unreadable, or from a different config.
+        UsageError: the device is not available; ``--out`` is a file, sits under a file or
+            cannot be written; it holds another run (without ``--resume``/``--overwrite``); or
+            the checkpoint to resume is missing, unreadable, or from a config that differs in
+            more than :data:`RESUMABLE`.
     """
+    check_device(opts.device)
     outcome: dict[str, Any] | UsageError | None = None
     if opts.main:
         try:
@@ -345,6 +459,7 @@ def _check_out(opts: RunOptions, cfg: Any) -> dict[str, Any] | None:
     out = opts.out
     if opts.resume and opts.overwrite:
         raise UsageError("--resume and --overwrite contradict each other; pick one.")
+    _check_writable(out)
     if opts.resume:
         path = out / "checkpoint.pt"
         if not path.is_file():
@@ -355,12 +470,23 @@ def _check_out(opts: RunOptions, cfg: Any) -> dict[str, Any] | None:
         except Exception as e:  # a truncated or foreign file: say so, keep it
             raise UsageError(f"--resume: the checkpoint {path} is corrupt or not from this script ({type(e).__name__}: {e}).") from None
         mine = dataclasses.asdict(cfg)
-        if saved != mine:
-            diff = {k: (saved.get(k), v) for k, v in mine.items() if saved.get(k) != v}
+        diff = []
+        for key in [*mine, *(k for k in saved if k not in mine)]:
+            old, new = saved.get(key), mine.get(key)
+            if old == new or key in RESUMABLE:
+                continue
+            if key in DATA_KEYS and isinstance(old, str) and isinstance(new, str):
+                problem = _same_data(old, new, state.get("data", {}).get(key))
+                if problem is None:
+                    continue
+                diff.append(f"{key}={new!r} (run has {old!r}; {problem})")
+            else:
+                diff.append(f"{key}={new!r} (run has {old!r})")
+        if diff:
+            allowed = ", ".join(_flag(k) for k in RESUMABLE[:-1]) + f" and {_flag(RESUMABLE[-1])}"
             raise UsageError(
-                f"--resume: the config differs from the run in {out}: "
-                + ", ".join(f"{k}={new!r} (run has {old!r})" for k, (old, new) in diff.items())
-                + f". Resume with the same flags, or --config {out / 'config.yaml'}."
+                f"--resume: the config differs from the run in {out}: {', '.join(diff)}. Resume with the same "
+                f"flags (only {allowed} may change), or --config {out / 'config.yaml'}."
             )
         return state
     taken = [f for f in RUN_FILES if (out / f).exists()]
@@ -372,12 +498,162 @@ def _check_out(opts: RunOptions, cfg: Any) -> dict[str, Any] | None:
     return None
 
 
+def _check_writable(out: Path) -> None:
+    """Raises UsageError unless ``out`` is, or can be made, a folder this process can write in; writes nothing."""
+    here = out
+    try:
+        if out.exists() and not out.is_dir():
+            raise UsageError(f"--out {out} is a file, not a folder; pass a folder (it is created if missing).")
+        here = next(p for p in (out, *out.parents) if p.exists())
+        if not here.is_dir():
+            raise UsageError(f"--out {out}: {here} is a file, so no folder can be made there; pass another --out.")
+        # Creating a file asks what the permissions, a read-only mount and `chattr +i` say, even to root.
+        with tempfile.TemporaryFile(dir=here):
+            pass
+    except OSError as e:
+        raise UsageError(f"--out {out}: cannot write in {here} ({e.strerror or e}); make it writable or pass "
+                         f"another --out.") from None  # fmt: skip
+
+
+def fingerprint(path: str) -> str | None:
+    """A digest of the names and sizes of the files at ``path`` (a file, or a folder's non-hidden files), None if missing.
+
+    Names and sizes tell data apart without reading it (the cache folders a loader writes
+    beside the data, hidden, are left out); the digest is the same wherever the files are.
+    """
+    root = Path(path)
+    if root.is_file():
+        entries = [(root.name, root.stat().st_size)]
+    elif root.is_dir():
+        entries = []
+        for folder, dirs, files in os.walk(root, followlinks=True):
+            dirs[:] = [d for d in dirs if not d.startswith(".")]
+            rel = Path(folder).relative_to(root)
+            entries += [((rel / f).as_posix(), os.path.getsize(Path(folder) / f)) for f in files if not f.startswith(".")]
+    else:
+        return None
+    return hashlib.sha256(json.dumps(sorted(entries)).encode()).hexdigest()
+
+
+def _data_identity(path: str) -> dict[str, str | None]:
+    """What a checkpoint keeps of a data path: the resolved path and the files' fingerprint."""
+    resolved = str(Path(path).expanduser().resolve())
+    return {"path": resolved, "fingerprint": fingerprint(resolved)}
+
+
+def _same_data(old: str, new: str, kept: dict[str, str | None] | None) -> str | None:
+    """None when ``new`` names the data the run began with (``old``, ``kept`` by its checkpoint); else why not."""
+    # A checkpoint from before data identities were kept: its path, resolved from here.
+    before = kept["path"] if kept else str(Path(old).expanduser().resolve())
+    now = _data_identity(new)
+    if now["path"] == before:
+        return None
+    if kept is None or kept["fingerprint"] is None:
+        return "its checkpoint keeps no record of the files to compare; pass the path the run began with"
+    if now["fingerprint"] != kept["fingerprint"]:
+        return "not the same files: their names or sizes differ" if now["fingerprint"] else f"{new} does not exist"
+    print(f"resuming with --data {new}: the same files as {before}, where the run began", file=sys.stderr)
+    return None
+
+
+def take_out(opts: RunOptions, cfg: Any) -> None:
+    """Makes ``--out`` this run's, once every check has passed (rank 0): clears, then writes config.yaml.
+
+    With ``--overwrite``, first removes everything the run there wrote (:data:`RUN_FILES`, the
+    metrics, the plots, its wandb runs), so the folder never shows the old run's results or
+    checkpoint beside the new run's files, even if the new run is stopped at once; other files
+    stay. On every start it removes the temporary files of writers that were killed mid-write.
+
+    Raises:
+        UsageError: the folder cannot be written (full, read-only); nothing is left half-written.
+    """
+    out = opts.out
+    made = not out.exists()
+    with _writing(out):
+        out.mkdir(parents=True, exist_ok=True)
+        if opts.overwrite:
+            for name in (*RUN_FILES, METRICS_FILE, *PLOTS):
+                (out / name).unlink(missing_ok=True)
+            runs = out / "wandb"
+            for path in runs.iterdir() if runs.is_dir() else ():
+                if _WANDB_FILES.fullmatch(path.name):
+                    shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+            with contextlib.suppress(OSError):
+                runs.rmdir()  # when nothing but the old run's files was there
+        for path in out.glob(".*.tmp*"):
+            match = _TEMPORARY.fullmatch(path.name)
+            if match and not _alive(int(match.group(1))):
+                path.unlink(missing_ok=True)
+    try:
+        save_config(out, cfg)
+    except UsageError:
+        if made:
+            with contextlib.suppress(OSError):
+                out.rmdir()
+        raise
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    except (OverflowError, ValueError):
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def _writing(path: Path) -> Iterator[None]:
+    """Turns an OSError while writing ``path`` into a UsageError that names the path and what to do.
+
+    A full disk names the filesystem (its mount point and the space left), so the user knows
+    what to free; the script then exits with code 2 and one line, not a traceback.
+    """
+    try:
+        yield
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            mount = path.resolve()
+            while not os.path.ismount(mount):
+                mount = mount.parent
+            what = "no space left on device" if e.errno == errno.ENOSPC else "disk quota exceeded"
+            raise UsageError(f"{what} writing {path}; free space on the filesystem mounted at {mount} "
+                             f"({_size(shutil.disk_usage(mount).free)} free) or pass another --out.") from None  # fmt: skip
+        raise UsageError(f"cannot write {path} ({e.strerror or e}); make --out writable or pass another --out.") from None
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    """Writes through a temporary file and a rename, so a kill never leaves a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Writes through a temporary file and a rename, so a kill never leaves a half-written file.
+
+    ``write(tmp)`` writes the content to the temporary path ``tmp``; it must use Python's file
+    I/O (or anything that raises OSError) for a full disk to be reported as one.
+
+    Raises:
+        UsageError: the disk is full or the folder cannot be written (the message names the path
+            and, for a full disk, its filesystem); the temporary file is removed.
+    """
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    write(tmp)
-    os.replace(tmp, path)
+    try:
+        with _writing(path):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write(tmp)
+            os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)  # gone after the rename; after a failure, a partial file
 
 
 def save_config(out: Path, cfg: Any) -> None:
@@ -399,6 +675,173 @@ def mean_ci95(values: Tensor) -> tuple[float, float]:
     n = values.numel()
     half = 1.96 * float(values.std(unbiased=True)) / math.sqrt(n) if n > 1 else float("nan")
     return float(values.mean()), half
+
+
+# ---------------------------------------------------------------------------- divergence
+
+
+class Diverged(Exception):
+    """Training produced NaN/Inf; the message names the meta-iteration, the loop that diverged and the flag."""
+
+
+class DivergenceWatch:
+    """Tells an outer-loop divergence from an inner-loop one and stops the run before it is checkpointed.
+
+    Outer (lower ``--meta-lr``): an optimizer step made a meta-parameter (a weight or a learnable
+    rate) NaN/Inf from a finite meta-gradient; or the meta-parameters' own loss, before any inner
+    step, is NaN/Inf; or the outer updates raised that own loss ``GROWTH``-fold since the first
+    iteration this process ran, and the inner steps on it overflowed. Inner (lower ``--inner-lr``):
+    a loss after inner steps, or the meta-gradient through them, is NaN/Inf while the
+    meta-parameters and their own loss are finite and have not run away.
+
+    It wraps ``learner.run``, which keeps each training iteration's losses (and catches the
+    engine's NaN/Inf check, then runs the batch again to find the step and the task), and checks
+    the meta-parameters after every optimizer step: a NaN/Inf loss or meta-gradient makes them
+    NaN/Inf too, so this one check, one synchronisation per iteration, stops the run before the
+    trainer checkpoints it; only then are the losses and gradients looked at.
+
+    Args:
+        learner, optimizer: the ones the trainer uses.
+        iteration: meta-iterations already done (the resumed checkpoint's, else 0).
+        meta_lr, inner_lr: the values to name in the messages.
+        out: the run's folder (its checkpoint is named in the message).
+    """
+
+    GROWTH = 100.0
+
+    def __init__(self, learner: maml.MetaLearner, optimizer: torch.optim.Optimizer, iteration: int, meta_lr: float,
+                 inner_lr: float, out: Path) -> None:  # fmt: skip
+        self.learner, self.iteration, self.meta_lr, self.inner_lr, self.out = learner, iteration, meta_lr, inner_lr, out
+        self._names = {id(p): n for n, p in learner.model.named_parameters()}
+        self._names.update({id(p): f"the inner rate {n}" for n, p in learner.rate_parameters.items()})
+        self._first: float | None = None  # the mean own loss at this process's first training iteration
+        # The latest training iteration's meta-loss, support losses (steps, T) and query losses (T,), detached.
+        self._losses: tuple[Tensor, Tensor, Tensor] | None = None
+        self.phase = "the validation"  # what a run under no_grad is, in the messages
+        self._run = learner.run
+        learner.run = self._watched_run  # type: ignore[method-assign]
+        optimizer.register_step_post_hook(self._after_step)
+
+    def _watched_run(self, batch: maml.TaskBatch, *args: Any, **kwargs: Any) -> maml.MetaOutput:
+        training = torch.is_grad_enabled()  # validation and evaluation run under no_grad
+        where = f"meta-iteration {self.iteration + 1}" if training else f"{self.phase} after meta-iteration {self.iteration}"
+        try:
+            out = self._run(batch, *args, **kwargs)
+        except FloatingPointError:  # the engine's check: a support loss is NaN/Inf
+            raise Diverged(self._explain(where, batch, *args, **kwargs)) from None
+        if training:
+            self._losses = (out.loss.detach(), out.support_losses.detach(), out.query_losses.detach())
+            if self._first is None:  # one synchronisation, at the first iteration only
+                self._first = float(self._own(out.support_losses, out.query_losses).mean())
+        return out
+
+    @staticmethod
+    def _own(support: Tensor, query: Tensor) -> Tensor:
+        """Each task's own loss: at the meta-parameters, before any inner step."""
+        return support[0] if support.shape[0] else query
+
+    def _explain(self, where: str, batch: maml.TaskBatch, *args: Any, **kwargs: Any) -> str:
+        """Runs ``batch`` again, one more inner step at a time, to find the loss, the step and the task that diverged.
+
+        The support loss before inner step ``k`` is the query loss, after ``k`` steps, of a batch
+        whose query set is the support set; runs that stop before the first NaN/Inf one pass the
+        engine's check, whatever ``check_finite`` is.
+        """
+        steps = self.learner.steps if kwargs.get("steps") is None else kwargs["steps"]
+        on_support = maml.TaskBatch(batch.support_x, batch.support_y, batch.support_x, batch.support_y)
+        losses: list[Tensor] = []
+        with torch.no_grad():
+            for k in range(steps):
+                losses.append(self._run(on_support, steps=k).query_losses)
+                if not bool(torch.isfinite(losses[-1]).all()):
+                    break
+            else:
+                losses.append(self._run(batch, steps=steps).query_losses)
+        return self._describe(where, losses, steps)
+
+    def _describe(self, where: str, losses: Sequence[Tensor], steps: int) -> str:
+        """Which loss is NaN/Inf first, of which task, and why: ``losses[k]`` is the support loss before inner
+        step ``k`` for ``k < steps``, ``losses[steps]`` (if there) the query loss after the inner steps."""
+        own = float(losses[0].mean())
+        step = next((k for k, row in enumerate(losses) if not bool(torch.isfinite(row).all())), None)
+        if step is None:  # finite losses: the backward pass overflowed
+            return self._gradient(where, own)
+        task = int((~torch.isfinite(losses[step])).nonzero()[0, 0])
+        value, before = float(losses[step][task]), float(losses[0][task])
+        what = "query loss" if step == steps else "support loss"
+        if step == 0:
+            return (f"the outer loop diverged by {where}: the meta-parameters are finite, but their own {what} "
+                    f"(before any inner step) is {value} for task {task}; lower --meta-lr {self.meta_lr:g}")  # fmt: skip
+        after = f"the {what} of task {task} is {value} after {step} inner step{'s' if step != 1 else ''}"
+        if self._ran_away(own):
+            return (f"the outer loop diverged by {where}: {self._ran_away(own)}, and from there {after}; "
+                    f"lower --meta-lr {self.meta_lr:g}")  # fmt: skip
+        return (f"the inner loop diverged at {where}: {after}, from a support loss of {before:.4g} at the "
+                f"meta-parameters; lower --inner-lr {self.inner_lr:g}{self._rates()}")  # fmt: skip
+
+    def _gradient(self, where: str, own: float) -> str:
+        """The message for a NaN/Inf meta-gradient of finite losses."""
+        if self._ran_away(own):
+            return (f"the outer loop diverged by {where}: {self._ran_away(own)}, and the meta-gradient there is "
+                    f"NaN/Inf; lower --meta-lr {self.meta_lr:g}")  # fmt: skip
+        return (f"the inner loop diverged at {where}: the meta-gradient through its inner steps is NaN/Inf though "
+                f"its losses are finite (the second-order terms overflowed); lower --inner-lr {self.inner_lr:g}"
+                f"{self._rates()}")  # fmt: skip
+
+    def _ran_away(self, own: float) -> str:
+        """How the outer updates raised the meta-parameters' own loss, if they did ``GROWTH``-fold; else ''."""
+        if self._first is None or not math.isfinite(own) or not own > self.GROWTH * self._first:
+            return ""
+        return f"its updates raised the meta-parameters' own loss (before any inner step) from {self._first:.4g} to {own:.4g}"
+
+    def _rates(self) -> str:
+        if not self.learner.rate_parameters:
+            return ""
+        top = max(float(r.detach().abs().max()) for r in self.learner.rate_parameters.values())
+        return f" (the learned inner rates, which --meta-lr moves, reach {top:.3g})"
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        with torch.no_grad():  # NaN/Inf if any parameter is (or if their sum overflows: they ran away)
+            total = torch.stack([p.sum() for p in params]).sum()
+        if bool(torch.isfinite(total)):  # the one synchronisation per iteration
+            self.iteration += 1
+            return
+        where = f"meta-iteration {self.iteration + 1}"
+        if self._losses is not None:
+            loss, support, query = self._losses
+            if not bool(torch.isfinite(loss)):  # a NaN/Inf meta-loss: which task's loss, after which step
+                raise Diverged(self._describe(where, [*support, query], support.shape[0]))
+            if any(p.grad is not None and not bool(torch.isfinite(p.grad).all()) for p in params):
+                raise Diverged(self._gradient(where, float(self._own(support, query).mean())))
+        bad = [p for p in params if not bool(torch.isfinite(p).all())]
+        what = f"made {self._names.get(id(bad[0]), 'a meta-parameter')} NaN/Inf" if bad else "overflowed the meta-parameters"
+        raise Diverged(f"the outer loop diverged at {where}: its optimizer step with --meta-lr {self.meta_lr:g} "
+                       f"{what} from a finite meta-gradient; lower --meta-lr")  # fmt: skip
+
+    @contextlib.contextmanager
+    def guard(self, run: Any, main: bool = True) -> Iterator[None]:
+        """Turns a divergence inside the block into one line on stderr and exit code 1 (not a usage error).
+
+        The trainer checkpoints only finite meta-parameters, so ``checkpoint.pt`` keeps the last
+        one written before the divergence; the wandb run is marked failed.
+        """
+        try:
+            yield
+        except Diverged as e:
+            if run is not None:
+                import wandb
+
+                run.finish(exit_code=1)
+                wandb.teardown()
+            if main:
+                path = self.out / "checkpoint.pt"
+                try:  # this run's (--overwrite removed an earlier run's before it started)
+                    kept = f"{path} keeps meta-iteration {torch.load(path, weights_only=False)['iteration']}"
+                except Exception:  # none, or unreadable: say no more than that
+                    kept = "no checkpoint was written"
+                print(f"error: {e}. The run stopped; {kept}.", file=sys.stderr)
+            raise SystemExit(1) from None
 
 
 def provenance() -> dict[str, Any]:
@@ -428,13 +871,12 @@ def finish(opts: RunOptions, cfg: Any, run: Any, trainer: Trainer, test: dict[st
     for key, r in test.items():
         run.summary[f"test/{metric}_{key}"] = r[metric]
         run.summary[f"test/{metric}_{key}_ci95"] = r["ci95"]
-    last = trainer.history[-1] if trainer.history else {}
     results = {
         "experiment": opts.experiment,
         "config": dataclasses.asdict(cfg),
         **extra,
         "test": test,
-        "final_val": {k: v for k, v in last.items() if k.startswith("val/")},
+        "final_val": trainer.final_val,
         "iterations": trainer.iterations,
         "train_seconds": round(trainer.train_seconds, 1),
         "device": str(opts.device),
@@ -449,20 +891,56 @@ def finish(opts: RunOptions, cfg: Any, run: Any, trainer: Trainer, test: dict[st
 
 
 def init_wandb(opts: RunOptions, cfg: Any, name: str, run_id: str | None) -> Any:
-    """Starts (or resumes) the wandb run, its files under ``--out``; never blocks without a network."""
+    """Starts (or resumes) the wandb run, its files under ``--out``; never blocks without a network.
+
+    A long run does not die at its start for its logging backend: ``--wandb online`` with no
+    server to reach (a TCP connection tried for at most 5 s), no API key, or a server that
+    refuses the key logs offline instead, with a warning that gives the ``wandb sync`` command
+    that uploads the run later.
+    """
     import wandb
 
     os.environ.setdefault("WANDB_DIR", str(opts.out))
-    return wandb.init(
+    start = functools.partial(
+        wandb.init,
         project=os.environ.get("WANDB_PROJECT", "maml-toolkit"),
         name=os.environ.get("WANDB_NAME", name),
         group=os.environ.get("WANDB_RUN_GROUP"),
         dir=str(opts.out),
-        mode=opts.wandb,
         id=run_id,
         resume="allow" if run_id else None,
         config=dataclasses.asdict(cfg),
     )
+    if opts.wandb != "online":
+        return start(mode=opts.wandb)
+    url = wandb.setup().settings.base_url
+    problem, login = _unreachable(url), False
+    if problem is None:
+        try:
+            return start(mode="online")
+        except wandb.errors.Error as e:  # wandb's own retries have run out (init_timeout), or no usable key
+            detail = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            login = isinstance(e, (wandb.errors.UsageError, wandb.errors.AuthenticationError))
+            problem = (f"no W&B API key ({detail})" if isinstance(e, wandb.errors.UsageError) else
+                       f"the W&B server at {url} refused the API key ({detail})" if login else
+                       f"cannot reach the W&B server at {url} ({detail})")  # fmt: skip
+            wandb.teardown()
+    run = start(mode="offline")
+    print(f"warning: --wandb online: {problem}; logging offline instead. To upload the run later: "
+          f"{'wandb login, then ' if login else ''}wandb sync {run.settings.sync_dir}", file=sys.stderr)  # fmt: skip
+    return run
+
+
+def _unreachable(url: str) -> str | None:
+    """Why nothing answers at ``url`` (one TCP connection, at most 5 s); None if something does, or a proxy decides."""
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")):
+        return None  # the proxy connects, not this machine: leave it to wandb
+    parts = urllib.parse.urlsplit(url)
+    try:
+        socket.create_connection((parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)), timeout=5).close()
+    except OSError as e:
+        return f"cannot reach the W&B server at {url} ({e.strerror or e})"  # e.g. Connection refused, timed out
+    return None
 
 
 def finish_wandb(run: Any) -> None:
@@ -503,6 +981,7 @@ class Trainer:
         log_every, val_every, checkpoint_every: in iterations.
         seed: seeds the sampler's generator.
         device: where the meta-batches go.
+        final_val: after ``run``, the validation metrics at the last iteration (rank 0).
     """
 
     learner: maml.MetaLearner
@@ -521,7 +1000,9 @@ class Trainer:
     window: list[float] = dataclasses.field(default_factory=list)
     step_time: float = 0.0
     train_seconds: float = 0.0  # wall time of the training loop, summed over resumed runs
+    final_val: dict[str, float] = dataclasses.field(default_factory=dict)  # validation at the last iteration
     _began: float = dataclasses.field(default=0.0, repr=False)
+    _data: dict[str, dict[str, str | None]] = dataclasses.field(default_factory=dict, repr=False)
 
     def state(self, iteration: int, generator: torch.Generator, cfg: Any, wandb_id: str | None) -> dict[str, Any]:
         return {
@@ -536,10 +1017,24 @@ class Trainer:
             "window": (self.window, self.step_time),
             "train_seconds": self.train_seconds + time.perf_counter() - self._began,
             "wandb_id": wandb_id,
+            "data": self._data,
         }
 
     def run(self, opts: RunOptions, cfg: Any, resumed: dict[str, Any] | None, run: Any) -> None:
-        """Trains from iteration 0 or from ``resumed``."""
+        """Trains from iteration 0 or from ``resumed`` up to ``iterations``, then sets ``final_val``.
+
+        The last iteration is always logged and validated, however short the run. A checkpoint
+        at or past ``iterations`` (a run shortened on ``--resume``) trains nothing: the run
+        evaluates the checkpoint's parameters, and ``iterations`` becomes the checkpoint's.
+
+        Rank 0 writes every logged row to ``metrics.jsonl`` as well as to wandb: on a start the
+        file is rewritten with the checkpoint's history, so after a kill it holds each logged
+        iteration once, up to the checkpoint, and no rows of iterations that are then redone.
+        A resumed wandb run gets those rows again, from wandb's own next step on (0 offline,
+        where the killed run's file may hold nothing; after the server's last row online). When
+        stderr is not a terminal (a batch job, ``nohup``), tqdm stays silent and a plain
+        progress line per log window goes to stderr instead.
+        """
         from tqdm import tqdm
 
         generator = torch.Generator().manual_seed(self.seed)
@@ -557,9 +1052,33 @@ class Trainer:
             start = resumed["iteration"]
         wandb_id = getattr(run, "id", None)
         main, sharded = opts.main, opts.world_size > 1
+        if start >= self.iterations:
+            if main:
+                print(f"the checkpoint is at iteration {start}, at or past --iterations {self.iterations}: no "
+                      f"training; evaluating its parameters", file=sys.stderr)  # fmt: skip
+            self.iterations = start
+        metrics_path = opts.out / METRICS_FILE
+        metrics_file, wandb_from = None, 0
+        if main:
+            # Where the data is and what files it holds, for the checkpoints: --resume then accepts the
+            # same files under another path (computed once: a folder of images has thousands of files).
+            self._data = {k: _data_identity(v) for k in DATA_KEYS if isinstance(v := getattr(cfg, k, None), str)}
+            atomic_write(metrics_path, lambda p: p.write_text("".join(json.dumps(row) + "\n" for row in self.history)))
+            with _writing(metrics_path):
+                metrics_file = metrics_path.open("a")
+            # wandb's next step: 0 offline; online, past the last row its server holds. It drops (with a
+            # warning) a row of an earlier step, which it has from the run before: the same row.
+            wandb_from = run.starting_step
+            for row in self.history:
+                if row["iteration"] >= wandb_from:
+                    run.log(row, step=row["iteration"])
 
         def checkpoint(iteration: int) -> None:
-            atomic_write(opts.out / "checkpoint.pt", lambda p: torch.save(self.state(iteration, generator, cfg, wandb_id), p))
+            # Serialised in memory and written with Python's file I/O, where a full disk is an OSError
+            # (ENOSPC) that atomic_write reports; torch.save to a path makes it a bare RuntimeError.
+            data = io.BytesIO()
+            torch.save(self.state(iteration, generator, cfg, wandb_id), data)
+            atomic_write(opts.out / "checkpoint.pt", lambda p: p.write_bytes(data.getbuffer()))
 
         # Ctrl-C and SIGTERM (kill, a cluster's pre-emption) stop the run at the end of the current
         # iteration, so the checkpoint written then is consistent; a second Ctrl-C stops at once
@@ -575,6 +1094,9 @@ class Trainer:
         self._began = time.perf_counter()
         bar = tqdm(range(start, self.iterations), initial=start, total=self.iterations, desc="meta-train",
                    dynamic_ncols=True, mininterval=0.5, disable=None if main else True)  # fmt: skip
+        # tqdm switches itself off without a terminal (disable=None); then a plain line per log window.
+        plain = main and sys.stderr is not None and not sys.stderr.isatty()
+        window_began, window_start = time.perf_counter(), start
         try:
             for iteration in bar:
                 # The full meta-batch on every rank, whatever their number: the same trajectory.
@@ -592,7 +1114,8 @@ class Trainer:
                     stopping = vote > 0
                 else:
                     loss, stopping = float(out.loss.detach()), bool(stop)
-                logging = (iteration + 1) % self.log_every == 0
+                last = iteration + 1 == self.iterations
+                logging = (iteration + 1) % self.log_every == 0 or last  # a run shorter than log_every logs too
                 if logging:
                     grads = [p.grad for p in self.learner.parameters() if p.grad is not None]
                     grad_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
@@ -613,14 +1136,26 @@ class Trainer:
                     if sharded:  # means over this rank's tasks -> means over the meta-batch
                         shard_means = torch.tensor([*inner.values(), *metrics.values()], dtype=torch.float64, device=self.device)
                         row.update(zip([*inner, *metrics], maml.all_reduce_mean(shard_means).tolist()))
-                    if main and ((iteration + 1) % self.val_every == 0 or iteration + 1 == self.iterations):
+                    if main and ((iteration + 1) % self.val_every == 0 or last):
                         row.update(self.validate())
                     self.history.append(row)
                     if main:
-                        run.log(row, step=iteration + 1)
+                        with _writing(metrics_path):
+                            metrics_file.write(json.dumps(row) + "\n")  # type: ignore[union-attr]
+                            metrics_file.flush()  # a kill loses no row the process logged
+                        if iteration + 1 >= wandb_from:
+                            run.log(row, step=iteration + 1)
                     bar.set_postfix(meta_loss=f"{row['train/meta_loss']:.4f}")
                     self.window, self.step_time = [], 0.0
-                if main and (stopping or (iteration + 1) % self.checkpoint_every == 0 or iteration + 1 == self.iterations):
+                    if plain:
+                        now = time.perf_counter()
+                        rate = (iteration + 1 - window_start) / max(now - window_began, 1e-9)
+                        eta = round((self.iterations - iteration - 1) / rate)
+                        print(f"meta-train {iteration + 1}/{self.iterations} ({100 * (iteration + 1) // self.iterations} %): "
+                              f"meta-loss {row['train/meta_loss']:.4g}, {rate:.1f} it/s, "
+                              f"ETA {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}", file=sys.stderr, flush=True)  # fmt: skip
+                        window_began, window_start = now, iteration + 1
+                if main and (stopping or (iteration + 1) % self.checkpoint_every == 0 or last):
                     checkpoint(iteration + 1)
                 if stopping:
                     bar.close()
@@ -634,7 +1169,16 @@ class Trainer:
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
             bar.close()
+            if metrics_file is not None:
+                with contextlib.suppress(OSError):
+                    metrics_file.close()
         self.train_seconds += time.perf_counter() - self._began
+        # The validation of the last iteration: logged with it, or (a run that trained nothing,
+        # stopped past its last log row) of the checkpoint's parameters now.
+        last_row = self.history[-1] if self.history else {}
+        self.final_val = {k: v for k, v in last_row.items() if k.startswith("val/")}
+        if main and (last_row.get("iteration") != self.iterations or not self.final_val):
+            self.final_val = self.validate()
 
     def _inner_losses(self, out: maml.MetaOutput, batch: maml.TaskBatch) -> dict[str, float]:
         row = {"train/query_loss": float(out.query_losses.mean())}

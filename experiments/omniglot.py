@@ -14,7 +14,9 @@ characters, and reports test accuracy on 600 tasks with 95 % confidence interval
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -48,7 +50,7 @@ class OmniglotConfig:
     filters: int = common.field(64, "filters in each of the 4 conv blocks")
     rotations: bool = common.field(True, "rotated training characters as extra classes")
     split_by: str = common.field("alphabet", "character, alphabet or archive")
-    split_fractions: tuple[float, ...] = common.field((0.6, 0.15, 0.25), "train, validation, test shares")
+    split_fractions: tuple[float, ...] = common.field((0.6, 0.15, 0.25), "train, validation, test shares (>= 0, summing to 1); a 0 validation share trains without validation, a 0 test share skips the final test (results.json then says why its test is empty)")
     split_seed: int = common.field(0, "fixes the character split")
     mode: str = common.field("second_order", "second_order, first_order or checkpointed")
     batching: str = common.field("auto", "auto (the engine's choice: loop on CPU, vmap on GPU), vmap or loop")
@@ -79,19 +81,25 @@ def validate_config(cfg: OmniglotConfig) -> None:
     """Raises ValueError naming the key for an invalid value."""
     common.check_config(
         cfg,
-        positive=("ways", "shots", "query", "iterations", "filters", "log_every", "val_every", "val_tasks",
-                  "checkpoint_every", "eval_tasks", "eval_chunk"),
+        positive=("ways", "shots", "query", "meta_batch", "iterations", "filters", "log_every", "val_every",
+                  "val_tasks", "checkpoint_every", "eval_tasks", "eval_chunk"),
         choices={"mode": maml.MODES, "batching": maml.BATCHINGS, "learn_inner_lr": maml.LEARN_INNER_LR,
                  "split_by": tasks.SPLIT_BY},
+        rates=("inner_lr", "meta_lr"),
+        non_negative=("steps", "eval_steps"),
     )  # fmt: skip
-    if cfg.steps is not None and cfg.steps < 0 or any(s < 0 for s in cfg.eval_steps):
-        raise ValueError("steps and eval_steps must be >= 0.")
-    if cfg.inner_lr is not None and not cfg.inner_lr > 0 or not cfg.meta_lr > 0:
-        raise ValueError("inner_lr and meta_lr must be > 0.")
     if cfg.compile and cfg.mode == "checkpointed":
         raise ValueError("compile applies to mode second_order or first_order, not checkpointed; drop --compile or pick another --mode.")
-    if cfg.meta_batch is not None and cfg.meta_batch < 1:
-        raise ValueError(f"meta_batch={cfg.meta_batch} must be >= 1.")
+    fractions = ",".join(f"{f:g}" for f in cfg.split_fractions)
+    if len(cfg.split_fractions) != 3 or not all(math.isfinite(f) and f >= 0 for f in cfg.split_fractions):
+        raise ValueError(f"--split-fractions {fractions} must be three shares >= 0 (train, validation, test) "
+                         f"that sum to 1, e.g. 0.6,0.15,0.25.")  # fmt: skip
+    if abs(sum(cfg.split_fractions) - 1) > 1e-6:
+        raise ValueError(f"--split-fractions {fractions} sums to {sum(cfg.split_fractions):g}; the three shares "
+                         f"(train, validation, test) must sum to 1, e.g. 0.6,0.15,0.25.")  # fmt: skip
+    if cfg.split_fractions[0] == 0:
+        raise ValueError(f"--split-fractions {fractions} gives the train split no characters; meta-training needs "
+                         f"a train share > 0, e.g. 0.6,0.15,0.25.")  # fmt: skip
 
 
 def build_model(ways: int, filters: int = 64) -> nn.Module:
@@ -127,9 +135,9 @@ def evaluate(learner: maml.MetaLearner, sampler: tasks.FewShotSampler, cfg: Omni
     return results
 
 
-def plot(out: Path, learner: maml.MetaLearner, sampler: tasks.FewShotSampler, cfg: OmniglotConfig,
+def plot(out: Path, learner: maml.MetaLearner, sampler: tasks.FewShotSampler | None, cfg: OmniglotConfig,
          history: list[dict[str, float]], device: torch.device) -> None:  # fmt: skip
-    """learning_curves.png and task_grid.png (one test task's support and query images, predictions)."""
+    """learning_curves.png and task_grid.png (one test task's support and query images, predictions; none without a test split)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -150,6 +158,8 @@ def plot(out: Path, learner: maml.MetaLearner, sampler: tasks.FewShotSampler, cf
     common.atomic_write(out / "learning_curves.png", lambda p: fig.savefig(p, format="png", dpi=120))
     plt.close(fig)
 
+    if sampler is None:
+        return
     batch = sampler.sample(1, torch.Generator().manual_seed(4321), device=device)
     steps = max(cfg.eval_steps)
     with torch.no_grad():
@@ -188,23 +198,29 @@ def run(argv: Sequence[str] | None = None) -> None:
     resumed = common.prepare_out(opts, cfg)
     try:
         omni = tasks.Omniglot(cfg.data, rotations=cfg.rotations)
-        splits = omni.split(cfg.split_by, cfg.split_fractions, seed=cfg.split_seed)
-        samplers = [tasks.FewShotSampler(part.images, part.labels, cfg.ways, cfg.shots, cfg.query) for part in splits]
     except (FileNotFoundError, ValueError, TypeError) as e:
         raise common.UsageError(f"--data {cfg.data}: {e}") from None
-    train, val, test = samplers
+    splits, (train, val, test) = make_splits(omni, cfg)
     if opts.main:
-        opts.out.mkdir(parents=True, exist_ok=True)
-        common.save_config(opts.out, cfg)
+        common.take_out(opts, cfg)  # clears an --overwrite'n run's files, then writes config.yaml
+        for name, sampler in (("validation", val), ("test", test)):
+            if sampler is None:
+                skipped = "trains without validation" if name == "validation" else "skips the final test"
+                print(f"note: --split-fractions {_shares(cfg)} gives the {name} split no characters; the run {skipped}.",
+                      file=sys.stderr)  # fmt: skip
 
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.ways, cfg.filters).to(opts.device)
     learner = maml.MetaLearner(model, F.cross_entropy, inner_lr=cfg.inner_lr, steps=cfg.steps, mode=cfg.mode,
                                batching=cfg.batching, learn_inner_lr=cfg.learn_inner_lr, compile=cfg.compile)  # fmt: skip
     optimizer = torch.optim.Adam(learner.parameters(), lr=cfg.meta_lr)
-    val_batch = val.sample(cfg.val_tasks, torch.Generator().manual_seed(cfg.seed + 10_000), device=opts.device)
+    watch = common.DivergenceWatch(learner, optimizer, resumed["iteration"] if resumed else 0, cfg.meta_lr, cfg.inner_lr, opts.out)
+    if val is not None:
+        val_batch = val.sample(cfg.val_tasks, torch.Generator().manual_seed(cfg.seed + 10_000), device=opts.device)
 
     def validate() -> dict[str, float]:
+        if val is None:
+            return {}  # --split-fractions gave the validation split no characters
         with torch.no_grad():
             acc, ci = common.mean_ci95(accuracy(learner.run(val_batch).query_out, val_batch.query_y))
         return {"val/accuracy": acc, "val/accuracy_ci95": ci}
@@ -224,17 +240,67 @@ def run(argv: Sequence[str] | None = None) -> None:
     )
     name = f"omniglot-{cfg.ways}way-{cfg.shots}shot"
     wandb_run = common.init_wandb(opts, cfg, name, resumed["wandb_id"] if resumed else None) if opts.main else None
-    trainer.run(opts, cfg, resumed, wandb_run)
+    with watch.guard(wandb_run, opts.main):  # a NaN/Inf: one line naming the loop and the flag, exit code 1
+        trainer.run(opts, cfg, resumed, wandb_run)
     if not opts.main:
         return  # rank 0 evaluates and writes the results
-    results = evaluate(learner, test, cfg, opts.device, seed=cfg.seed + 20_000)
+    watch.phase = "the final test"
+    with watch.guard(wandb_run):
+        results = evaluate(learner, test, cfg, opts.device, seed=cfg.seed + 20_000) if test is not None else {}
     plot(opts.out, learner, test, cfg, trainer.history, opts.device)
     data = {"root": str(cfg.data), "characters": [len(p.characters) for p in splits],
             "alphabets": [p.alphabets for p in splits], "batching": learner.resolved_batching}  # fmt: skip
-    common.finish(opts, cfg, wandb_run, trainer, results, "accuracy", data=data)
+    skipped = {} if test is not None else {"test_skipped": f"--split-fractions {_shares(cfg)} gives the test split no characters"}
+    common.finish(opts, cfg, wandb_run, trainer, results, "accuracy", data=data, **skipped)
+    if test is None:
+        print(f"no final test: --split-fractions {_shares(cfg)} gives the test split no characters "
+              f"(results.json has test: {{}}); the model is in {opts.out / 'checkpoint.pt'}.")  # fmt: skip
+        return
     print(f"{cfg.ways}-way {cfg.shots}-shot test accuracy on {cfg.eval_tasks} tasks of held-out characters:")
     for key, r in results.items():
         print(f"  {r['steps']} steps: {100 * r['accuracy']:.2f} % +- {100 * r['ci95']:.2f} %")
+
+
+SPLITS = ("train", "validation", "test")
+
+
+def _shares(cfg: OmniglotConfig) -> str:
+    """--split-fractions as it is written on the command line."""
+    return ",".join(f"{f:g}" for f in cfg.split_fractions)
+
+
+def make_splits(omni: tasks.Omniglot, cfg: OmniglotConfig) -> tuple[tasks.OmniglotSplits, list[tasks.FewShotSampler | None]]:
+    """The train, validation and test parts and their task samplers (None for a part whose share is 0).
+
+    Raises:
+        UsageError: naming the flag, the split and the fix, when a share > 0 gets no character or a
+            split cannot make the tasks that --ways, --shots and --query ask for.
+    """
+    by, shares = cfg.split_by, _shares(cfg)
+    try:
+        splits = omni.split(by, cfg.split_fractions, seed=cfg.split_seed)
+    except ValueError as e:  # too few alphabets or archives for every share > 0
+        reason = str(e).split("): ", 1)[-1]  # without the API call, which names no flag
+        raise common.UsageError(f"--split-by {by} --split-fractions {shares}: {reason}") from None
+    samplers: list[tasks.FewShotSampler | None] = []
+    for name, part, share in zip(SPLITS, splits, cfg.split_fractions, strict=True):
+        if share == 0:
+            samplers.append(None)
+            continue
+        if part.num_classes < cfg.ways:
+            alphabets = f"{len(part.alphabets)} alphabet{'s' if len(part.alphabets) != 1 else ''}"
+            classes = f"{len(part.characters)} characters of {alphabets}" + (", 4 rotations each" if part.rotations else "")
+            finer = " or --split-by character" if by != "character" else ""
+            raise common.UsageError(
+                f"--ways {cfg.ways}: the {name} split holds only {part.num_classes} classes ({classes}; --split-by {by} "
+                f"--split-fractions {shares}); lower --ways to at most {part.num_classes}, or give the {name} split "
+                f"more characters: a larger share in --split-fractions{finer}."
+            )
+        try:
+            samplers.append(tasks.FewShotSampler(part.images, part.labels, cfg.ways, cfg.shots, cfg.query))
+        except ValueError as e:  # fewer images per class than shots + query
+            raise common.UsageError(f"--shots {cfg.shots} --query {cfg.query}, the {name} split: {e}") from None
+    return splits, samplers
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ Adam at 0.001), then evaluates on 600 fresh tasks at 1, 5 and 10 inner steps for
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -61,14 +62,12 @@ def validate_config(cfg: SineConfig) -> None:
     common.check_config(
         cfg,
         positive=("iterations", "meta_batch", "shots", "query", "hidden", "log_every", "val_every", "val_tasks",
-                  "checkpoint_every", "eval_tasks", "eval_query"),
+                  "checkpoint_every", "eval_tasks", "eval_query", "eval_shots"),
         choices={"mode": maml.MODES, "batching": maml.BATCHINGS, "learn_inner_lr": maml.LEARN_INNER_LR,
                  "init": ("paper", "torch")},
+        rates=("inner_lr", "meta_lr"),
+        non_negative=("steps", "eval_steps"),
     )  # fmt: skip
-    if cfg.steps < 0 or any(s < 0 for s in cfg.eval_steps) or any(k < 1 for k in cfg.eval_shots):
-        raise ValueError("steps and eval_steps must be >= 0 and eval_shots >= 1.")
-    if not cfg.inner_lr > 0 or not cfg.meta_lr > 0:
-        raise ValueError("inner_lr and meta_lr must be > 0.")
     if cfg.compile and cfg.mode == "checkpointed":
         raise ValueError("compile applies to mode second_order or first_order, not checkpointed; drop --compile or pick another --mode.")
 
@@ -157,14 +156,14 @@ def run(argv: Sequence[str] | None = None) -> None:
     common.check_shards(cfg.meta_batch, opts)
     resumed = common.prepare_out(opts, cfg)  # before writing anything
     if opts.main:
-        opts.out.mkdir(parents=True, exist_ok=True)
-        common.save_config(opts.out, cfg)
+        common.take_out(opts, cfg)  # clears an --overwrite'n run's files, then writes config.yaml
 
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.hidden, cfg.init).to(opts.device)
     learner = maml.MetaLearner(model, F.mse_loss, inner_lr=cfg.inner_lr, steps=cfg.steps, mode=cfg.mode,
                                batching=cfg.batching, learn_inner_lr=cfg.learn_inner_lr, compile=cfg.compile)  # fmt: skip
     optimizer = torch.optim.Adam(learner.parameters(), lr=cfg.meta_lr)
+    watch = common.DivergenceWatch(learner, optimizer, resumed["iteration"] if resumed else 0, cfg.meta_lr, cfg.inner_lr, opts.out)
     sine = tasks.Sine()
     val_batch = sine.sample(cfg.val_tasks, shots=cfg.shots, query=cfg.query,
                             generator=torch.Generator().manual_seed(cfg.seed + 10_000)).to(opts.device)  # fmt: skip
@@ -188,7 +187,8 @@ def run(argv: Sequence[str] | None = None) -> None:
         device=opts.device,
     )
     wandb_run = common.init_wandb(opts, cfg, "sine", resumed["wandb_id"] if resumed else None) if opts.main else None
-    trainer.run(opts, cfg, resumed, wandb_run)
+    with watch.guard(wandb_run, opts.main):  # a NaN/Inf: one line naming the loop and the flag, exit code 1
+        trainer.run(opts, cfg, resumed, wandb_run)
     if not opts.main:
         return  # rank 0 evaluates and writes the results
     # Test-time adaptation may take more steps than training did; a task whose inner loop
@@ -202,15 +202,23 @@ def run(argv: Sequence[str] | None = None) -> None:
 
 def _table(results: dict[str, Any], cfg: SineConfig) -> str:
     """The test MSE as a K x steps table, mean +- 95 % CI half-width."""
-    head = "".join(f"{f'{s} step' + ('s' if s != 1 else ''):>18}" for s in cfg.eval_steps)
+    # Fixed-width cells (_number is at most 9 characters), so a diverged 3.41e+06 keeps the columns aligned.
+    head = "".join(f"{f'{s} step' + ('s' if s != 1 else ''):>23}" for s in cfg.eval_steps)
     lines = [f"test MSE on {cfg.eval_tasks} tasks (mean +- 95% CI)", f"{'K':<4}{head}"]
     for k in cfg.eval_shots:
         cells = (results[f"{k}shot_{s}step"] for s in cfg.eval_steps)
-        lines.append(f"{k:<4}" + "".join(f"{c['mse']:>11.3f} +- {c['ci95']:.3f}" for c in cells))
+        lines.append(f"{k:<4}" + "".join(f"{_number(c['mse']):>10} +- {_number(c['ci95']):>9}" for c in cells))
     diverged = [f"K={r['shots']} {r['steps']} steps: {r['diverged_tasks']}" for r in results.values() if r["diverged_tasks"]]
     if diverged:
         lines.append("tasks whose inner loop diverged (infinite or NaN loss): " + ", ".join(diverged))
     return "\n".join(lines)
+
+
+def _number(x: float) -> str:
+    """``x >= 0`` in at most 9 characters: 3 decimals from 0.001 to 9999.999, else 3 significant digits (3.41e+06)."""
+    if not math.isfinite(x):
+        return str(x)  # inf, -inf, nan
+    return f"{x:.3f}" if x == 0 or 1e-3 <= abs(x) < 1e4 else f"{x:.3g}"
 
 
 if __name__ == "__main__":

@@ -15,12 +15,17 @@ wandb has no offline sweeps, so this runner plays the agent and the server's par
    are Python packages, runs as that module from the repository root
    (``experiments/sine.py`` -> ``python -m experiments.sine``); any other runs as a script path.
 3. It reads back what the trial logged from its offline run files (``experiments.wandb_runs``),
-   not from its output, and takes the metric from the run's summary, as the W&B sweep table does.
+   not from its output, and scores it by the metric's best value over the run (its minimum, or
+   its maximum for ``goal: maximize``, over the logged history and the summary), as W&B's search
+   engine does: a trial whose validation loss fell and rose again keeps its best value.
 
 Grid search ends when its grid is used up; random and bayes search need ``--count`` or the
 YAML's ``run_cap``. A failed trial (non-zero exit) is recorded as failed and the sweep goes on.
-After each trial the progress and the best trials go to stderr; at the end the table of all
-trials, best first, goes to stdout and ``<out>/sweep.json`` holds every trial.
+After each trial its result goes to stderr, and before the next one the best trials so far; at
+the end the table of all trials, best first, goes to stdout (once) and ``<out>/sweep.json`` holds
+every trial. Before the first trial (and in ``--dry-run``) the parameter names are checked
+against the flags that the program's ``--help`` lists, where the program is a Python script that
+takes ``--name=value`` flags: a misspelled parameter stops the sweep with a close match.
 
 Usage:
     python -m experiments.sweep experiments/sweeps/sine.yaml --out runs/sine-sweep
@@ -29,12 +34,14 @@ Usage:
 
 Exit codes: 0 when the sweep ran (failed trials included), 1 when every trial failed, 2 for bad
 input (missing or invalid sweep file, unknown method, no metric, no count for random or bayes,
-an --out folder that already holds a sweep), 130 when interrupted.
+a parameter the program has no flag for, an --out folder that already holds a sweep), 130 when
+interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import math
 import os
@@ -130,7 +137,7 @@ class Trial:
         name: Its folder name under the sweep's ``--out``, e.g. ``trial-003``.
         params: The parameter values it ran with.
         state: ``pending``, ``running``, ``finished``, ``failed`` or ``killed``.
-        metric: The sweep metric from the run's summary, or None if it logged none.
+        metric: The sweep metric's best value over the run (min or max by the goal), or None if it logged none.
         exit_code: The process's exit code (negative: killed by that signal).
         wall_time: Seconds the process ran.
         run_dir: The wandb run directory it wrote.
@@ -520,6 +527,69 @@ def _write_param_files(params: dict[str, Any], trial_dir: Path) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
+# Checking the parameter names against the program's flags
+
+
+_FLAG = re.compile(r"(?<![\w-])--[A-Za-z0-9][\w-]*")
+_FLAG_MACROS = ("${args}", "${args_no_equals}", "${args_no_boolean_flags}")
+# The experiment scripts' parser (experiments.common.parse_args) takes --inner_lr for --inner-lr.
+_KEBAB_PARSER = "common.parse_args("
+_HELP_TIMEOUT_S = 120
+
+
+def program_flags(sweep: Sweep) -> tuple[list[str], bool] | None:
+    """The flags the sweep's program lists in its ``--help``, and whether it takes ``_`` for ``-`` in them.
+
+    Only a Python program that parses its flags with argparse (or the experiment scripts' parser)
+    is asked, where ``--help`` prints and exits. None, and nothing is checked, when the command
+    passes the parameters other than as ``--name`` flags, the program is not found or is no such
+    program, or its ``--help`` fails or lists no flag.
+    """
+    if sweep.program is None or not any(part in _FLAG_MACROS for part in sweep.command):
+        return None
+    program = resolve_program(sweep.program, sweep.path)
+    if program is None or program.suffix != ".py" or not program.is_file():
+        return None
+    source = program.read_text(errors="replace")
+    if "argparse" not in source and _KEBAB_PARSER not in source:
+        return None
+    command, _ = build_command(sweep, {}, Path("<out>"))
+    env = {**os.environ, "WANDB_MODE": "disabled"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    try:  # command[:-4]: without the --out <out> --wandb offline that build_command appends
+        help_ = subprocess.run(
+            [*command[:-4], "--help"], cwd=Path.cwd(), env=env, stdin=subprocess.DEVNULL, capture_output=True,
+            text=True, timeout=_HELP_TIMEOUT_S,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    flags = sorted(set(_FLAG.findall(help_.stdout)))
+    return (flags, _KEBAB_PARSER in source) if help_.returncode == 0 and flags else None
+
+
+def check_parameters(sweep: Sweep) -> None:
+    """Checks that the program has a flag for every parameter (``wandb agent`` passes ``--name=value``).
+
+    Raises:
+        SweepError: For a parameter the program has no flag for, with close matches; every trial
+            would fail on it.
+    """
+    found = program_flags(sweep)
+    if found is None:
+        return
+    flags, kebab = found
+    for name in sweep.config["parameters"]:
+        if f"--{name}" in flags or (kebab and f"--{name.replace('_', '-')}" in flags):
+            continue
+        matches = difflib.get_close_matches(f"--{name}", flags, n=3, cutoff=0.5)
+        hint = f" (did you mean {', '.join(matches)}?)" if matches else ""
+        raise SweepError(
+            f"{sweep.path}: the parameter {name!r} is not a flag of {sweep.program}{hint}; every trial would fail "
+            f"on it. Rename it under parameters (the program's --help lists its flags)."
+        )
+
+
+# ----------------------------------------------------------------------------------------------
 # Running one trial
 
 
@@ -557,6 +627,20 @@ def metric_value(summary: dict[str, Any], metric: str) -> float | None:
     return float(value) if _is_number(value) else None
 
 
+def best_metric(summary: dict[str, Any], history: Sequence[dict[str, Any]], metric: str, goal: str) -> float | None:
+    """The best value of the sweep metric over the run, its minimum or maximum by the goal, as W&B's engine takes it.
+
+    Every finite value logged (the history) and the summary's count; a metric that fell and rose
+    again scores its best value, not its last. None if the run logged no finite value.
+    """
+    values = [row[metric] for row in history if _is_number(row.get(metric))]
+    last = metric_value(summary, metric)
+    values += [last] if last is not None else []
+    if not values:
+        return None
+    return float(max(values) if goal == "maximize" else min(values))
+
+
 def _is_number(value: Any) -> bool:
     """Whether a value is a finite real number (not a bool)."""
     return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
@@ -573,7 +657,7 @@ def _record_result(trial: Trial, sweep: Sweep, trial_dir: Path, exit_code: int) 
     if run is not None:
         trial.run_dir, trial.run_id = str(run.path), run.id
         trial.summary, trial.history = run.summary, run.history
-        trial.metric = metric_value(run.summary, sweep.metric)
+        trial.metric = best_metric(run.summary, run.history, sweep.metric, sweep.goal)
     if exit_code < 0:
         trial.state, trial.error = "killed", f"killed by signal {-exit_code}"
     elif exit_code != 0:
@@ -739,6 +823,8 @@ def run_sweep(
             params = next_params(sweep, trials)
             if params is None:
                 break
+            if trials:  # the standings so far; the final table comes once, at the end
+                print(f"[sweep] best so far:\n{format_table(trials, sweep, limit=5)}", file=progress, flush=True)
             trial = Trial(index=len(trials) + 1, name=_trial_name(len(trials) + 1), params=params)
             trials.append(trial)
             total = f"/{limit}" if limit is not None else ""
@@ -849,6 +935,7 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None, stderr
     try:
         sweep = load_sweep(args.sweep)
         limit = trial_limit(sweep, args.count)
+        check_parameters(sweep)
         if args.dry_run:
             return _dry_run(sweep, limit, seed, stdout, stderr)
         if sweep.program is not None and resolve_program(sweep.program, sweep.path) is None:
@@ -868,7 +955,6 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None, stderr
     def report(trials: list[Trial]) -> None:
         so_far[:] = trials
         write_report(out / "sweep.json", sweep, trials, seed, out)
-        print(format_table(trials, sweep, limit=5), file=stderr, flush=True)
 
     try:
         trials = run_sweep(sweep, out, limit, seed, stderr, on_trial=report)

@@ -190,7 +190,8 @@ def test_output_folder_holding_another_run_is_refused(capsys, tmp_path):
 
 def test_resume_without_a_checkpoint_or_with_another_config(capsys, tmp_path):
     fails(capsys, sine.run, ["--out", str(tmp_path / "empty"), "--resume"], "--resume: no checkpoint at")
-    torch.save({"config": {**vars(sine.SineConfig()), "iterations": 5}}, tmp_path / "checkpoint.pt")
+    # (--iterations may change on resume: the meta-batch may not.)
+    torch.save({"config": {**vars(sine.SineConfig()), "meta_batch": 5}}, tmp_path / "checkpoint.pt")
     fails(capsys, sine.run, ["--out", str(tmp_path), "--resume"], "--resume: the config differs from the run in")
 
 

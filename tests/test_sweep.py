@@ -392,3 +392,83 @@ def test_read_run_survives_damage_and_rejects_other_files(big_run: Path, tmp_pat
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no wandb run"):
         read_run(tmp_path / "empty")
+
+
+# ---------------------------------------------------------------------------- issue 11: metric, table, flag names
+
+
+def test_grid_prints_the_final_table_once(grid: dict[str, Any]) -> None:
+    """The full table goes to stdout once; stderr has the standings before each later trial, none after the last."""
+    stdout, stderr = grid["result"].stdout, grid["result"].stderr
+    assert stdout.count("#  trial") == 1
+    assert stderr.count("#  trial") == stderr.count("[sweep] best so far:\n#  trial") == 5
+    after_last = stderr.rsplit("[sweep] trial-006 finished", 1)[1]
+    assert "#  trial" not in after_last
+
+
+FALLS_AND_RISES = '''
+import argparse
+
+import wandb
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--out")
+parser.add_argument("--wandb")
+parser.add_argument("--x", type=float)
+args = parser.parse_args()
+run = wandb.init(dir=args.out, mode=args.wandb, settings=wandb.Settings(x_disable_stats=True, x_disable_machine_info=True))
+for value in (3 * args.x, args.x, 2 * args.x):  # falls, then rises: the best is x, the last 2 x
+    run.log({"val/score": value})
+run.finish()
+wandb.teardown()
+'''
+
+
+def test_the_metric_is_its_best_value_over_the_run_not_its_last(tmp_path: Path) -> None:
+    program = tmp_path / "falls_and_rises.py"
+    program.write_text(FALLS_AND_RISES)
+    path = write_sweep(tmp_path, "best", program=str(program), parameters={"x": {"values": [1.5]}})
+    result = run_cli([str(path), "--out", str(tmp_path / "out")], tmp_path)
+    assert result.returncode == 0, result.stderr
+    (trial,) = json.loads((tmp_path / "out" / "sweep.json").read_text())["trials"]
+    assert trial["metric"] == 1.5 and trial["summary"]["val/score"] == 3.0  # the minimum, not the last value
+    header = next(line for line in result.stdout.splitlines() if line.startswith("#  trial"))
+    assert "val/score (min)" in header and table_rows(result.stdout)[0][3] == "1.5"
+    assert "#  trial" not in result.stderr  # one trial: no standings, and the final table once, on stdout
+
+
+def test_best_metric_follows_the_goal() -> None:
+    history = [{"val/acc": 0.4}, {"loss": 1.0}, {"val/acc": 0.7}, {"val/acc": float("nan")}, {"val/acc": 0.6}]
+    assert sweep_cli.best_metric({"val/acc": 0.6}, history, "val/acc", "maximize") == 0.7
+    assert sweep_cli.best_metric({"val/acc": 0.6}, history, "val/acc", "minimize") == 0.4
+    assert sweep_cli.best_metric({}, [{"loss": 1.0}], "val/acc", "minimize") is None
+
+
+def test_dry_run_checks_parameter_names_against_the_programs_flags(tmp_path: Path) -> None:
+    path = write_sweep(tmp_path, "misspelled", parameters={"x": {"values": [1.0]}, "fail_above": {"value": 3.0}})
+    stderr = io.StringIO()
+    assert sweep_cli.main([str(path), "--dry-run"], io.StringIO(), stderr) == 2
+    assert stderr.getvalue() == (
+        f"error: {path}: the parameter 'fail_above' is not a flag of tests/sweep_program.py (did you mean "
+        f"--fail-above?); every trial would fail on it. Rename it under parameters (the program's --help lists its "
+        f"flags).\n"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_dry_run_checks_an_experiment_scripts_flags_which_take_underscores(tmp_path: Path) -> None:
+    command = ["${env}", "${interpreter}", "-m", "experiments.sine", "${args}"]
+    path = write_sweep(tmp_path, "sine-typo", program="experiments/sine.py", command=command, metric={"name": "val/mse"},
+                       parameters={"inner-rl": {"values": [0.01, 0.1]}, "meta_batch": {"value": 5}})  # fmt: skip
+    stderr = io.StringIO()
+    assert sweep_cli.main([str(path), "--dry-run"], io.StringIO(), stderr) == 2
+    assert stderr.getvalue() == (
+        f"error: {path}: the parameter 'inner-rl' is not a flag of experiments/sine.py (did you mean --inner-lr, "
+        f"--learn-inner-lr, --meta-lr?); every trial would fail on it. Rename it under parameters (the program's "
+        f"--help lists its flags).\n"
+    )
+    fixed = write_sweep(tmp_path, "sine-ok", program="experiments/sine.py", command=command, metric={"name": "val/mse"},
+                        parameters={"inner_lr": {"values": [0.01, 0.1]}, "meta_batch": {"value": 5}})  # fmt: skip
+    stdout = io.StringIO()
+    assert sweep_cli.main([str(fixed), "--dry-run"], stdout, io.StringIO()) == 0  # --inner_lr is --inner-lr there
+    assert "--inner_lr=0.01 --meta_batch=5 --out <out>/trial-001 --wandb offline" in stdout.getvalue()

@@ -178,7 +178,7 @@ class MetaLearner:
         forward = TaskForward(model, loss_fn, "vmap" if batching == "auto" and chunked else batching, chunk_size)
         self._forward = forward
         rates = InnerRates(learn_inner_lr, self.inner_lr, tuple(adapted))
-        self._loop = InnerLoop(forward, rule, rates, self._check if check_finite else None)
+        self._loop = InnerLoop(forward, rule, rates, self._check)
         params = dict(model.named_parameters())
         self.rate_parameters: dict[str, nn.Parameter] = {k: nn.Parameter(v) for k, v in rates.init(params, steps).items()}
         checks.warn_weight_norm(model, mode)
@@ -393,7 +393,8 @@ class MetaLearner:
             )
 
     def _check(self, losses: Tensor, step: int, steps: int) -> None:
-        check_finite(losses, step, steps, self._rate_hint)
+        if self.check_finite:  # read at every call: a script may turn it off for evaluation
+            check_finite(losses, step, steps, self._rate_hint)
 
     def _split(self, params: Params | None, *inputs: Tensor) -> tuple[Params, Params]:
         """Validates, then splits into adapted parameters and shared constants (other parameters, buffers)."""

@@ -94,9 +94,10 @@ class Omniglot:
         rotations: add the 90, 180 and 270 degree (counter-clockwise) rotations of every
             character as classes of their own (the usual augmentation for meta-training).
         image_size: side of the resized images.
-        cache_dir: folder for the decoded cache. Default: ``.maml-cache`` next to the data
+        cache_dir: folder for the decoded cache. Default: ``$MAML_CACHE_DIR`` when set (the
+            data folder is then never written into), else ``.maml-cache`` next to the data
             when writable (a folder without write permission bits counts as read-only, even
-            for root), else ``$MAML_CACHE_DIR`` or ``~/.cache/maml-toolkit``.
+            for root), else ``$XDG_CACHE_HOME/maml-toolkit`` or ``~/.cache/maml-toolkit``.
         cache: read and write the decoded cache at all.
 
     Attributes:
