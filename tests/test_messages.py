@@ -133,18 +133,28 @@ def test_inner_divergence_names_the_inner_lr(capsys, tmp_path):
     ), err
 
 
-class Blowup(torch.optim.SGD):
-    """SGD whose step leaves the first weight infinite (a finite gradient), or, with ``nan_grad``, is given a NaN gradient."""
+class Blowup(torch.optim.Optimizer):
+    """SGD whose step leaves the first weight infinite (a finite gradient), or, with ``nan_grad``, is given a NaN gradient.
+
+    It subclasses Optimizer, not SGD: calling SGD.step from here would run the step hooks twice
+    once any SGD in the process has had its step patched for hooks (test-order dependent).
+    """
 
     nan_grad = False
 
+    def __init__(self, params, lr):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
     def step(self, closure=None):
-        first = self.param_groups[0]["params"][0]
+        group = self.param_groups[0]
+        first = group["params"][0]
         if self.nan_grad:
             first.grad.fill_(math.nan)
-        super().step(closure)
-        with torch.no_grad():
-            first.fill_(math.inf)
+        for p in group["params"]:
+            if p.grad is not None:
+                p.add_(p.grad, alpha=-group["lr"])
+        first.fill_(math.inf)
 
 
 @pytest.mark.parametrize("nan_grad", [False, True], ids=["finite-gradient", "nan-gradient"])
