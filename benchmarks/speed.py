@@ -3,6 +3,7 @@
     .venv/bin/python -m benchmarks.speed                       # every workload on the CPU (~10 min, 2 cores)
     .venv/bin/python -m benchmarks.speed --workloads sine1 sine5 --repeats 50
     .venv/bin/python -m benchmarks.speed --device cuda         # CUDA events instead of wall clocks
+    .venv/bin/python -m benchmarks.speed --tables family       # only the MAML-family table
 
 One meta-training step is: zero the gradients, the meta-loss over the meta-batch, its backward
 pass, and an Adam step (the fused kernel, the same for every method). Timed for this engine
@@ -20,6 +21,17 @@ doing the same math) over the median time, against the machine's measured peak f
 float32 matrix product, and the largest relative difference of the meta-gradient from
 learn2learn's, computed from the same weights before timing.
 
+A second table per workload (``--tables main family``, default both; each timed in a run of its own)
+has the MAML family, second order with ``batching="auto"``, each engine row above a peer that
+computes the same meta-gradient, and its speed-up and gradient difference taken against that peer:
+ANIL (``adapt`` = the last layer) against learn2learn's ``MAML`` on the head over body features
+computed outside the inner loop, Meta-SGD (``learn_inner_lr="per_parameter"``) against learn2learn's
+``MetaSGD``, MAML++'s LSLR (``learn_inner_lr="per_layer_per_step"``) against the plain loop with
+per-step rates, and momentum (0.9) and Adam inner loops (``inner_optimizer``) against higher's
+``innerloop_ctx`` with ``torch.optim.SGD(momentum=0.9)`` and ``torch.optim.Adam``. In float32
+Adam's difference is larger than the others' (its step divides by ``|g|``, which amplifies
+rounding in small gradients); in float64 it agrees with higher's like the rest.
+
 Workloads, on the real task distributions (Omniglot: $OMNIGLOT_DIR, else ../shared/data/omniglot):
     sine1, sine5     the 1-40-40-1 ReLU MLP, meta-batch 25, 10 support and 10 query points, 1 / 5 inner steps
     omniglot5        the MAML conv net (4 x 64 3x3 filters, BatchNorm, ReLU, max-pool), 5-way 1-shot,
@@ -32,6 +44,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import math
 import os
 import random
 import statistics
@@ -40,6 +53,7 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):  # run as a file: make the repository's packages importable
@@ -85,6 +99,8 @@ class Method:
     channels_last: bool = False
     # Counted by (the FlopCounterMode cannot see inside a compiled graph): the eager method doing the same math.
     flops_of: Method | None = None
+    # The method this row's speed-up and gradient difference are taken against (default: REFERENCE).
+    reference: str | None = None
 
 
 def workloads(data: Path, device: torch.device) -> dict[str, Workload]:
@@ -114,19 +130,33 @@ def workloads(data: Path, device: torch.device) -> dict[str, Workload]:
 # ---------------------------------------------------------------------------- the methods
 
 
-def engine(mode: str, batching: str, *, compile: bool = False, channels_last: bool = False) -> Method:
+def engine(mode: str, batching: str, *, compile: bool = False, channels_last: bool = False, name: str | None = None,
+           anil: bool = False, **options: Any) -> Method:  # fmt: skip
+    """This engine; ``anil``: adapt only the head; ``options``: more MetaLearner arguments (the family rows)."""
+
     def build(model: nn.Module, wl: Workload) -> tuple[list[Tensor], Backward]:
         learner = maml.MetaLearner(model, wl.loss_fn, inner_lr=wl.inner_lr, steps=wl.steps, mode=mode,
-                                   batching=batching, compile=compile)  # fmt: skip
+                                   batching=batching, compile=compile, adapt=head(model) if anil else None,
+                                   **options)  # fmt: skip
         return list(learner.parameters()), lambda batch: learner.meta_loss(batch).backward()
 
-    name = f"maml {mode} {batching}" + (" compiled" if compile else "") + (" channels_last" if channels_last else "")
+    if name is None:
+        name = f"maml {mode} {batching}" + " compiled" * compile + " channels_last" * channels_last
     return Method(name, mode == "first_order", build, channels_last, engine(mode, batching) if compile else None)
 
 
-def learn2learn(first_order: bool, channels_last: bool = False) -> Method:
+def head(model: nn.Module) -> list[str]:
+    """ANIL's head: the parameters of the network's last layer (both nets are an nn.Sequential ending in nn.Linear)."""
+    last = str(len(model) - 1)
+    return [name for name, _ in model.named_parameters() if name.split(".")[0] == last]
+
+
+def learn2learn(first_order: bool, channels_last: bool = False, meta_sgd: bool = False) -> Method:
+    """learn2learn's ``MAML``, or ``MetaSGD`` (a learnable rate per parameter entry, starting at the inner lr)."""
+
     def build(model: nn.Module, wl: Workload) -> tuple[list[Tensor], Backward]:
-        meta = l2l.algorithms.MAML(model, lr=wl.inner_lr, first_order=first_order)
+        algorithm = l2l.algorithms.MetaSGD if meta_sgd else l2l.algorithms.MAML
+        meta = algorithm(model, lr=wl.inner_lr, first_order=first_order)
 
         def backward(batch: maml.TaskBatch) -> None:
             for sx, sy, qx, qy in zip(batch.support_x, batch.support_y, batch.query_x, batch.query_y):
@@ -137,43 +167,74 @@ def learn2learn(first_order: bool, channels_last: bool = False) -> Method:
 
         return list(meta.parameters()), backward
 
-    name = "learn2learn MAML" + (" first-order" if first_order else "") + (" channels_last" if channels_last else "")
-    return Method(name, first_order, build, channels_last)
+    name = "learn2learn " + ("MetaSGD" if meta_sgd else "MAML") + (" first-order" if first_order else "")
+    return Method(name + (" channels_last" if channels_last else ""), first_order, build, channels_last)
 
 
-def higher_sgd() -> Method:
+def learn2learn_anil() -> Method:
+    """ANIL as learn2learn users write it: ``MAML`` on the head alone, on features the body computes
+    outside the inner loop (once per task, with its graph: the body's meta-gradient is exact)."""
+
     def build(model: nn.Module, wl: Workload) -> tuple[list[Tensor], Backward]:
-        inner_opt = torch.optim.SGD(model.parameters(), lr=wl.inner_lr)
+        body, meta = model[:-1], l2l.algorithms.MAML(model[-1], lr=wl.inner_lr)
+
+        def backward(batch: maml.TaskBatch) -> None:
+            for sx, sy, qx, qy in zip(batch.support_x, batch.support_y, batch.query_x, batch.query_y):
+                support, query, learner = body(sx), body(qx), meta.clone()
+                for _ in range(wl.steps):
+                    learner.adapt(wl.loss_fn(learner(support), sy))
+                (wl.loss_fn(learner(query), qy) / batch.num_tasks).backward()
+
+        return list(model.parameters()), backward
+
+    return Method("learn2learn ANIL", False, build)
+
+
+def higher_innerloop(rule: str = "sgd") -> Method:
+    """higher's ``innerloop_ctx`` with ``torch.optim.SGD``, ``SGD(momentum=0.9)`` or ``Adam``. higher's Adam
+    divides by ``sqrt(v) + eps`` and scales the step by ``sqrt(1 - beta2^t)``, torch's (and the engine's) by
+    ``sqrt(v) / sqrt(1 - beta2^t) + eps``: the same update once eps is overridden by ``eps * sqrt(1 - beta2^t)``."""
+
+    def build(model: nn.Module, wl: Workload) -> tuple[list[Tensor], Backward]:
+        if rule == "adam":
+            inner_opt: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=wl.inner_lr)
+        else:
+            inner_opt = torch.optim.SGD(model.parameters(), lr=wl.inner_lr, momentum=0.9 if rule == "momentum" else 0)
+        eps = [[1e-8 * math.sqrt(1 - 0.999 ** (k + 1))] for k in range(wl.steps)]  # torch.optim.Adam's defaults
 
         def backward(batch: maml.TaskBatch) -> None:
             for sx, sy, qx, qy in zip(batch.support_x, batch.support_y, batch.query_x, batch.query_y):
                 with higher.innerloop_ctx(model, inner_opt, copy_initial_weights=False) as (fmodel, diffopt):
-                    for _ in range(wl.steps):
-                        diffopt.step(wl.loss_fn(fmodel(sx), sy))
+                    for k in range(wl.steps):
+                        diffopt.step(wl.loss_fn(fmodel(sx), sy), override={"eps": eps[k]} if rule == "adam" else None)
                     (wl.loss_fn(fmodel(qx), qy) / batch.num_tasks).backward()
 
         return list(model.parameters()), backward
 
-    return Method("higher innerloop_ctx", False, build)
+    names = {"sgd": "higher innerloop_ctx", "momentum": "higher SGD momentum 0.9", "adam": "higher Adam"}
+    return Method(names[rule], False, build)
 
 
-def plain_loop() -> Method:
-    """What one writes by hand: a per-task loop, functional_call and autograd.grad(create_graph=True)."""
+def plain_loop(lslr: bool = False) -> Method:
+    """What one writes by hand: a per-task loop, functional_call and autograd.grad(create_graph=True);
+    ``lslr``: MAML++'s learnable rates, one per parameter tensor and inner step, starting at the inner lr."""
 
     def build(model: nn.Module, wl: Workload) -> tuple[list[Tensor], Backward]:
+        rates = {k: v.new_full((wl.steps,), wl.inner_lr).requires_grad_() for k, v in model.named_parameters() if lslr}
+
         def backward(batch: maml.TaskBatch) -> None:
             params = dict(model.named_parameters())
             for sx, sy, qx, qy in zip(batch.support_x, batch.support_y, batch.query_x, batch.query_y):
                 fast = params
-                for _ in range(wl.steps):
+                for s in range(wl.steps):
                     loss = wl.loss_fn(functional_call(model, fast, (sx,)), sy)
                     grads = torch.autograd.grad(loss, list(fast.values()), create_graph=True)
-                    fast = {k: v - wl.inner_lr * g for (k, v), g in zip(fast.items(), grads)}
+                    fast = {k: v - (rates[k][s] if lslr else wl.inner_lr) * g for (k, v), g in zip(fast.items(), grads)}
                 (wl.loss_fn(functional_call(model, fast, (qx,)), qy) / batch.num_tasks).backward()
 
-        return list(model.parameters()), backward
+        return [*model.parameters(), *rates.values()], backward
 
-    return Method("plain loop, autograd.grad", False, build)
+    return Method("plain loop LSLR" if lslr else "plain loop, autograd.grad", False, build)
 
 
 METHODS: list[Method] = [
@@ -185,10 +246,31 @@ METHODS: list[Method] = [
     learn2learn(first_order=False),
     learn2learn(first_order=True),
     learn2learn(first_order=False, channels_last=True),
-    higher_sgd(),
+    higher_innerloop(),
     plain_loop(),
 ]
 REFERENCE = {False: "learn2learn MAML", True: "learn2learn MAML first-order"}
+
+
+def pair(method: Method, peer: Method) -> list[Method]:
+    """A family row and its peer, both measured against the peer."""
+    return [dataclasses.replace(m, reference=peer.name) for m in (method, peer)]
+
+
+def family(name: str, **options: Any) -> Method:
+    return engine("second_order", "auto", name=name, **options)
+
+
+# The MAML family (second order, batching "auto"), each beside a peer computing the same meta-gradient.
+FAMILY: list[Method] = [
+    *pair(family("maml ANIL", anil=True), learn2learn_anil()),
+    *pair(family("maml Meta-SGD", learn_inner_lr="per_parameter"), learn2learn(first_order=False, meta_sgd=True)),
+    *pair(family("maml LSLR", learn_inner_lr="per_layer_per_step"), plain_loop(lslr=True)),
+    *pair(family("maml momentum 0.9", inner_optimizer="momentum", inner_optimizer_options={"momentum": 0.9}),
+          higher_innerloop("momentum")),  # fmt: skip
+    *pair(family("maml Adam", inner_optimizer="adam"), higher_innerloop("adam")),
+]
+TABLES = {"main": METHODS, "family": FAMILY}
 
 
 # ---------------------------------------------------------------------------- measuring
@@ -245,7 +327,7 @@ def run_workload(wl: Workload, methods: list[Method], device: torch.device, repe
         params, backward = method.build(model, wl)
         # The meta-gradient from the shared initial weights, for the agreement column.
         backward(batches[0])
-        grads[method.name] = [p.grad.detach().clone() for p in model.parameters()]
+        grads[method.name] = [p.grad.detach().clone() for p in params]
         for p in params:
             p.grad = None
         counter = FlopCounterMode(display=False)
@@ -279,7 +361,7 @@ def run_workload(wl: Workload, methods: list[Method], device: torch.device, repe
     rows = []
     for method in methods:
         median = statistics.median(times[method.name])
-        ref = REFERENCE[method.first_order]
+        ref = method.reference or REFERENCE[method.first_order]
         rows.append({
             "method": method.name,
             "median": median,
@@ -294,9 +376,9 @@ def run_workload(wl: Workload, methods: list[Method], device: torch.device, repe
     return rows
 
 
-def print_table(title: str, rows: list[dict[str, object]], repeats: int) -> None:
+def print_table(title: str, rows: list[dict[str, object]], repeats: int, versus: str = "vs learn2learn") -> None:
     print(f"\n{title}  (median of {repeats}; spread = fastest..slowest)")
-    head = (f"| {'method':<28} | {'median':>10} | {'spread':>19} | {'vs learn2learn':>14} | {'GFLOP':>7} "
+    head = (f"| {'method':<28} | {'median':>10} | {'spread':>19} | {versus:>14} | {'GFLOP':>7} "
             f"| {'GFLOP/s':>7} | {'% of peak':>9} | {'grad rel. diff':>14} |")  # fmt: skip
     print(head)
     print("|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|")
@@ -318,6 +400,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="default: %(default)s")
     parser.add_argument("--workloads", nargs="+", default=["sine1", "sine5", "omniglot5", "omniglot20"])
     parser.add_argument("--methods", nargs="+", help="substrings of method names to keep (default: all)")
+    parser.add_argument("--tables", nargs="+", choices=list(TABLES), default=list(TABLES),
+                        help="main: MAML against learn2learn, higher, a plain loop; family: ANIL, Meta-SGD, "
+                             "LSLR, momentum, Adam against their peers (default: both)")  # fmt: skip
     parser.add_argument("--repeats", type=int, help="timed steps per method (default: 30 for sine, 5 for Omniglot)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per method first (default: %(default)s)")
     args = parser.parse_args(argv)
@@ -329,13 +414,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device: {device}, torch {torch.__version__}, {threads} CPU threads, "
           f"measured float32 matmul peak {peak / 1e9:.0f} GFLOP/s")  # fmt: skip
     all_workloads = workloads(Path(args.data), device)
-    methods = [m for m in METHODS if not args.methods or any(s in m.name for s in args.methods)]
     for key in args.workloads:
         wl = all_workloads[key]
         repeats = args.repeats or (30 if key.startswith("sine") else 5)
         chosen = maml.MetaLearner(wl.net().to(device), wl.loss_fn, inner_lr=wl.inner_lr).resolved_batching
-        print_table(f"{key}: {wl.name}; batching='auto' picks {chosen!r}",
-                    run_workload(wl, methods, device, repeats, args.warmup, clock, peak), repeats)  # fmt: skip
+        for table in args.tables:
+            methods = [m for m in TABLES[table] if not args.methods or any(s in m.name for s in args.methods)]
+            if not methods:
+                continue
+            rows = run_workload(wl, methods, device, repeats, args.warmup, clock, peak)
+            if table == "main":
+                print_table(f"{key}: {wl.name}; batching='auto' picks {chosen!r}", rows, repeats)
+            else:
+                print_table(f"{key} family: {wl.name}; second order, batching='auto'; each maml row against "
+                            f"the peer below it", rows, repeats, versus="vs peer")  # fmt: skip
     return 0
 
 
