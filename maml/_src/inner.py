@@ -1,4 +1,4 @@
-"""The functional core: per-task losses at stacked fast weights, and the inner SGD loop.
+"""The per-task forward pass: losses and outputs at stacked fast weights (vmap or a loop), and the NaN/Inf check.
 
 Fast weights are a ``dict[str, Tensor]`` keyed by ``named_parameters()`` names, each tensor
 stacked on a leading task dimension: ``(T, *param.shape)``. Only the forward pass is batched
@@ -10,7 +10,7 @@ reverse-over-reverse batching rules under ``vmap`` are wrong (pytorch/functorch#
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -24,7 +24,6 @@ except ImportError:  # older torch: the same switch under its earlier name (belo
 
 Params = dict[str, Tensor]
 LossFn = Callable[[Tensor, Tensor], Tensor]
-Rates = Mapping[str, float | Tensor]
 Batching = Literal["auto", "vmap", "loop"]
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 

@@ -275,7 +275,7 @@ class MetaLearner:
         rate_values = dict(self.rate_parameters)
         every_step = step_weights is not None
         grad = torch.is_grad_enabled()
-        with exact_attention() if grad and self._mode != "first_order" else contextlib.nullcontext():
+        with self._attention():
             if self.compile and grad:
                 return self._run_compiled(params, rate_values, consts, batch, steps, step_weights)
             if self._mode == "checkpointed" and grad:
@@ -341,8 +341,7 @@ class MetaLearner:
         x, y = support_x.unsqueeze(0), support_y.unsqueeze(0)
         self._probe(params, consts, TaskBatch(x, y, x, y))
         self._example_shape = support_x.shape[1:]
-        grad = torch.is_grad_enabled()
-        with exact_attention() if grad and self._mode != "first_order" else contextlib.nullcontext():
+        with self._attention():
             fast, _, _ = eager.adapt(
                 self._loop, params, dict(self.rate_parameters), consts, x, y, steps, first_order=self._mode == "first_order"
             )
@@ -391,6 +390,11 @@ class MetaLearner:
                 "recomputes its segments in a backward pass of its own, which torch.compile cannot trace. "
                 "Use mode='second_order' with compile=True for speed, or mode='checkpointed' without it for memory."
             )
+
+    def _attention(self) -> contextlib.AbstractContextManager[object]:
+        """The math attention kernel where the inner steps are differentiated twice (exact modes, grad on)."""
+        exact = torch.is_grad_enabled() and self._mode != "first_order"
+        return exact_attention() if exact else contextlib.nullcontext()
 
     def _check(self, losses: Tensor, step: int, steps: int) -> None:
         if self.check_finite:  # read at every call: a script may turn it off for evaluation
