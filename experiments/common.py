@@ -37,6 +37,8 @@ import yaml
 from torch import Tensor
 
 import maml
+from experiments import recipes
+from experiments.recipes import Schedule
 
 RUN_FILES = ("config.yaml", "checkpoint.pt", "results.json")
 
@@ -78,13 +80,16 @@ def field(default: Any, help: str) -> Any:
 
 
 def check_config(cfg: Any, positive: Sequence[str], choices: dict[str, Sequence[Any]], rates: Sequence[str] = (),
-                 non_negative: Sequence[str] = ()) -> None:  # fmt: skip
+                 non_negative: Sequence[str] = (), fractions: Sequence[str] = ()) -> None:  # fmt: skip
     """Raises ValueError naming the flag and the value of the first invalid one.
 
     ``positive``: ints (or lists of ints) that must be >= 1; ``non_negative``: >= 0; ``rates``:
-    floats that must be finite and > 0; ``choices``: the values each key allows. A None value
-    (a field whose default is filled in later) passes.
+    floats that must be finite and > 0; ``fractions``: floats in [0, 1]; ``choices``: the values each
+    key allows. A None value (a field whose default is filled in later) passes.
     """
+    for key in fractions:
+        if not 0 <= getattr(cfg, key) <= 1:  # NaN fails too
+            raise ValueError(f"{_flag(key)} {getattr(cfg, key):g} must be a share of training in [0, 1].")
     for keys, low in ((positive, 1), (non_negative, 0)):
         for key in keys:
             value = getattr(cfg, key)
@@ -276,13 +281,23 @@ def parse_args(
         bad = unknown[0].split("=", 1)[0]
         raise UsageError(f"unknown flag {bad}{_suggest(bad, flags)}; see --help for the full list.")
 
-    values = dict(defaults)
-    if args.config is not None:
-        values.update(_load_yaml(args.config, cls))
+    # Precedence: the dataclass defaults, the recipe of --algorithm, the YAML file, the flags.
+    given = _load_yaml(args.config, cls) if args.config is not None else {}
     for name, tp in types_.items():
         raw = getattr(args, name)
         if raw is not None:
-            values[name] = _convert(name, raw, tp, _flag(name))
+            given[name] = _convert(name, raw, tp, _flag(name))
+    values = dict(defaults)
+    try:
+        values.update(recipes.recipe(experiment, given.get("algorithm", values["algorithm"])))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    values.update(given)
+    if values["compile"] is None:  # auto: the compiled step where it applies and a C++ compiler is found
+        values["compile"] = values["mode"] != "checkpointed" and _cxx() is not None
+        if not values["compile"] and values["mode"] != "checkpointed":
+            print("note: no C++ compiler found (g++, c++ or $CXX), so the meta-step runs eager, 2-4x slower on "
+                  "small models; install one, or pass --compile false to silence this", file=sys.stderr)  # fmt: skip
     cfg = cls(**values)
     try:
         validate(cfg)
@@ -298,6 +313,11 @@ def parse_args(
     device, rank, world_size = join_processes(device)
     return cfg, RunOptions(experiment, args.out, args.resume, args.overwrite, args.wandb or default_wandb_mode(), device,
                            args.config, rank, world_size)  # fmt: skip
+
+
+def _cxx() -> str | None:
+    """The C++ compiler torch.compile's CPU backend would call, if one is installed."""
+    return next(filter(None, (shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if c)), None)
 
 
 def default_wandb_mode() -> str:
@@ -473,7 +493,7 @@ def _check_out(opts: RunOptions, cfg: Any) -> dict[str, Any] | None:
         diff = []
         for key in [*mine, *(k for k in saved if k not in mine)]:
             old, new = saved.get(key), mine.get(key)
-            if old == new or key in RESUMABLE:
+            if old == new or (key in RESUMABLE and not (key == "iterations" and _length_scheduled(saved))):
                 continue
             if key in DATA_KEYS and isinstance(old, str) and isinstance(new, str):
                 problem = _same_data(old, new, state.get("data", {}).get(key))
@@ -482,6 +502,12 @@ def _check_out(opts: RunOptions, cfg: Any) -> dict[str, Any] | None:
                 diff.append(f"{key}={new!r} (run has {old!r}; {problem})")
             else:
                 diff.append(f"{key}={new!r} (run has {old!r})")
+        if diff and _length_scheduled(saved) and any(d.startswith("iterations=") for d in diff):
+            raise UsageError(
+                f"--resume: --iterations {cfg.iterations} differs from the run's {saved['iterations']}, and its "
+                f"schedule (meta_lr_schedule, first_order_fraction or msl_fraction, as --algorithm sets them) is a "
+                f"share of --iterations; resume with --iterations {saved['iterations']}."
+            )
         if diff:
             allowed = ", ".join(_flag(k) for k in RESUMABLE[:-1]) + f" and {_flag(RESUMABLE[-1])}"
             raise UsageError(
@@ -496,6 +522,12 @@ def _check_out(opts: RunOptions, cfg: Any) -> dict[str, Any] | None:
             f"--overwrite to replace it, or another --out."
         )
     return None
+
+
+def _length_scheduled(config: dict[str, Any]) -> bool:
+    """Whether a saved config's schedule is a share of its --iterations (recipes.Schedule.depends_on_length)."""
+    return (config.get("meta_lr_schedule", "constant") != "constant" or bool(config.get("first_order_fraction"))
+            or bool(config.get("msl_fraction")))  # fmt: skip
 
 
 def _check_writable(out: Path) -> None:
@@ -995,6 +1027,7 @@ class Trainer:
     checkpoint_every: int
     seed: int
     device: torch.device
+    schedule: Schedule | None = None  # per-iteration meta-lr, derivative order and step weights (recipes)
     history: list[dict[str, float]] = dataclasses.field(default_factory=list)
     # Meta-losses and step time since the last log row: checkpointed, so a resumed run logs the same rows.
     window: list[float] = dataclasses.field(default_factory=list)
@@ -1102,7 +1135,8 @@ class Trainer:
                 # The full meta-batch on every rank, whatever their number: the same trajectory.
                 batch = maml.shard(self.sample(generator)).to(self.device)
                 t0 = time.perf_counter()
-                out = self.learner.run(batch)
+                weights = None if self.schedule is None else self.schedule.apply(iteration, self.learner, self.optimizer)
+                out = self.learner.run(batch, step_weights=weights)
                 self.optimizer.zero_grad(set_to_none=True)
                 out.loss.backward()
                 if sharded:

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 import maml
 import tasks
-from experiments import common
+from experiments import common, recipes
 
 
 # The paper's settings by number of ways: (inner steps, inner lr, meta-batch).
@@ -55,7 +55,14 @@ class OmniglotConfig:
     mode: str = common.field("second_order", "second_order, first_order or checkpointed")
     batching: str = common.field("auto", "auto (the engine's choice: loop on CPU, vmap on GPU), vmap or loop")
     learn_inner_lr: str | None = common.field(None, "null, scalar or per_parameter (Meta-SGD)")
-    compile: bool = common.field(False, "compile the meta-step with torch.compile (second or first order; exact; a one-off compile, then faster steps)")
+    compile: bool = common.field(False, "compile the meta-step with torch.compile (second or first order; exact; a one-off compile of about a minute on a CPU, then steps a few percent faster)")
+    algorithm: str = common.field("maml", "the recipe: maml, fomaml, metasgd, anil or mamlpp (sets its paper's values for the keys below; a flag or YAML key overrides it)")
+    adapt: str = common.field("all", "what the inner loop adapts: all, head (ANIL) or body (BOIL)")
+    inner_optimizer: str = common.field("sgd", "inner update rule: sgd, momentum or adam")
+    msl_fraction: float = common.field(0.0, "share of training with MAML++'s annealed multi-step loss (0: only the last step's loss)")
+    first_order_fraction: float = common.field(0.0, "share of training in first order before --mode (derivative-order annealing)")
+    meta_lr_schedule: str = common.field("constant", "constant or cosine (annealed to --min-meta-lr)")
+    min_meta_lr: float = common.field(1e-5, "the cosine schedule's final meta-lr")
     seed: int = common.field(0, "seeds the initialisation and the task sampler")
     log_every: int = common.field(50, "iterations between training logs")
     val_every: int = common.field(500, "iterations between validations")
@@ -84,8 +91,11 @@ def validate_config(cfg: OmniglotConfig) -> None:
         positive=("ways", "shots", "query", "meta_batch", "iterations", "filters", "log_every", "val_every",
                   "val_tasks", "checkpoint_every", "eval_tasks", "eval_chunk"),
         choices={"mode": maml.MODES, "batching": maml.BATCHINGS, "learn_inner_lr": maml.LEARN_INNER_LR,
+                 "algorithm": recipes.ALGORITHMS, "adapt": recipes.ADAPT, "inner_optimizer": maml.INNER_OPTIMIZERS,
+                 "meta_lr_schedule": ("constant", "cosine"),
                  "split_by": tasks.SPLIT_BY},
-        rates=("inner_lr", "meta_lr"),
+        rates=("inner_lr", "meta_lr", "min_meta_lr"),
+        fractions=("msl_fraction", "first_order_fraction"),
         non_negative=("steps", "eval_steps"),
     )  # fmt: skip
     if cfg.compile and cfg.mode == "checkpointed":
@@ -212,7 +222,8 @@ def run(argv: Sequence[str] | None = None) -> None:
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.ways, cfg.filters).to(opts.device)
     learner = maml.MetaLearner(model, F.cross_entropy, inner_lr=cfg.inner_lr, steps=cfg.steps, mode=cfg.mode,
-                               batching=cfg.batching, learn_inner_lr=cfg.learn_inner_lr, compile=cfg.compile)  # fmt: skip
+                               batching=cfg.batching, learn_inner_lr=cfg.learn_inner_lr, compile=cfg.compile,
+                               adapt=recipes.adapt_set(model, cfg.adapt), inner_optimizer=cfg.inner_optimizer)  # fmt: skip
     optimizer = torch.optim.Adam(learner.parameters(), lr=cfg.meta_lr)
     watch = common.DivergenceWatch(learner, optimizer, resumed["iteration"] if resumed else 0, cfg.meta_lr, cfg.inner_lr, opts.out)
     if val is not None:
@@ -237,6 +248,7 @@ def run(argv: Sequence[str] | None = None) -> None:
         checkpoint_every=cfg.checkpoint_every,
         seed=cfg.seed,
         device=opts.device,
+        schedule=recipes.Schedule.of(cfg),
     )
     name = f"omniglot-{cfg.ways}way-{cfg.shots}shot"
     wandb_run = common.init_wandb(opts, cfg, name, resumed["wandb_id"] if resumed else None) if opts.main else None

@@ -18,7 +18,7 @@ from experiments.wandb_runs import find_runs, read_run
 from helpers import REPO, omniglot_root
 
 PNG = b"\x89PNG\r\n\x1a\n"
-SMALL_SINE = ["--hidden", "8", "--eval-tasks", "20", "--val-tasks", "10", "--eval-query", "20"]
+SMALL_SINE = ["--compile", "false", "--hidden", "8", "--eval-tasks", "20", "--val-tasks", "10", "--eval-query", "20"]
 
 
 def env(tmp_path: Path) -> dict[str, str]:

@@ -21,7 +21,7 @@ import maml
 from experiments import common, omniglot, sine
 from helpers import omniglot_root
 
-TINY_SINE = ["--hidden", "8", "--val-tasks", "4", "--eval-tasks", "4", "--eval-query", "10", "--meta-batch", "4",
+TINY_SINE = ["--compile", "false", "--hidden", "8", "--val-tasks", "4", "--eval-tasks", "4", "--eval-query", "10", "--meta-batch", "4",
              "--wandb", "disabled"]  # fmt: skip
 
 

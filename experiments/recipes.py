@@ -1,0 +1,153 @@
+"""The MAML family as named recipes (``--algorithm``), and the per-iteration schedules they use.
+
+A recipe is a set of config defaults: ``--algorithm mamlpp`` changes what an unset key means,
+and every flag or YAML key still overrides it (precedence: the experiment's defaults, then the
+recipe, then ``--config``, then flags). The resolved settings are what ``config.yaml`` and
+``results.json`` record.
+
+| recipe  | paper                | what it sets                                                          |
+|---------|----------------------|-----------------------------------------------------------------------|
+| maml    | Finn et al. 2017     | nothing: the experiment's defaults are the paper's                    |
+| fomaml  | Finn et al. 2017     | first-order meta-gradients                                            |
+| metasgd | Li et al. 2017       | a learned rate per parameter entry                                    |
+| anil    | Raghu et al. 2020    | the inner loop adapts only the head (the last layer)                  |
+| mamlpp  | Antoniou et al. 2019 | 5 inner steps, learned per-layer per-step rates (LSLR), the annealed  |
+|         |                      | multi-step loss for the first 10 % of training, first-order for the   |
+|         |                      | first half (derivative-order annealing), cosine meta-lr down to 1e-5  |
+
+MAML++ details, from its paper and released configs (``HowToTrainYourMAMLPytorch``): the
+per-step loss weights start uniform and move linearly towards the last step over the first
+``msl_fraction`` of training (10 of 100 epochs), the earlier steps keeping at least
+``0.03 / steps``; afterwards only the last step's loss counts. The paper trains first-order for
+its first 50 epochs (its released Omniglot configs turn that off); here the first half. Omniglot
+uses its inner rate 0.1 and meta-batch 8. Its per-step batch-norm weights and statistics are not
+built (the engine does not pass the step index to the model; README).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+import maml
+
+__all__ = ["ALGORITHMS", "ADAPT", "recipe", "adapt_set", "Schedule"]
+
+ALGORITHMS = ("maml", "fomaml", "metasgd", "anil", "mamlpp")
+ADAPT = ("all", "head", "body")  # body: BOIL's inner loop (everything but the head)
+
+_MAMLPP = {"steps": 5, "learn_inner_lr": "per_layer_per_step", "msl_fraction": 0.1, "first_order_fraction": 0.5,
+           "meta_lr_schedule": "cosine", "min_meta_lr": 1e-5}  # fmt: skip
+_RECIPES: dict[str, dict[str, Any]] = {
+    "maml": {},
+    "fomaml": {"mode": "first_order"},
+    "metasgd": {"learn_inner_lr": "per_parameter"},
+    "anil": {"adapt": "head"},
+    "mamlpp": _MAMLPP,
+}
+# What a recipe sets differently per experiment (the paper's values for that data).
+_PER_EXPERIMENT: dict[tuple[str, str], dict[str, Any]] = {
+    ("omniglot", "mamlpp"): {"inner_lr": 0.1, "meta_batch": 8},
+}
+
+
+def recipe(experiment: str, algorithm: str) -> dict[str, Any]:
+    """The config keys ``algorithm`` sets for ``experiment`` (``"sine"`` or ``"omniglot"``).
+
+    Raises:
+        ValueError: an unknown algorithm, naming the flag and the choices.
+    """
+    if algorithm not in _RECIPES:
+        raise ValueError(f"--algorithm {algorithm!r} is not one of {', '.join(ALGORITHMS)}.")
+    return {**_RECIPES[algorithm], **_PER_EXPERIMENT.get((experiment, algorithm), {})}
+
+
+def adapt_set(model: nn.Module, adapt: str) -> Callable[[str], bool] | None:
+    """The ``adapt=`` argument of ``maml.MetaLearner`` for ``adapt`` in ``ADAPT``.
+
+    The head is the module that holds the model's last parameter (the final linear layer of both
+    experiments' models); ``None`` (adapt everything) for ``"all"``.
+    """
+    if adapt == "all":
+        return None
+    last = list(dict(model.named_parameters()))[-1]
+    head = last.rpartition(".")[0] + "."
+    if adapt == "head":
+        return lambda name: name.startswith(head)
+    return lambda name: not name.startswith(head)
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """What changes during training: the meta-lr, the derivative order and the per-step loss weights.
+
+    Each is a function of the iteration and the run's length, nothing else, so a resumed run
+    follows the uninterrupted one; a run whose schedule depends on its length cannot change
+    ``--iterations`` on resume (``depends_on_length``).
+
+    Attributes:
+        iterations: the run's length.
+        meta_lr: the optimizer's learning rate (the start of a cosine schedule).
+        meta_lr_schedule: ``"constant"`` or ``"cosine"`` (annealed to ``min_meta_lr`` at the end).
+        min_meta_lr: the cosine schedule's floor.
+        mode: the learner's mode once ``first_order_fraction`` of training is past.
+        first_order_fraction: the share of training in first order (derivative-order annealing).
+        msl_fraction: the share of training with MAML++'s annealed multi-step loss.
+        steps: inner steps in training (the multi-step loss weighs each).
+    """
+
+    iterations: int
+    meta_lr: float
+    meta_lr_schedule: str = "constant"
+    min_meta_lr: float = 0.0
+    mode: str = "second_order"
+    first_order_fraction: float = 0.0
+    msl_fraction: float = 0.0
+    steps: int = 1
+
+    @classmethod
+    def of(cls, cfg: Any) -> Schedule:
+        """The schedule of an experiment config."""
+        return cls(cfg.iterations, cfg.meta_lr, cfg.meta_lr_schedule, cfg.min_meta_lr, cfg.mode,
+                   cfg.first_order_fraction, cfg.msl_fraction, cfg.steps)  # fmt: skip
+
+    @property
+    def depends_on_length(self) -> bool:
+        return self.meta_lr_schedule == "cosine" or self.first_order_fraction > 0 or self.msl_fraction > 0
+
+    def lr(self, iteration: int) -> float:
+        """The meta-lr of (0-based) ``iteration``."""
+        if self.meta_lr_schedule == "constant":
+            return self.meta_lr
+        progress = iteration / max(self.iterations - 1, 1)
+        return self.min_meta_lr + 0.5 * (self.meta_lr - self.min_meta_lr) * (1 + math.cos(math.pi * progress))
+
+    def mode_at(self, iteration: int) -> str:
+        """First order for the first ``first_order_fraction`` of training, then ``mode``."""
+        return "first_order" if iteration < self.first_order_fraction * self.iterations else self.mode
+
+    def step_weights(self, iteration: int) -> torch.Tensor | None:
+        """MAML++'s per-step loss weights ``(steps,)`` while annealing, else None (the last step's loss)."""
+        span = self.msl_fraction * self.iterations
+        if self.steps < 2 or iteration >= span:
+            return None
+        n, progress = self.steps, iteration / span  # MAML++ decays by 1/steps per msl epoch: 0 -> 1 over the span
+        floor = 0.03 / n
+        weights = torch.full((n,), 1.0 / n, dtype=torch.float64)
+        weights[:-1] = torch.clamp(weights[:-1] - progress / n, min=floor)
+        weights[-1] = min(1.0 / n + progress * (n - 1) / n, 1.0 - (n - 1) * floor)
+        return weights
+
+    def apply(self, iteration: int, learner: maml.MetaLearner, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+        """Sets the learner's mode and the optimizer's lr for ``iteration``; returns its step weights."""
+        for group in optimizer.param_groups:
+            group["lr"] = self.lr(iteration)
+        mode = self.mode_at(iteration)
+        if learner.mode != mode:
+            learner.mode = mode
+        return self.step_weights(iteration)
