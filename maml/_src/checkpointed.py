@@ -9,6 +9,14 @@ tasks) and one per chunk's query loss. A node's backward replays its steps with
 and pulls the cotangents back with ``torch.autograd.grad``: peak memory is the kept iterates
 plus one segment of one chunk's activations, instead of every step's activations of every task.
 
+How a node's backward pulls the cotangents back through its steps is the learner's
+``checkpoint_hvp``: ``"reverse_over_reverse"`` (the default) replays them with
+``create_graph=True`` and differentiates the replay with ``torch.autograd.grad``, as above;
+``"forward_over_reverse"`` replays them for values only and walks them backwards one step at a
+time, the support loss's Hessian-vector products by ``torch.func.jvp`` over ``torch.func.grad``
+and the update rule's Jacobian by autograd on the rule alone (``mixed.py`` has the math and why
+both exist). Either way each replayed forward pass restores its step's random-number state.
+
 ``torch.utils.checkpoint`` cannot do this: its saved-tensor hooks are not allowed under
 torch.func transforms, and its reentrant variant refuses ``torch.autograd.grad``.
 
@@ -31,12 +39,17 @@ from torch.autograd.function import once_differentiable
 from .batch import TaskBatch
 from .inner import Params, exact_attention
 from .loop import InnerLoop, Trace, flatten_state, unflatten_state
+from .mixed import CHECKPOINT_HVPS, HessianProducts, step_vjp, support_hvp
+from .rules import State
 from .step import autograd_support_grad, inner_step
 
 __all__ = ["run"]
 
-# replay(kept inputs, other inputs) -> outputs, building the second-order graph
+# replay(kept inputs, other inputs) -> outputs, building the graph to differentiate
 Replay = Callable[[list[Tensor], list[Tensor]], Sequence[Tensor]]
+# pullback(inputs, kept outputs, cotangents of the outputs, which inputs need a cotangent)
+#   -> a cotangent (or None) per input; runs in the backward pass
+Pullback = Callable[[list[Tensor], list[Tensor], Sequence[Tensor], Sequence[bool]], list[Tensor | None]]
 _RngState = tuple[Tensor, list[int], list[Tensor]]
 
 
@@ -60,35 +73,52 @@ def _rng_forked(device: torch.device) -> Iterator[None]:
 
 
 class _Segment(torch.autograd.Function):
-    """Returns outputs computed already; its backward recomputes them from the inputs it keeps."""
+    """Returns outputs computed already; its backward pulls the cotangents back from the inputs it keeps.
+
+    ``keep_outputs``: how many leading outputs the pullback reads too (they are views of tensors
+    kept anyway: the next segment's inputs).
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx, replay: Replay, n_kept: int, outputs: tuple[Tensor, ...], *inputs: Tensor
+        ctx, pullback: Pullback, keep_outputs: int, outputs: tuple[Tensor, ...], *inputs: Tensor
     ) -> tuple[Tensor, ...]:
-        ctx.replay, ctx.n_kept = replay, n_kept
-        ctx.save_for_backward(*inputs)
-        return tuple(t.detach() for t in outputs)
+        ctx.pullback, ctx.n_inputs = pullback, len(inputs)
+        outs = tuple(t.detach() for t in outputs)
+        ctx.save_for_backward(*inputs, *outs[:keep_outputs])
+        return outs
 
     @staticmethod
     @once_differentiable
     def backward(ctx, *cotangents: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        needs = ctx.needs_input_grad[3:]
+        saved = list(ctx.saved_tensors)
+        grads = ctx.pullback(saved[: ctx.n_inputs], saved[ctx.n_inputs :], cotangents, ctx.needs_input_grad[3:])
+        return (None, None, None, *grads)
+
+
+def _by_autograd(replay: Replay, n_kept: int) -> Pullback:
+    """Recomputes the outputs with a graph (``replay``), then pulls back with ``torch.autograd.grad``."""
+
+    def pullback(
+        inputs: list[Tensor], _: list[Tensor], cotangents: Sequence[Tensor], needs: Sequence[bool]
+    ) -> list[Tensor | None]:
         # Kept inputs always need grad: the replayed inner steps differentiate with respect to them.
-        inputs = [t.detach().requires_grad_(i < ctx.n_kept or needs[i]) for i, t in enumerate(ctx.saved_tensors)]
+        leaves = [t.detach().requires_grad_(i < n_kept or needs[i]) for i, t in enumerate(inputs)]
         with torch.enable_grad():
-            out = ctx.replay(inputs[: ctx.n_kept], inputs[ctx.n_kept :])
+            out = replay(leaves[:n_kept], leaves[n_kept:])
         wanted = [i for i, need in enumerate(needs) if need]
         # An output that does not depend on the inputs (the state of a parameter the loss never
         # reaches) has nothing to pull back.
         pairs = [(o, g) for o, g in zip(out, cotangents) if o.requires_grad]
         grads = torch.autograd.grad(
-            [o for o, _ in pairs], [inputs[i] for i in wanted], [g for _, g in pairs], allow_unused=True
+            [o for o, _ in pairs], [leaves[i] for i in wanted], [g for _, g in pairs], allow_unused=True
         )
         result: list[Tensor | None] = [None] * len(inputs)
         for i, g in zip(wanted, grads):
             result[i] = g
-        return (None, None, None, *result)
+        return result
+
+    return pullback
 
 
 def run(
@@ -102,6 +132,7 @@ def run(
     chunk: int,
     every: int,
     every_step: bool,
+    hvp: str = "reverse_over_reverse",
 ) -> Trace:
     """The exact meta-loss's pieces with recomputation in the backward pass.
 
@@ -116,7 +147,9 @@ def run(
         chunk: tasks per recomputed segment.
         every: inner steps per recomputed segment (``checkpoint_every``).
         every_step: also score the query set after every step (the multi-step loss).
+        hvp: how a segment's backward differentiates its steps (``checkpoint_hvp``, see ``mixed.py``).
     """
+    assert hvp in CHECKPOINT_HVPS, hvp
     names = tuple(params)
     tasks = batch.num_tasks
     device = batch.support_x.device
@@ -203,8 +236,101 @@ def run(
 
         return replay
 
-    fast_parts, query_parts, score_parts = [], [], []
     n_kept = len(kept[0, 0]) if steps else len(names)
+    n_fast = len(names)
+
+    def forward_over_reverse(c: int, start: int, count: int) -> Pullback:
+        """The segment's pullback without a second-order graph: values forwards, then ``step_vjp`` backwards.
+
+        Inputs and cotangents as the segment node lays them out: kept ``(T_c, *shape)`` fast
+        weights and state, then the rates and the trained consts; the outputs' cotangents are
+        the new fast weights' and state's, then one ``(T_c,)`` per query score after a step.
+        """
+        part = parts[c]
+        end = start + count
+
+        def pullback(
+            inputs: list[Tensor], outputs: list[Tensor], cotangents: Sequence[Tensor], needs: Sequence[bool]
+        ) -> list[Tensor | None]:
+            seg_rates, seg_consts = unpack([t.detach() for t in inputs[n_kept:]])
+            want_rates = any(needs[n_kept : n_kept + len(rate_keys)])
+            # The trained consts whose cotangent is wanted get the cross terms; the rest are constants.
+            phi = {k: seg_consts[k] for i, k in enumerate(trained) if needs[n_kept + len(rate_keys) + i]}
+            fixed = {k: v for k, v in seg_consts.items() if k not in phi}
+
+            def hvp_at(step: int) -> HessianProducts:
+                def products(fast: Params, tangent: Params) -> tuple[Params, Params, Params]:
+                    _set_rng(rng["support", c, step])
+                    return support_hvp(forward, fixed, phi, part.support_x, part.support_y, fast, tangent)
+
+                return products
+
+            def grad_at(step: int) -> Callable[[Params], Params]:
+                def grad(fast: Params) -> Params:
+                    _set_rng(rng["support", c, step])
+                    leaves = {k: v.detach().requires_grad_() for k, v in fast.items()}
+                    support_grad = autograd_support_grad(forward, seg_consts, part.support_x, part.support_y, create_graph=False)
+                    with torch.enable_grad():
+                        return support_grad(leaves)[0]
+
+                return grad
+
+            def score_vjp(step: int, fast: Params, cot: Tensor) -> tuple[Params, Params]:
+                """Pulls the ``(T_c,)`` cotangent of the query losses after ``step`` back to ``fast`` and ``phi``."""
+                _set_rng(rng["query", c, step])
+                with torch.enable_grad():
+                    leaves = {k: v.detach().requires_grad_() for k, v in fast.items()}
+                    phi_leaves = {k: v.detach().requires_grad_() for k, v in phi.items()}
+                    losses, _ = forward(leaves, {**fixed, **phi_leaves}, part.query_x, part.query_y)
+                    pulled = torch.autograd.grad(
+                        losses, [*leaves.values(), *phi_leaves.values()], cot, allow_unused=True, materialize_grads=True
+                    )
+                return dict(zip(names, pulled[:n_fast])), dict(zip(phi, pulled[n_fast:]))
+
+            fast = {k: v.detach() for k, v in zip(names, inputs[:n_fast])}  # (T_c, *shape)
+            state: State = unflatten_state([t.detach() for t in inputs[n_fast:n_kept]], names)
+            # (fast weights, state, support gradient or None) entering each step of the segment
+            entering: list[tuple[Params, State, Params | None]] = []
+            cot_fast = dict(zip(names, cotangents[:n_fast]))
+            cot_state = unflatten_state(list(cotangents[n_fast:n_kept]), names)
+            score_cots = cotangents[n_kept:]  # (T_c,) after step start + i, for each such step < steps - 1
+            cot_rates = {k: torch.zeros_like(v) for k, v in seg_rates.items()} if want_rates else {}
+            cot_phi = {k: torch.zeros_like(v) for k, v in phi.items()}
+            with _rng_forked(device), exact_attention():
+                for step in range(start, end):  # values only; the last step's output is the node's
+                    grads = grad_at(step)(fast) if step < end - 1 else None
+                    entering.append((fast, state, grads))
+                    if grads is not None:
+                        with torch.no_grad():
+                            fast, state = rule.update(grads, state, fast, step, rates.at(seg_rates, step))
+                for i in reversed(range(count)):
+                    step = start + i
+                    if every_step and step < steps - 1:  # the query score after the step, at its output
+                        after = dict(zip(names, outputs)) if i == count - 1 else entering[i + 1][0]
+                        from_score, phi_score = score_vjp(step, after, score_cots[i])
+                        cot_fast = {k: v + from_score[k] for k, v in cot_fast.items()}
+                        cot_phi = {k: v + phi_score[k] for k, v in cot_phi.items()}
+                    fast_i, state_i, grads_i = entering[i]
+                    cot_fast, cot_state, step_rates, step_phi = step_vjp(
+                        hvp_at(step), grad_at(step), rule, rates, seg_rates, step, fast_i, state_i, grads_i,
+                        cot_fast, cot_state, want_rates=want_rates,
+                    )  # fmt: skip
+                    cot_rates = {k: v + step_rates[k] for k, v in cot_rates.items()}
+                    cot_phi = {k: v + step_phi[k] for k, v in cot_phi.items()}
+            pulled: list[Tensor | None] = [*cot_fast.values(), *flatten_state(cot_state, names)]
+            pulled += [cot_rates.get(k) for k in rate_keys] + [cot_phi.get(k) for k in trained]
+            return [g if need else None for g, need in zip(pulled, needs)]
+
+        return pullback
+
+    def pullback(c: int, start: int, count: int) -> Pullback:
+        if hvp == "forward_over_reverse":
+            return forward_over_reverse(c, start, count)
+        return _by_autograd(segment(c, start, count), n_kept)
+
+    # The forward-over-reverse pullback of a segment scored after its last step reads that step's output.
+    keep = n_fast if hvp == "forward_over_reverse" and every_step else 0
+    fast_parts, query_parts, score_parts = [], [], []
     for c, part in enumerate(parts):
         # The initial fast weights as a view of the parameters, so that the gradient reaches them.
         inputs = [*(p.unsqueeze(0).expand(part.num_tasks, *p.shape) for p in params.values())]
@@ -215,10 +341,10 @@ def run(
             end = start + count
             after = kept[c, end] if end < steps else [*values[c].values(), *flatten_state(states[c], names)]
             extra = [step_query[s][c] for s in range(start, end) if s < steps - 1] if every_step else []
-            outs = _Segment.apply(segment(c, start, count), n_kept, (*after, *extra), *inputs, *others)
+            outs = _Segment.apply(pullback(c, start, count), keep, (*after, *extra), *inputs, *others)
             inputs, scores = list(outs[:n_kept]), scores + list(outs[n_kept:])
-        fast = inputs[: len(names)]
-        (loss,) = _Segment.apply(query(c), len(names), (final_query[c][0],), *fast, *others)
+        fast = inputs[:n_fast]
+        (loss,) = _Segment.apply(_by_autograd(query(c), n_fast), 0, (final_query[c][0],), *fast, *others)
         fast_parts.append(fast)
         query_parts.append(loss)
         score_parts.append(scores)

@@ -20,6 +20,7 @@ from .batch import TaskBatch
 from .compiled import compile_step, meta_step, with_gradient
 from .inner import LossFn, Params, TaskForward, check_finite, exact_attention
 from .loop import InnerLoop, Trace
+from .mixed import CHECKPOINT_HVPS
 from .probe import check_model
 from .rates import LEARN_INNER_LR, InnerRates
 from .rules import INNER_OPTIMIZERS, make_rule
@@ -28,11 +29,12 @@ Mode = Literal["second_order", "first_order", "checkpointed"]
 Batching = Literal["auto", "vmap", "loop"]
 LearnInnerLr = Literal["scalar", "per_parameter", "per_layer_per_step"] | None
 InnerOptimizer = Literal["sgd", "momentum", "adam"]
+CheckpointHvp = Literal["reverse_over_reverse", "forward_over_reverse"]
 
 MODES: tuple[str, ...] = ("second_order", "first_order", "checkpointed")
 BATCHINGS: tuple[str, ...] = ("auto", "vmap", "loop")
 
-__all__ = ["BATCHINGS", "INNER_OPTIMIZERS", "LEARN_INNER_LR", "MODES", "MetaLearner", "MetaOutput"]
+__all__ = ["BATCHINGS", "CHECKPOINT_HVPS", "INNER_OPTIMIZERS", "LEARN_INNER_LR", "MODES", "MetaLearner", "MetaOutput"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +97,16 @@ class MetaLearner:
             tensor and inner step; more steps than ``steps`` reuse the last step's rate).
             Learnable rates are in :meth:`parameters` and receive meta-gradients.
         checkpoint_every: with ``"checkpointed"``, inner steps per recomputed segment (default 1).
+        checkpoint_hvp: with ``"checkpointed"``, how the backward pass differentiates the replayed
+            inner steps, both exact: ``"reverse_over_reverse"`` (default: replay with
+            ``create_graph=True``, differentiate the replay again) or ``"forward_over_reverse"``
+            (replay values only; the support loss's Hessian-vector products by ``torch.func.jvp``
+            over ``torch.func.grad``, the update rule's Jacobian by autograd on the rule alone; no
+            second-order graph). The latter needs forward-mode derivatives of the loss's backward,
+            which PyTorch lacks for a few operators (``F.huber_loss``, ``F.soft_margin_loss``), and
+            runs under ``torch.func``, which refuses custom ``autograd.Function``s without
+            ``setup_context`` and saved-tensor hooks (``save_on_cpu``); such a call fails naming
+            this argument. Settable on a live learner.
         check_finite: raise if an inner loss is NaN/Inf, naming the task and step.
         compile: compute the meta-loss and its meta-gradient together, in one ``torch.compile``'d
             function of ``torch.func.grad`` transforms (second and first order), when grad mode is
@@ -123,6 +135,7 @@ class MetaLearner:
         chunk_size: int | None = None,
         learn_inner_lr: LearnInnerLr = None,
         checkpoint_every: int | None = None,
+        checkpoint_hvp: CheckpointHvp | None = None,
         check_finite: bool = True,
         compile: bool = False,
         adapt: Sequence[str] | Callable[[str], bool] | None = None,
@@ -141,6 +154,8 @@ class MetaLearner:
         checks.one_of("inner_optimizer", inner_optimizer, INNER_OPTIMIZERS)
         checks.integer("chunk_size", chunk_size, 1, optional=True)
         checks.integer("checkpoint_every", checkpoint_every, 1, optional=True)
+        if checkpoint_hvp is not None:
+            checks.one_of("checkpoint_hvp", checkpoint_hvp, CHECKPOINT_HVPS)
         if chunk_size is not None and batching == "loop" and mode != "checkpointed":
             raise ValueError(
                 f"chunk_size={chunk_size} only applies to batching='vmap' or mode='checkpointed'; drop it."
@@ -148,6 +163,11 @@ class MetaLearner:
         if checkpoint_every is not None and mode != "checkpointed":
             raise ValueError(
                 f"checkpoint_every={checkpoint_every} only applies to mode='checkpointed' (mode is {mode!r})."
+            )
+        if checkpoint_hvp is not None and mode != "checkpointed":
+            raise ValueError(
+                f"checkpoint_hvp={checkpoint_hvp!r} only applies to mode='checkpointed' (mode is {mode!r}); "
+                f"drop it, or pass mode='checkpointed'."
             )
         if not isinstance(compile, bool):
             raise TypeError(f"compile must be True or False, got {compile!r} ({type(compile).__name__}).")
@@ -166,6 +186,7 @@ class MetaLearner:
         self.learn_inner_lr = learn_inner_lr
         self.inner_optimizer = inner_optimizer
         self.checkpoint_every = checkpoint_every or 1
+        self._checkpoint_hvp: str = checkpoint_hvp or "reverse_over_reverse"
         self.check_finite = check_finite
         self._compiled: dict[str, Any] = {}
         self._probed: set[Any] = set()
@@ -201,6 +222,16 @@ class MetaLearner:
             )
         checks.warn_weight_norm(self.model, mode)
         self._mode = mode
+
+    @property
+    def checkpoint_hvp(self) -> str:
+        """How the checkpointed mode's backward pass differentiates its replayed steps; may be set between steps."""
+        return self._checkpoint_hvp
+
+    @checkpoint_hvp.setter
+    def checkpoint_hvp(self, value: str) -> None:
+        checks.one_of("checkpoint_hvp", value, CHECKPOINT_HVPS)
+        self._checkpoint_hvp = value
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """The meta-parameters: the model's parameters, then the learnable inner rates."""
@@ -282,6 +313,7 @@ class MetaLearner:
                 trace = checkpointed.run(
                     self._loop, params, rate_values, consts, batch, steps,
                     chunk=self._tasks_per_chunk(batch.num_tasks), every=self.checkpoint_every, every_step=every_step,
+                    hvp=self._checkpoint_hvp,
                 )  # fmt: skip
             else:
                 trace = eager.run(

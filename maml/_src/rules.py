@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import Tensor
@@ -32,7 +32,15 @@ INNER_OPTIMIZERS: tuple[str, ...] = ("sgd", "momentum", "adam")
 
 
 class UpdateRule(Protocol):
-    """What the inner step needs of an update rule."""
+    """What the inner step needs of an update rule.
+
+    ``linear``: the update is linear in ``(params, state, grads)`` at fixed rates (SGD, momentum),
+    so its vector-Jacobian product with respect to them does not depend on their values; the
+    checkpointed mode's forward-over-reverse backward pass (``mixed.py``) then needs no support
+    gradient before a step's Hessian-vector product.
+    """
+
+    linear: ClassVar[bool]
 
     def init(self, params: Params) -> State:
         """The rule's state before the first inner step, shaped like ``params``."""
@@ -61,6 +69,8 @@ def _scaled(p: Tensor, rate: float | Tensor, d: Tensor) -> Tensor:
 class SGD:
     """Plain gradient descent, MAML's inner loop: ``p - rate * g``."""
 
+    linear: ClassVar[bool] = True
+
     def init(self, params: Params) -> State:
         return ()
 
@@ -71,6 +81,8 @@ class SGD:
 @dataclasses.dataclass(frozen=True)
 class Momentum:
     """``torch.optim.SGD(momentum=momentum, nesterov=nesterov)`` (no dampening, no weight decay)."""
+
+    linear: ClassVar[bool] = True
 
     momentum: float = 0.9
     nesterov: bool = False
@@ -102,6 +114,8 @@ def _safe_sqrt(v: Tensor) -> Tensor:
 @dataclasses.dataclass(frozen=True)
 class Adam:
     """``torch.optim.Adam(betas=betas, eps=eps)`` (no weight decay, no amsgrad), bias-corrected."""
+
+    linear: ClassVar[bool] = False
 
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
