@@ -3,11 +3,13 @@
     .venv/bin/python -m benchmarks.memory                       # or: .venv/bin/python benchmarks/memory.py
     .venv/bin/python -m benchmarks.memory --steps 1 5 --methods second_order checkpointed
     .venv/bin/python -m benchmarks.memory --device cuda         # peak allocated CUDA memory instead
+    .venv/bin/python -m benchmarks.memory --shots 1 --methods second_order checkpointed \
+        checkpointed_forward_over_reverse first_order learn2learn higher     # issue 14's table, 1-shot
 
 One meta-training step (zero the gradients, meta-loss, backward, Adam step) on the MAML Omniglot
 network (4 blocks of 3x3 conv 64, BatchNorm, ReLU, 2x2 max-pool; 28x28 inputs), 5-way 5-shot
-with 15 query images per class, meta-batch 8, inner rate 0.4, for every method and number of
-inner steps:
+(--shots) with 15 query images per class, meta-batch 8, inner rate 0.4, for every method and
+number of inner steps:
 
   second_order, checkpointed, first_order   maml.MetaLearner in that mode (--batching, default
                                             the engine's "auto": a loop over tasks for this conv
@@ -16,6 +18,9 @@ inner steps:
                                             vmap, all tasks together (or --chunk-size of them)
   checkpointed_chunk1                       (only with --methods) the checkpointed mode with
                                             chunk_size=1: one task at a time, also with vmap
+  checkpointed_forward_over_reverse         (only with --methods) the checkpointed mode with
+                                            checkpoint_hvp="forward_over_reverse" (the others
+                                            run the default, "reverse_over_reverse")
   learn2learn                               l2l.algorithms.MAML(model, lr): clone() and adapt()
                                             per task, (query loss / T).backward() after each task
   higher                                    higher.innerloop_ctx(model, SGD, copy_initial_weights=
@@ -30,6 +35,13 @@ hands freed heap pages back to the system (``malloc_trim``), reads its resident 
 as the baseline, resets the peak (``echo 5 > /proc/self/clear_refs``), runs one full step and
 reads the peak (VmHWM): the table's memory is that peak minus the baseline. On a GPU it is the
 peak of ``torch.cuda.max_memory_allocated`` minus the memory allocated before the step.
+
+Every worker builds its model from the same seed, so the measured step starts from the same
+weights everywhere; it hands the meta-gradient of that step to the parent, which prints, below the
+table, each row's largest difference from learn2learn's (relative to the largest entry; second
+order's where learn2learn did not run; none for first order, which computes another gradient).
+In float32 these differences are rounding, amplified over the inner steps; the float64 tests
+(tests/test_meta_gradients.py, tests/test_mixed_mode.py) are the exactness proof.
 
 The time is the median over --repeats further steps (the measured first step also pays for
 touching its memory for the first time). On the CPU it is the process's CPU time with one
@@ -52,6 +64,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -71,40 +84,54 @@ from benchmarks.sampling import omniglot_net  # noqa: E402
 WAYS, SHOTS, QUERY, TASKS, SIDE = 5, 5, 15, 8, 28
 INNER_LR, META_LR = 0.4, 1e-3
 STEPS = (1, 5, 10, 20, 40)
-ENGINE = ("second_order", "checkpointed", "checkpointed_chunk1", "first_order")
+FORWARD_OVER_REVERSE = "checkpointed_forward_over_reverse"
+ENGINE = ("second_order", "checkpointed", "checkpointed_chunk1", FORWARD_OVER_REVERSE, "first_order")
 PEERS = ("learn2learn", "higher")
 METHODS = (*ENGINE, *PEERS)
-# checkpointed_chunk1 is the default checkpointed run again where the engine loops over tasks (the CPU).
-DEFAULT_METHODS = [m for m in METHODS if m != "checkpointed_chunk1"]
+# checkpointed_chunk1 is the default checkpointed run again where the engine loops over tasks (the CPU);
+# the forward-over-reverse row is issue 14's table, asked for by name (the default table stays as it was).
+DEFAULT_METHODS = [m for m in METHODS if m not in ("checkpointed_chunk1", FORWARD_OVER_REVERSE)]
+# The meta-gradient each row is held against: learn2learn's, else second order's (first order: none).
+GRADIENT_REFERENCES = ("learn2learn", "second_order")
 
 # The issue's targets. At TARGET_STEPS inner steps, the checkpointed mode's extra peak memory
 # is at most MEMORY_RATIO x second order's and its time at most TIME_RATIO x; at PEER_STEPS it
 # runs, and learn2learn's extra peak memory is at least PEER_RATIO x its own.
 TARGET_STEPS, MEMORY_RATIO, TIME_RATIO = 20, 0.25, 2.0
 PEER_STEPS, PEER_RATIO = 40, 4.0
+# Issue 14's targets for the forward-over-reverse row: time at most HVP_TIME_RATIO x second order's at
+# every number of steps where both ran, and at TARGET_STEPS on the 5-shot workload extra peak memory at
+# most HVP_MEMORY_RATIO x second order's.
+HVP_TIME_RATIO, HVP_MEMORY_RATIO, HVP_MEMORY_SHOTS = 1.1, 0.1, 5
 
 Step = Callable[[], None]
+# make_step's result: the meta-parameters (their .grad holds the meta-gradient after a step) and the step.
+Built = tuple[list[torch.Tensor], Step]
 Result = dict[str, Any]
 
 
-def synthetic_batch(tasks: int, generator: torch.Generator, device: torch.device) -> maml.TaskBatch:
-    """``tasks`` random 5-way 5-shot tasks of 28x28 images, with 15 query images per class."""
+def synthetic_batch(tasks: int, generator: torch.Generator, device: torch.device, shots: int = SHOTS) -> maml.TaskBatch:
+    """``tasks`` random 5-way ``shots``-shot tasks of 28x28 images, with 15 query images per class."""
 
     def split(per_class: int) -> tuple[torch.Tensor, torch.Tensor]:
         x = torch.randn(tasks, WAYS * per_class, 1, SIDE, SIDE, generator=generator)
         y = torch.arange(WAYS).repeat_interleave(per_class).expand(tasks, -1).contiguous()
         return x, y
 
-    return maml.TaskBatch(*split(SHOTS), *split(QUERY)).to(device)
+    return maml.TaskBatch(*split(shots), *split(QUERY)).to(device)
 
 
-def engine_step(method: str, steps: int, batch: maml.TaskBatch, args: argparse.Namespace) -> Step:
+def engine_step(method: str, steps: int, batch: maml.TaskBatch, args: argparse.Namespace) -> Built:
+    options: dict[str, Any] = {}
+    if method == FORWARD_OVER_REVERSE:
+        method, options = "checkpointed", {"checkpoint_hvp": "forward_over_reverse"}
     mode = method.removesuffix("_chunk1")
     chunk_size = 1 if method.endswith("_chunk1") else args.chunk_size
     model = omniglot_net(WAYS).to(args.device)
     learner = maml.MetaLearner(
-        model, F.cross_entropy, inner_lr=INNER_LR, steps=steps, mode=mode, batching=args.batching, chunk_size=chunk_size
-    )
+        model, F.cross_entropy, inner_lr=INNER_LR, steps=steps, mode=mode, batching=args.batching,
+        chunk_size=chunk_size, **options,
+    )  # fmt: skip
     optimizer = torch.optim.Adam(learner.parameters(), lr=META_LR)
 
     def step() -> None:
@@ -112,10 +139,10 @@ def engine_step(method: str, steps: int, batch: maml.TaskBatch, args: argparse.N
         learner.meta_loss(batch).backward()
         optimizer.step()
 
-    return step
+    return list(learner.parameters()), step
 
 
-def peer_step(method: str, steps: int, batch: maml.TaskBatch, args: argparse.Namespace) -> Step:
+def peer_step(method: str, steps: int, batch: maml.TaskBatch, args: argparse.Namespace) -> Built:
     with warnings.catch_warnings():  # gym, imported by learn2learn, warns about its own deprecation
         warnings.simplefilter("ignore")
         import higher
@@ -136,7 +163,7 @@ def peer_step(method: str, steps: int, batch: maml.TaskBatch, args: argparse.Nam
                 (F.cross_entropy(learner(qx), qy) / len(tasks)).backward()
             optimizer.step()
 
-        return step
+        return list(meta.parameters()), step
 
     optimizer = torch.optim.Adam(model.parameters(), lr=META_LR)
     inner_opt = torch.optim.SGD(model.parameters(), lr=INNER_LR)
@@ -150,10 +177,10 @@ def peer_step(method: str, steps: int, batch: maml.TaskBatch, args: argparse.Nam
                 (F.cross_entropy(fmodel(qx), qy) / len(tasks)).backward()
         optimizer.step()
 
-    return step
+    return list(model.parameters()), step
 
 
-def make_step(method: str, steps: int, batch: maml.TaskBatch, args: argparse.Namespace) -> Step:
+def make_step(method: str, steps: int, batch: maml.TaskBatch, args: argparse.Namespace) -> Built:
     if method in PEERS:
         return peer_step(method, steps, batch, args)
     return engine_step(method, steps, batch, args)
@@ -219,9 +246,10 @@ def worker(method: str, steps: int, args: argparse.Namespace) -> Result:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
-    batch = synthetic_batch(TASKS, g, args.device)
-    make_step(method, 1, synthetic_batch(1, g, args.device), args)()  # warm-up
-    step = make_step(method, steps, batch, args)
+    batch = synthetic_batch(TASKS, g, args.device, args.shots)
+    make_step(method, 1, synthetic_batch(1, g, args.device, args.shots), args)[1]()  # warm-up
+    torch.manual_seed(0)  # the same initial weights in every worker, for the gradient check
+    params, step = make_step(method, steps, batch, args)
     meter = Meter(args.device)
     baseline = meter.start()
     if args.limit_gib and not meter.cuda:
@@ -236,16 +264,21 @@ def worker(method: str, steps: int, args: argparse.Namespace) -> Result:
             raise
         return {**result, "oom": True}
     extra = meter.extra_mib()
+    if args.grad_file:  # the meta-gradient of the measured step, from the shared initial weights
+        torch.save([p.grad.detach().cpu() for p in params], args.grad_file)
     times = [meter.seconds(step) for _ in range(args.repeats)]
     seconds = statistics.median(times or [first])
     return {**result, "oom": False, "extra_mib": extra, "first_s": first, "seconds": seconds}
 
 
-def run_worker(method: str, steps: int, args: argparse.Namespace) -> Result:
-    """Runs :func:`worker` in a fresh process and returns its result (or its error)."""
+def run_worker(method: str, steps: int, args: argparse.Namespace, grad_file: Path | None = None) -> Result:
+    """Runs :func:`worker` in a fresh process and returns its result (or its error); the worker
+    writes the measured step's meta-gradient to ``grad_file`` if given."""
     command = [sys.executable, "-m", "benchmarks.memory", "--one", method, str(steps)]
     command += ["--device", str(args.device), "--batching", args.batching, "--threads", str(args.threads)]
-    command += ["--repeats", str(args.repeats), "--limit-gib", str(args.limit_gib)]
+    command += ["--repeats", str(args.repeats), "--limit-gib", str(args.limit_gib), "--shots", str(args.shots)]
+    if grad_file is not None:
+        command += ["--grad-file", str(grad_file)]
     if args.chunk_size is not None:
         command += ["--chunk-size", str(args.chunk_size)]
     env = {**os.environ, "MALLOC_ARENA_MAX": "1", "PYTHONPATH": str(REPO)}
@@ -282,9 +315,35 @@ def check(ok: bool | None, text: str) -> bool | None:
     return ok
 
 
-def report(results: dict[tuple[str, int], Result], methods: list[str], steps: list[int], limit_gib: float) -> bool:
-    """Prints the table, the ratios and the issue's checks; returns whether no check failed."""
-    cells = {key: cell(r, limit_gib) for key, r in results.items()}
+def relative_difference(got: list[torch.Tensor], expected: list[torch.Tensor]) -> float:
+    """The largest entry of ``|got - expected|`` over the largest of ``|expected|``."""
+    flat = torch.cat([g.flatten() for g in got]).double()
+    ref = torch.cat([e.flatten() for e in expected]).double()
+    return float((flat - ref).abs().max() / ref.abs().max())
+
+
+def gradient_differences(results: dict[tuple[str, int], Result], grad_files: dict[tuple[str, int], Path]) -> None:
+    """Adds ``grad_reference`` and ``grad_diff`` to each result whose meta-gradient has a reference."""
+    for (method, steps), result in results.items():
+        refs = [m for m in GRADIENT_REFERENCES if grad_files.get((m, steps), Path()).is_file()]
+        path = grad_files.get((method, steps), Path())
+        if method == "first_order" or not refs or not path.is_file():
+            continue
+        ref = refs[0]
+        result["grad_reference"] = ref
+        result["grad_diff"] = relative_difference(torch.load(path), torch.load(grad_files[(ref, steps)]))
+
+
+def grad_cell(result: Result | None) -> str:
+    if result is None or "grad_diff" not in result:
+        return "-"
+    if result["method"] == result["grad_reference"]:
+        return "reference"
+    suffix = "" if result["grad_reference"] == GRADIENT_REFERENCES[0] else f" (vs {result['grad_reference']})"
+    return f"{result['grad_diff']:.1e}{suffix}"
+
+
+def print_grid(cells: dict[tuple[str, int], str], methods: list[str], steps: list[int]) -> None:
     width = max(len(m) for m in [*methods, "method"])
     widths = [max(len(f"{s} steps"), *(len(cells.get((m, s), "-")) for m in methods)) for s in steps]
     print(f"| {'method'.ljust(width)} | " + " | ".join(f"{f'{s} steps':>{w}}" for s, w in zip(steps, widths)) + " |")
@@ -293,10 +352,22 @@ def report(results: dict[tuple[str, int], Result], methods: list[str], steps: li
         row = " | ".join(f"{cells.get((m, s), '-'):>{w}}" for s, w in zip(steps, widths))
         print(f"| {m.ljust(width)} | {row} |")
 
+
+def report(
+    results: dict[tuple[str, int], Result], methods: list[str], steps: list[int], limit_gib: float, shots: int = SHOTS
+) -> bool:
+    """Prints the table, the meta-gradients' differences, the ratios and the issues' checks; returns
+    whether no check failed."""
+    print_grid({key: cell(r, limit_gib) for key, r in results.items()}, methods, steps)
+    if any("grad_diff" in r for r in results.values()):
+        print(f"\nmeta-gradient of the measured step: largest difference from {GRADIENT_REFERENCES[0]}'s (else "
+              f"{GRADIENT_REFERENCES[1]}'s), relative to its largest entry; float32")  # fmt: skip
+        print_grid({key: grad_cell(r) for key, r in results.items()}, methods, steps)
+
     def fmt(value: float | None, spec: str, unit: str = "") -> str:
         return "-" if value is None else format(value, spec) + unit
 
-    checkpointed = [m for m in ("checkpointed", "checkpointed_chunk1") if m in methods]
+    checkpointed = [m for m in ("checkpointed", "checkpointed_chunk1", FORWARD_OVER_REVERSE) if m in methods]
     print("\nratios: memory and time of the checkpointed mode over second order's, learn2learn's memory over its")
     for s in steps:
         parts = []
@@ -308,9 +379,15 @@ def report(results: dict[tuple[str, int], Result], methods: list[str], steps: li
                 f"{name}: memory {fmt(mem, '.3f')}, time {fmt(sec, '.2f')}, learn2learn {fmt(peer, '.1f', 'x')}"
             )
         print(f"  {s:>2} steps: " + "; ".join(parts))
+    if FORWARD_OVER_REVERSE in methods:
+        print(f"time of {FORWARD_OVER_REVERSE} over checkpointed's (reverse_over_reverse) and learn2learn's")
+        for s in steps:
+            own = ratio(results, FORWARD_OVER_REVERSE, "checkpointed", s, "seconds")
+            peer = ratio(results, FORWARD_OVER_REVERSE, "learn2learn", s, "seconds")
+            print(f"  {s:>2} steps: checkpointed {fmt(own, '.2f')}, learn2learn {fmt(peer, '.2f')}")
     print()
     verdicts = []
-    for name in checkpointed:
+    for name in (m for m in checkpointed if m != FORWARD_OVER_REVERSE):
         mem = ratio(results, name, "second_order", TARGET_STEPS, "extra_mib")
         sec = ratio(results, name, "second_order", TARGET_STEPS, "seconds")
         ran = results.get((name, PEER_STEPS))
@@ -323,6 +400,22 @@ def report(results: dict[tuple[str, int], Result], methods: list[str], steps: li
             check(None if ran is None or peer is None else peer >= PEER_RATIO,
                   f"{PEER_STEPS} steps: {name} runs and learn2learn's extra peak memory >= {PEER_RATIO} x its"),
         ]  # fmt: skip
+    if FORWARD_OVER_REVERSE in methods:  # issue 14's targets
+        name = FORWARD_OVER_REVERSE
+        for s in steps:
+            sec = ratio(results, name, "second_order", s, "seconds")
+            verdicts.append(check(None if sec is None else sec <= HVP_TIME_RATIO,
+                                  f"{s} steps: {name}'s time <= {HVP_TIME_RATIO} x second order's"))  # fmt: skip
+        mem = ratio(results, name, "second_order", TARGET_STEPS, "extra_mib")
+        ran = results.get((name, PEER_STEPS))
+        peer = ratio(results, "learn2learn", name, PEER_STEPS, "extra_mib")
+        verdicts += [
+            check(None if mem is None or shots != HVP_MEMORY_SHOTS else mem <= HVP_MEMORY_RATIO,
+                  f"{TARGET_STEPS} steps, {HVP_MEMORY_SHOTS}-shot: {name}'s extra peak memory <= "
+                  f"{HVP_MEMORY_RATIO} x second order's"),
+            check(None if ran is None or peer is None else peer >= PEER_RATIO,
+                  f"{PEER_STEPS} steps: {name} runs and learn2learn's extra peak memory >= {PEER_RATIO} x its"),
+        ]  # fmt: skip
     return all(v is not False for v in verdicts)
 
 
@@ -330,8 +423,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, nargs="+", default=list(STEPS), help="inner steps (default: %(default)s)")
     parser.add_argument(
-        "--methods", nargs="+", choices=METHODS, default=DEFAULT_METHODS, help="(default: all but checkpointed_chunk1)"
-    )
+        "--methods", nargs="+", choices=METHODS, default=DEFAULT_METHODS,
+        help=f"(default: all but checkpointed_chunk1 and {FORWARD_OVER_REVERSE})",
+    )  # fmt: skip
+    parser.add_argument("--shots", type=int, default=SHOTS, help="support images per class (default: %(default)s)")
     parser.add_argument("--device", type=torch.device, default=torch.device("cpu"), help="(default: cpu)")
     parser.add_argument("--batching", choices=maml.BATCHINGS, default="auto", help="engine batching (default: auto)")
     parser.add_argument("--chunk-size", type=int, default=None, help="engine chunk_size (default: none)")
@@ -342,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--check", action="store_true", help="exit with status 1 if a check fails")
     parser.add_argument("--one", nargs=2, metavar=("METHOD", "STEPS"), help=argparse.SUPPRESS)
+    parser.add_argument("--grad-file", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:
         print(json.dumps(worker(args.one[0], int(args.one[1]), args)))
@@ -351,20 +447,23 @@ def main(argv: list[str] | None = None) -> int:
     clock = "wall time" if args.device.type == "cuda" else f"CPU time, {args.threads} thread(s)"
     memory = "peak allocated CUDA memory" if args.device.type == "cuda" else "peak resident memory"
     print(
-        f"torch {torch.__version__}, device {args.device}; Omniglot conv net, {TASKS} tasks {WAYS}-way {SHOTS}-shot "
-        f"{QUERY} query per class; engine batching={args.batching!r} ({batching.resolved_batching}), "
+        f"torch {torch.__version__}, device {args.device}; Omniglot conv net, {TASKS} tasks {WAYS}-way "
+        f"{args.shots}-shot {QUERY} query per class; engine batching={args.batching!r} ({batching.resolved_batching}), "
         f"chunk_size={args.chunk_size}"
     )
     print(f"each cell: {memory} of one meta-training step over the worker's baseline, and its {clock}\n")
     results: dict[tuple[str, int], Result] = {}
-    for s in args.steps:
-        for m in args.methods:
-            start = time.perf_counter()
-            results[(m, s)] = r = run_worker(m, s, args)
-            note = f" ({r['error']})" if r.get("error") else ""
-            print(f"  {m}, {s} steps: {cell(r, args.limit_gib)}{note}, {time.perf_counter() - start:.0f} s wall",
-                  file=sys.stderr, flush=True)  # fmt: skip
-    ok = report(results, args.methods, args.steps, args.limit_gib)
+    with tempfile.TemporaryDirectory(prefix="maml-memory-") as folder:
+        grad_files = {(m, s): Path(folder) / f"{m}-{s}.pt" for s in args.steps for m in args.methods}
+        for s in args.steps:
+            for m in args.methods:
+                start = time.perf_counter()
+                results[(m, s)] = r = run_worker(m, s, args, grad_files[(m, s)])
+                note = f" ({r['error']})" if r.get("error") else ""
+                print(f"  {m}, {s} steps: {cell(r, args.limit_gib)}{note}, {time.perf_counter() - start:.0f} s wall",
+                      file=sys.stderr, flush=True)  # fmt: skip
+        gradient_differences(results, grad_files)
+    ok = report(results, args.methods, args.steps, args.limit_gib, args.shots)
     return 1 if args.check and not ok else 0
 
 

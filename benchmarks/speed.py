@@ -4,6 +4,7 @@
     .venv/bin/python -m benchmarks.speed --workloads sine1 sine5 --repeats 50
     .venv/bin/python -m benchmarks.speed --device cuda         # CUDA events instead of wall clocks
     .venv/bin/python -m benchmarks.speed --tables family       # only the MAML-family table
+    .venv/bin/python -m benchmarks.speed --tables hvp --workloads omniglot5-1shot omniglot5-5shot --steps 1 5 10 20 40
 
 One meta-training step is: zero the gradients, the meta-loss over the meta-batch, its backward
 pass, and an Adam step (the fused kernel, the same for every method). Timed for this engine
@@ -19,7 +20,10 @@ methods against learn2learn's first order), the floating-point operations of a s
 ``torch.utils.flop_counter.FlopCounterMode`` (for a compiled method, those of the eager method
 doing the same math) over the median time, against the machine's measured peak for a large
 float32 matrix product, and the largest relative difference of the meta-gradient from
-learn2learn's, computed from the same weights before timing.
+learn2learn's, computed from the same weights before timing. The FLOPs are counted once whatever
+the batching (``benchmarks/flops.py``): ``FlopCounterMode`` counts the weight gradient of a grouped
+convolution, which is what ``vmap`` makes of the tasks' convolutions, once per group, so a vmap
+row used to count its convolutions' weight gradients once per task.
 
 A second table per workload (``--tables main family``, default both; each timed in a run of its own)
 has the MAML family, second order with ``batching="auto"``, each engine row above a peer that
@@ -32,11 +36,21 @@ per-step rates, and momentum (0.9) and Adam inner loops (``inner_optimizer``) ag
 Adam's difference is larger than the others' (its step divides by ``|g|``, which amplifies
 rounding in small gradients); in float64 it agrees with higher's like the rest.
 
+A third table, only on request (``--tables hvp``), sets the checkpointed mode's two backward
+passes (``checkpoint_hvp``) side by side: second order, checkpointed with reverse-over-reverse
+Hessian-vector products (the default), checkpointed with forward-over-reverse ones, first order
+(all ``batching="auto"``: a loop over tasks for the conv net on the CPU, vmap on a GPU),
+learn2learn's ``MAML`` (second and first order) and higher; speed-ups and gradient differences as in
+the main table. Meant for the 8-task Omniglot workloads at ``--steps 1 5 10 20 40`` (issue 14).
+
 Workloads, on the real task distributions (Omniglot: $OMNIGLOT_DIR, else ../shared/data/omniglot):
     sine1, sine5     the 1-40-40-1 ReLU MLP, meta-batch 25, 10 support and 10 query points, 1 / 5 inner steps
     omniglot5        the MAML conv net (4 x 64 3x3 filters, BatchNorm, ReLU, max-pool), 5-way 1-shot,
                      15 query per class, meta-batch 32, 1 inner step (lr 0.4)
     omniglot20       20-way 1-shot, 15 query per class, meta-batch 16, 5 inner steps (lr 0.1)
+    omniglot5-1shot  the same conv net, 5-way 1-shot, 15 query per class, meta-batch 8, 1 inner step (lr 0.4)
+    omniglot5-5shot  5-way 5-shot, otherwise the same (the workload of benchmarks/memory.py)
+--steps N [N ...] runs every chosen workload at each of these numbers of inner steps instead of its own.
 """
 
 from __future__ import annotations
@@ -44,9 +58,11 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import functools
 import math
 import os
 import random
+import re
 import statistics
 import sys
 import time
@@ -63,10 +79,10 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import Tensor, nn  # noqa: E402
 from torch.func import functional_call  # noqa: E402
-from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 import maml  # noqa: E402
 import tasks  # noqa: E402
+from benchmarks.flops import count_flops  # noqa: E402
 from benchmarks.sampling import omniglot_net, sine_net  # noqa: E402
 
 with warnings.catch_warnings():  # gym, imported by learn2learn, warns about its own deprecation
@@ -109,8 +125,10 @@ def workloads(data: Path, device: torch.device) -> dict[str, Workload]:
     def sine_batch(g: torch.Generator) -> maml.TaskBatch:
         return sine.sample(25, shots=10, query=10, generator=g, device=device)
 
-    def omniglot(ways: int, meta_batch: int) -> Callable[[torch.Generator], maml.TaskBatch]:
-        sampler = tasks.Omniglot(data).sampler(ways=ways, shots=1, query=15)
+    omniglot_images = functools.cache(lambda: tasks.Omniglot(data))  # loaded once, for every Omniglot workload
+
+    def omniglot(ways: int, meta_batch: int, shots: int = 1) -> Callable[[torch.Generator], maml.TaskBatch]:
+        sampler = omniglot_images().sampler(ways=ways, shots=shots, query=15)
         return lambda g: sampler.sample(meta_batch, g, device=device)
 
     return {
@@ -124,7 +142,21 @@ def workloads(data: Path, device: torch.device) -> dict[str, Workload]:
             "Omniglot conv net, 16 tasks, 20-way 1-shot, 5 steps", lambda: omniglot_net(20), omniglot(20, 16),
             F.cross_entropy, 0.1, 5,
         ),
+        "omniglot5-1shot": Workload(
+            "Omniglot conv net, 8 tasks, 5-way 1-shot, 1 step", lambda: omniglot_net(5), omniglot(5, 8),
+            F.cross_entropy, 0.4, 1,
+        ),
+        "omniglot5-5shot": Workload(
+            "Omniglot conv net, 8 tasks, 5-way 5-shot, 1 step", lambda: omniglot_net(5), omniglot(5, 8, shots=5),
+            F.cross_entropy, 0.4, 1,
+        ),
     }  # fmt: skip
+
+
+def with_steps(wl: Workload, steps: int) -> Workload:
+    """The workload with ``steps`` inner steps (and its name saying so)."""
+    name = re.sub(r"\d+ steps?$", f"{steps} step" + "s" * (steps != 1), wl.name)
+    return dataclasses.replace(wl, name=name, steps=steps)
 
 
 # ---------------------------------------------------------------------------- the methods
@@ -142,6 +174,8 @@ def engine(mode: str, batching: str, *, compile: bool = False, channels_last: bo
 
     if name is None:
         name = f"maml {mode} {batching}" + " compiled" * compile + " channels_last" * channels_last
+        if "checkpoint_hvp" in options:
+            name += f" {options['checkpoint_hvp']}"
     return Method(name, mode == "first_order", build, channels_last, engine(mode, batching) if compile else None)
 
 
@@ -270,7 +304,19 @@ FAMILY: list[Method] = [
           higher_innerloop("momentum")),  # fmt: skip
     *pair(family("maml Adam", inner_optimizer="adam"), higher_innerloop("adam")),
 ]
-TABLES = {"main": METHODS, "family": FAMILY}
+
+# The checkpointed mode's two backward passes (checkpoint_hvp) beside second order, first order and the peers.
+HVP: list[Method] = [
+    engine("second_order", "auto"),
+    engine("checkpointed", "auto"),  # checkpoint_hvp="reverse_over_reverse", the default
+    engine("checkpointed", "auto", checkpoint_hvp="forward_over_reverse"),
+    engine("first_order", "auto"),
+    learn2learn(first_order=False),
+    learn2learn(first_order=True),
+    higher_innerloop(),
+]
+TABLES = {"main": METHODS, "family": FAMILY, "hvp": HVP}
+DEFAULT_TABLES = ["main", "family"]
 
 
 # ---------------------------------------------------------------------------- measuring
@@ -330,11 +376,8 @@ def run_workload(wl: Workload, methods: list[Method], device: torch.device, repe
         grads[method.name] = [p.grad.detach().clone() for p in params]
         for p in params:
             p.grad = None
-        counter = FlopCounterMode(display=False)
         counted = backward if method.flops_of is None else method.flops_of.build(copy.deepcopy(base), wl)[1]
-        with counter:
-            counted(batches[0])
-        flops[method.name] = counter.get_total_flops()
+        flops[method.name] = count_flops(lambda: counted(batches[0]))
         for p in params:
             p.grad = None
         # The same optimizer for every method: Adam with its fused kernel (one call for all parameters).
@@ -400,9 +443,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="default: %(default)s")
     parser.add_argument("--workloads", nargs="+", default=["sine1", "sine5", "omniglot5", "omniglot20"])
     parser.add_argument("--methods", nargs="+", help="substrings of method names to keep (default: all)")
-    parser.add_argument("--tables", nargs="+", choices=list(TABLES), default=list(TABLES),
+    parser.add_argument("--tables", nargs="+", choices=list(TABLES), default=DEFAULT_TABLES,
                         help="main: MAML against learn2learn, higher, a plain loop; family: ANIL, Meta-SGD, "
-                             "LSLR, momentum, Adam against their peers (default: both)")  # fmt: skip
+                             "LSLR, momentum, Adam against their peers; hvp: the checkpointed mode's "
+                             "checkpoint_hvp choices against second and first order, learn2learn, higher "
+                             "(default: main family)")  # fmt: skip
+    parser.add_argument("--steps", type=int, nargs="+",
+                        help="inner steps: run every workload at each of these (default: the workload's own)")
     parser.add_argument("--repeats", type=int, help="timed steps per method (default: 30 for sine, 5 for Omniglot)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per method first (default: %(default)s)")
     args = parser.parse_args(argv)
@@ -415,19 +462,22 @@ def main(argv: list[str] | None = None) -> int:
           f"measured float32 matmul peak {peak / 1e9:.0f} GFLOP/s")  # fmt: skip
     all_workloads = workloads(Path(args.data), device)
     for key in args.workloads:
-        wl = all_workloads[key]
-        repeats = args.repeats or (30 if key.startswith("sine") else 5)
-        chosen = maml.MetaLearner(wl.net().to(device), wl.loss_fn, inner_lr=wl.inner_lr).resolved_batching
-        for table in args.tables:
-            methods = [m for m in TABLES[table] if not args.methods or any(s in m.name for s in args.methods)]
-            if not methods:
-                continue
-            rows = run_workload(wl, methods, device, repeats, args.warmup, clock, peak)
-            if table == "main":
-                print_table(f"{key}: {wl.name}; batching='auto' picks {chosen!r}", rows, repeats)
-            else:
-                print_table(f"{key} family: {wl.name}; second order, batching='auto'; each maml row against "
-                            f"the peer below it", rows, repeats, versus="vs peer")  # fmt: skip
+        for wl in [with_steps(all_workloads[key], s) for s in args.steps] if args.steps else [all_workloads[key]]:
+            repeats = args.repeats or (30 if key.startswith("sine") else 5)
+            chosen = maml.MetaLearner(wl.net().to(device), wl.loss_fn, inner_lr=wl.inner_lr).resolved_batching
+            for table in args.tables:
+                methods = [m for m in TABLES[table] if not args.methods or any(s in m.name for s in args.methods)]
+                if not methods:
+                    continue
+                rows = run_workload(wl, methods, device, repeats, args.warmup, clock, peak)
+                if table == "main":
+                    print_table(f"{key}: {wl.name}; batching='auto' picks {chosen!r}", rows, repeats)
+                elif table == "hvp":
+                    print_table(f"{key} hvp: {wl.name}; batching='auto' picks {chosen!r}; checkpointed rows "
+                                f"without a checkpoint_hvp are reverse_over_reverse", rows, repeats)  # fmt: skip
+                else:
+                    print_table(f"{key} family: {wl.name}; second order, batching='auto'; each maml row against "
+                                f"the peer below it", rows, repeats, versus="vs peer")  # fmt: skip
     return 0
 
 
