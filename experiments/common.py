@@ -3,7 +3,6 @@ wandb, the meta-training loop, confidence intervals and results.json."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import difflib
@@ -29,10 +28,12 @@ import typing
 import urllib.parse
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import torch
 import torch.distributed as dist
+import tyro
+import tyro._errors  # private, but documented; tyro is pinned to one version for it (setup.cfg)
 import yaml
 from torch import Tensor
 
@@ -48,6 +49,9 @@ class UsageError(Exception):
 
 
 # ---------------------------------------------------------------------------- configuration
+# The flags, --help and the --config keys come from the config dataclasses through tyro: each field
+# is a kebab-case flag (--inner-lr; --inner_lr too, as `wandb agent` passes it) and a YAML key, and
+# its attribute docstring is its --help text.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,18 +78,96 @@ class RunOptions:
         return self.rank == 0
 
 
-def field(default: Any, help: str) -> Any:
-    """A config dataclass field with its ``--help`` text."""
-    return dataclasses.field(default=default, metadata={"help": help})
+@dataclasses.dataclass(frozen=True)
+class RunFlags:
+    """Where the run's files go, whether it continues one, wandb and the device."""
+
+    config: Path | None = None
+    """YAML file of config keys (flags override it)"""
+    out: Path = Path("runs")
+    """output folder"""
+    resume: bool = False
+    """continue the run in --out from its checkpoint"""
+    overwrite: bool = False
+    """replace the run already in --out"""
+    wandb: Annotated[Literal["offline", "online", "disabled"] | None,
+                     tyro.conf.arg(help_behavior_hint="(default: $WANDB_MODE, else online if logged in, else offline)")] = None  # fmt: skip
+    """wandb mode"""
+    device: str = "cpu"
+    """torch device, e.g. cpu or cuda"""
+    threads: Annotated[int | None, tyro.conf.arg(help_behavior_hint="(default: PyTorch's, one per core)")] = None
+    """CPU threads of this process"""
 
 
-def check_config(cfg: Any, positive: Sequence[str], choices: dict[str, Sequence[Any]], rates: Sequence[str] = (),
-                 non_negative: Sequence[str] = (), fractions: Sequence[str] = ()) -> None:  # fmt: skip
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+    """The hyperparameters every experiment has (each is a flag and a YAML key).
+
+    The defaults are the sine experiment's (Finn et al.'s regression protocol); an experiment's
+    subclass overrides those that differ and adds its own fields after these.
+    """
+
+    iterations: int = 70_000
+    """meta-iterations"""
+    meta_batch: int = 25
+    """tasks per meta-batch"""
+    shots: int = 10
+    """support points per training task (K)"""
+    query: int = 10
+    """query points per training task"""
+    # 0.001 is what Finn et al.'s released code runs for sine (its --update_lr default; the paper's
+    # text says 0.01): it reproduces their table, while 0.01 overshoots at 5 and 10 test steps (README).
+    inner_lr: float = 0.001
+    """inner SGD learning rate (initial value if learned)"""
+    steps: int = 1
+    """inner steps in training"""
+    meta_lr: float = 0.001
+    """Adam learning rate of the outer loop"""
+    mode: Literal[maml.MODES] = "second_order"  # type: ignore[valid-type]
+    """the meta-gradient: exact (second_order), without second derivatives (first_order), or exact in less memory (checkpointed)"""
+    batching: Literal[maml.BATCHINGS] = "auto"  # type: ignore[valid-type]
+    """how the tasks of a meta-batch run: auto (the engine's choice: loop on CPU, vmap on GPU), vmap or loop"""
+    learn_inner_lr: Literal["scalar", "per_parameter", "per_layer_per_step"] | None = None
+    """learned inner rates: scalar, per_parameter (Meta-SGD) or per_layer_per_step (MAML++); null: fixed"""
+    compile: bool | None = None
+    """compile the meta-step with torch.compile (exact; a one-off compile, then faster steps); null: where a C++ compiler is found, for second or first order"""
+    algorithm: Literal[recipes.ALGORITHMS] = "maml"  # type: ignore[valid-type]
+    """the recipe (sets its paper's values for the keys below; a flag or YAML key overrides it)"""
+    adapt: Literal[recipes.ADAPT] = "all"  # type: ignore[valid-type]
+    """what the inner loop adapts: all, head (ANIL) or body (BOIL)"""
+    inner_optimizer: Literal[maml.INNER_OPTIMIZERS] = "sgd"  # type: ignore[valid-type]
+    """inner update rule"""
+    msl_fraction: float = 0.0
+    """share of training with MAML++'s annealed multi-step loss (0: only the last step's loss)"""
+    first_order_fraction: float = 0.0
+    """share of training in first order before --mode (derivative-order annealing)"""
+    meta_lr_schedule: Literal["constant", "cosine"] = "constant"
+    """constant, or cosine (annealed to --min-meta-lr)"""
+    min_meta_lr: float = 1e-5
+    """the cosine schedule's final meta-lr"""
+    seed: int = 0
+    """seeds the initialisation and the task sampler"""
+    log_every: int = 100
+    """iterations between training logs"""
+    val_every: int = 1000
+    """iterations between validations"""
+    val_tasks: int = 100
+    """fixed validation tasks (K = shots, steps = steps)"""
+    checkpoint_every: int = 1000
+    """iterations between checkpoints"""
+    eval_tasks: int = 600
+    """fresh test tasks in the final evaluation"""
+    eval_steps: tuple[int, ...] = (1, 5, 10)
+    """inner steps of the final evaluation"""
+
+
+def check_config(cfg: Any, positive: Sequence[str], rates: Sequence[str] = (), non_negative: Sequence[str] = (),
+                 fractions: Sequence[str] = ()) -> None:  # fmt: skip
     """Raises ValueError naming the flag and the value of the first invalid one.
 
     ``positive``: ints (or lists of ints) that must be >= 1; ``non_negative``: >= 0; ``rates``:
-    floats that must be finite and > 0; ``fractions``: floats in [0, 1]; ``choices``: the values each
-    key allows. A None value (a field whose default is filled in later) passes.
+    floats that must be finite and > 0; ``fractions``: floats in [0, 1]. A None value (a field
+    whose default is filled in later) passes. (The choice fields are checked as they are parsed.)
     """
     for key in fractions:
         if not 0 <= getattr(cfg, key) <= 1:  # NaN fails too
@@ -104,103 +186,19 @@ def check_config(cfg: Any, positive: Sequence[str], choices: dict[str, Sequence[
             fix = f", e.g. {default:g} (the default)" if isinstance(default, float) else "; leave it out for the default"
             big = " (in float32, the parameters' precision)" if math.isfinite(value) and value > 0 else ""
             raise ValueError(f"{_flag(key)} {value:g} must be a finite number > 0{big}{fix}.")
-    for key, allowed in choices.items():
-        if getattr(cfg, key) not in allowed:
-            raise ValueError(f"{_flag(key)}: {key}={getattr(cfg, key)!r} is not one of {', '.join(map(repr, allowed))}.")
 
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _field_types(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _base_type(tp: Any) -> tuple[Any, bool]:
-    """``(type, optional)`` for ``T`` or ``T | None``."""
-    args = typing.get_args(tp)
-    if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args:
-        rest = [a for a in args if a is not type(None)]
-        return rest[0], True
-    return tp, False
-
-
-def _convert(key: str, value: Any, tp: Any, source: str) -> Any:
-    """Checks (YAML) or converts (command-line strings) ``value`` to the field's type."""
-    base, optional = _base_type(tp)
-    if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and optional):
-        if optional:
-            return None
-        raise UsageError(f"{source}: {key} must be a {_type_name(base)}, got null.")
-    if typing.get_origin(base) in (list, tuple):
-        (item,) = set(typing.get_args(base)) - {Ellipsis}
-        if isinstance(value, str):
-            value = [v for v in value.replace(",", " ").split() if v]
-        if not isinstance(value, (list, tuple)) or not value:
-            raise UsageError(f"{source}: {key} must be a non-empty list of {_type_name(item)}, got {value!r}.")
-        return tuple(_convert(key, v, item, source) for v in value)
-    if base is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-            return value.lower() in ("true", "1", "yes")
-    elif base is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-    elif base is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-    elif base is str:
-        if isinstance(value, str):
-            return value
-    raise UsageError(f"{source}: {key} must be {_type_name(tp)}, got {value!r} ({type(value).__name__}).")
-
-
-def _type_name(tp: Any) -> str:
-    base, optional = _base_type(tp)
-    if typing.get_origin(base) in (list, tuple):
-        name = f"a list of {_type_name(typing.get_args(base)[0])}"
-    else:
-        name = {int: "an int", float: "a float", bool: "a bool (true/false)", str: "a string"}.get(base, str(base))
-    return name + (" or null" if optional else "")
-
-
-def _metavar(tp: Any) -> str:
-    """``INT``, ``FLOAT|null``, ``INT,...`` (a comma-separated list) or ``true|false``, for ``--help``."""
-    base, optional = _base_type(tp)
-    if typing.get_origin(base) in (list, tuple):
-        return _metavar(typing.get_args(base)[0]) + ",..."
-    return {int: "INT", float: "FLOAT", bool: "true|false", str: "STR"}.get(base, "VALUE") + ("|null" if optional else "")
-
-
 def _show(value: Any) -> str:
-    """A default as it is written on the command line: ``null``, ``true``, ``5,10,20``."""
-    if isinstance(value, tuple):
+    """A value as it is written on the command line: ``null``, ``true``, ``5,10,20``."""
+    if isinstance(value, (tuple, list)):
         return ",".join(map(_show, value))
     if value is None or isinstance(value, bool):
         return {None: "null", True: "true", False: "false"}[value]
     return str(value)
-
-
-class _HelpFormatter(argparse.HelpFormatter):
-    """Appends ``(default: X)`` to a flag's help when it has a default and its help does not name one."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        help_ = action.help or ""
-        if "default" in help_ or action.default in (None, False, argparse.SUPPRESS):
-            return help_
-        return f"{help_} (default: {action.default})"
 
 
 def _suggest(word: str, choices: Sequence[str]) -> str:
@@ -208,7 +206,82 @@ def _suggest(word: str, choices: Sequence[str]) -> str:
     return f" (did you mean {', '.join(matches)}?)" if matches else ""
 
 
+# How tyro reads a value: a bool as true or false (True, False), None as null (or None), a tuple from
+# values separated by commas or spaces (5,10,20); a bad value raises ValueError naming it.
+_REGISTRY = tyro.constructors.ConstructorRegistry()
+
+
+@_REGISTRY.primitive_rule
+def _read_values(info: tyro.constructors.PrimitiveTypeInfo) -> tyro.constructors.PrimitiveConstructorSpec | None:
+    spec, args = tyro.constructors.PrimitiveConstructorSpec, typing.get_args(info.type)
+
+    def inner(tp: Any) -> Any:
+        return tyro.constructors.ConstructorRegistry.get_primitive_spec(tyro.constructors.PrimitiveTypeInfo.make(tp, info.markers))
+
+    if info.type in (bool, int, float):
+        kind, tp = {bool: "true or false", int: "an integer", float: "a number"}[info.type], info.type
+
+        def read(words: list[str]) -> Any:
+            try:
+                return {"true": True, "false": False}[words[0].lower()] if tp is bool else tp(words[0])
+            except (KeyError, ValueError):
+                raise ValueError(f"{words[0]!r} is not {kind}") from None
+
+        return spec(nargs=1, metavar={bool: "{true,false}", int: "INT", float: "FLOAT"}[tp], instance_from_str=read,
+                    is_instance=lambda x: isinstance(x, tp), str_from_instance=lambda x: [_show(x)])  # fmt: skip
+    if info.type_origin is tuple and args[1:] == (...,):
+        item = inner(args[0])
+
+        def read_all(words: list[str]) -> tuple[Any, ...]:
+            values = [v for word in words for v in word.split(",") if v]
+            if not values:
+                raise ValueError("needs at least one value")
+            return tuple(item.instance_from_str([v]) for v in values)
+
+        return spec(nargs="*", metavar=f"{item.metavar},...", instance_from_str=read_all,
+                    is_instance=lambda x: isinstance(x, tuple), str_from_instance=lambda x: [_show(x)])  # fmt: skip
+    if info.type_origin in (typing.Union, types.UnionType) and len(args) == 2 and type(None) in args:
+        some = inner(next(a for a in args if a is not type(None)))
+        return spec(nargs=some.nargs, metavar=f"{some.metavar}|null",
+                    instance_from_str=lambda words: None if words in (["null"], ["None"]) else some.instance_from_str(words),
+                    is_instance=lambda x: x is None or some.is_instance(x),
+                    str_from_instance=lambda x: ["null"] if x is None else some.str_from_instance(x),
+                    choices=None if some.choices is None else (*some.choices, "null", "None"))  # fmt: skip
+    return None
+
+
+def _cli(tp: Any, args: Sequence[str], default: Any, flags: Sequence[str] = (), where: str = "", **kwargs: Any) -> Any:
+    """``tyro.cli``, whose parse errors become one-line UsageErrors that name the flag, the value and the fix.
+
+    ``tyro._errors.on_parse_error`` is private, though documented in its module's docstring: that
+    is why setup.cfg pins tyro to one version. ``flags`` are the close matches an unknown flag may
+    have; ``where`` prefixes the messages of a --config file, which name the key (``inner_lr``).
+    """
+
+    def one_line(event: tyro._errors.ParseErrorEvent) -> None:
+        argument = getattr(event, "argument", None)
+        name = argument and (argument.field.intern_name if where else argument.display_name())
+        if isinstance(event, tyro._errors.UnrecognizedArgs):
+            bad = event.tokens[0].split("=", 1)[0]
+            if not bad.startswith("-"):
+                raise UsageError(f"unexpected argument {bad!r}: a value follows its flag (--name value).")
+            raise UsageError(f"unknown flag {bad}{_suggest(bad.replace('_', '-'), flags)}; see --help for the full list.")
+        if isinstance(event, tyro._errors.InvalidChoice):
+            choices = [c for c in event.choices if c != "None"]  # null stands for it
+            raise UsageError(f"{where}{name} {event.value!r} is not one of {', '.join(choices)}.")
+        if isinstance(event, tyro._errors.InstantiationFailure) and name:
+            raise UsageError(f"{where}{name} {event.message}.")
+        if isinstance(event, tyro._errors.BadValue) and name:
+            raise UsageError(f"{where}{name} needs a value.")
+        raise UsageError(f"{where}{type(event).__name__}: see --help.")  # none of ours; tyro may add kinds
+
+    with tyro._errors.on_parse_error(one_line):
+        return tyro.cli(tp, args=list(args), default=default, registry=_REGISTRY,
+                        config=(tyro.conf.OmitArgPrefixes, tyro.conf.FlagCreatePairsOff), **kwargs)  # fmt: skip
+
+
 def _load_yaml(path: Path, cls: type) -> dict[str, Any]:
+    """The keys of a ``--config`` file, read as their flags are."""
     if not path.is_file():
         raise UsageError(f"--config {path}: no such file.")
     try:
@@ -217,17 +290,20 @@ def _load_yaml(path: Path, cls: type) -> dict[str, Any]:
         raise UsageError(f"--config {path}: not valid YAML: {e}") from None
     if not isinstance(data, dict):
         raise UsageError(f"--config {path}: must be a mapping of config keys to values, got {type(data).__name__}.")
-    types_ = _field_types(cls)
-    names = list(types_)
-    out = {}
+    types_ = typing.get_type_hints(cls)
+    args, keys = [], []
     for key, value in data.items():
         name = str(key).replace("-", "_")
         if name not in types_:
-            raise UsageError(
-                f"--config {path}: unknown key {key!r}{_suggest(name, names)}. Known keys: {', '.join(names)}."
-            )
-        out[name] = _convert(name, value, types_[name], f"--config {path}")
-    return out
+            raise UsageError(f"--config {path}: unknown key {key!r}{_suggest(name, list(types_))}. Known keys: {', '.join(types_)}.")
+        listed = typing.get_origin(types_[name]) is tuple
+        if isinstance(value, dict) or isinstance(value, list) != listed:
+            should = f"a list (e.g. [{_show(value)}])" if listed else "a single value"
+            raise UsageError(f"--config {path}: {name} must be {should}, got {value!r}.")
+        args.append(f"--{name}={_show(value)}")
+        keys.append(name)
+    parsed = _cli(Annotated[cls, tyro.conf.FlagConversionOff], args, cls(), where=f"--config {path}: ")
+    return {name: getattr(parsed, name) for name in keys}
 
 
 def parse_args(
@@ -235,64 +311,23 @@ def parse_args(
 ) -> tuple[Any, RunOptions]:
     """Parses the command line into the experiment's config dataclass and the run options.
 
-    Precedence: the dataclass defaults, then ``--config FILE`` (YAML), then flags. Every field is
-    a kebab-case flag (``--inner-lr 0.01``, also ``--inner-lr=0.01`` and ``--inner_lr=0.01``, as
-    ``wandb agent`` passes them).
+    Precedence: the dataclass defaults, then the recipe of ``--algorithm``, then ``--config FILE``
+    (YAML), then flags.
 
     Raises:
         UsageError: unknown flag or key (with close matches), wrong type, invalid value.
     """
-    types_ = _field_types(cls)
-    parser = argparse.ArgumentParser(
-        prog=f"python -m experiments.{experiment}", description=description, allow_abbrev=False,
-        formatter_class=_HelpFormatter,
-    )  # fmt: skip
-    run = parser.add_argument_group("run")
-    run.add_argument("--config", type=Path, help="YAML file of config keys (flags override it)")
-    run.add_argument("--out", type=Path, default=Path("runs") / experiment, help="output folder")
-    run.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
-    run.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
-    run.add_argument("--wandb", choices=("offline", "online", "disabled"), help="wandb mode (default: $WANDB_MODE, "
-                     "else online if logged in, else offline)")  # fmt: skip
-    run.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
-    run.add_argument("--threads", type=int, metavar="INT", help="CPU threads of this process (default: PyTorch's, one per core)")
-    hyper = parser.add_argument_group("hyperparameters")
-    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
-    for name, tp in types_.items():
-        help_ = next(f for f in dataclasses.fields(cls) if f.name == name).metadata.get("help", "")
-        shown = "" if "default" in help_ else f" (default: {_show(defaults[name])})"
-        hyper.add_argument(_flag(name), dest=name, default=None, metavar=_metavar(tp), help=help_ + shown)
-
-    def error(message: str) -> typing.NoReturn:
-        raise UsageError(message)
-
-    parser.error = error  # type: ignore[method-assign]
-    # `wandb agent` passes a parameter as spelled in the sweep file: --inner_lr=0.01 is --inner-lr=0.01.
-    snake = {f"--{name}": _flag(name) for name in types_ if "_" in name}
-
-    def kebab(arg: str) -> str:
-        name, equals, value = arg.partition("=")
-        return snake[name] + equals + value if name in snake else arg
-
-    argv = [kebab(a) for a in (sys.argv[1:] if argv is None else argv)]
-    args, unknown = parser.parse_known_args(argv)
-    if unknown:
-        flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
-        bad = unknown[0].split("=", 1)[0]
-        raise UsageError(f"unknown flag {bad}{_suggest(bad, flags)}; see --help for the full list.")
-
-    # Precedence: the dataclass defaults, the recipe of --algorithm, the YAML file, the flags.
-    given = _load_yaml(args.config, cls) if args.config is not None else {}
-    for name, tp in types_.items():
-        raw = getattr(args, name)
-        if raw is not None:
-            given[name] = _convert(name, raw, tp, _flag(name))
-    values = dict(defaults)
-    try:
-        values.update(recipes.recipe(experiment, given.get("algorithm", values["algorithm"])))
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    values.update(given)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    flags = [_flag(f.name) for c in (RunFlags, cls) for f in dataclasses.fields(c)] + ["--help"]
+    args_cls = dataclasses.make_dataclass("Args", [("run", RunFlags), (experiment, Annotated[cls, tyro.conf.FlagConversionOff])])
+    args = _cli(args_cls, argv, args_cls(RunFlags(out=Path("runs") / experiment), cls()), flags,
+                prog=f"python -m experiments.{experiment}", description=description)  # fmt: skip
+    run, parsed = args.run, getattr(args, experiment)
+    given = {a[2:].split("=", 1)[0].replace("-", "_") for a in argv if a.startswith("--")}  # the keys flags set
+    flagged = {f.name: getattr(parsed, f.name) for f in dataclasses.fields(cls) if f.name in given}
+    from_yaml = _load_yaml(run.config, cls) if run.config is not None else {}
+    algorithm = {**vars(cls()), **from_yaml, **flagged}["algorithm"]
+    values = {**vars(cls()), **recipes.recipe(experiment, algorithm), **from_yaml, **flagged}
     if values["compile"] is None:  # auto: the compiled step where it applies and a C++ compiler is found
         values["compile"] = values["mode"] != "checkpointed" and _cxx() is not None
         if not values["compile"] and values["mode"] != "checkpointed":
@@ -304,16 +339,15 @@ def parse_args(
     except ValueError as e:
         raise UsageError(str(e)) from None
     try:
-        device = torch.device(args.device)
+        device = torch.device(run.device)
     except RuntimeError:
-        raise UsageError(f"--device {args.device!r} is not a torch device; use cpu, cuda or cuda:N.") from None
+        raise UsageError(f"--device {run.device!r} is not a torch device; use cpu, cuda or cuda:N.") from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError(f"--device {args.device}: CUDA is not available on this machine; use --device cpu.")
-    set_threads(args.threads)
+        raise UsageError(f"--device {run.device}: CUDA is not available on this machine; use --device cpu.")
+    set_threads(run.threads)
     device, rank, world_size = join_processes(device)
-    return cfg, RunOptions(experiment, args.out, args.resume, args.overwrite, args.wandb or default_wandb_mode(), device,
-                           args.config, rank, world_size)  # fmt: skip
-
+    return cfg, RunOptions(experiment, run.out, run.resume, run.overwrite, run.wandb or default_wandb_mode(), device,
+                           run.config, rank, world_size)  # fmt: skip
 
 def _cxx() -> str | None:
     """The C++ compiler torch.compile's CPU backend would call, if one is installed."""

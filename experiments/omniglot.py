@@ -19,10 +19,11 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import torch
 import torch.nn.functional as F
+import tyro
 from torch import Tensor, nn
 
 import maml
@@ -35,42 +36,45 @@ PAPER = {5: (1, 0.4, 32), 20: (5, 0.1, 16)}
 
 
 @dataclasses.dataclass(frozen=True)
-class OmniglotConfig:
-    """Every hyperparameter of the Omniglot experiment (each is a flag and a YAML key)."""
+class OmniglotConfig(common.ExperimentConfig):
+    """The hyperparameters (each a flag and a --config key): the shared ones, then the data's, the model's and the
+    evaluation's."""
 
-    data: str | None = common.field(None, "Omniglot archives or folders (default: $OMNIGLOT_DIR)")
-    ways: int = common.field(5, "classes per task (N)")
-    shots: int = common.field(1, "support images per class (K)")
-    query: int = common.field(15, "query images per class")
-    steps: int | None = common.field(None, "inner steps in training (null: 1 for 5-way, 5 for 20-way)")
-    inner_lr: float | None = common.field(None, "inner learning rate (null: 0.4 for 5-way, 0.1 for 20-way)")
-    meta_batch: int | None = common.field(None, "tasks per meta-batch (null: 32 for 5-way, 16 for 20-way)")
-    iterations: int = common.field(60_000, "meta-iterations")
-    meta_lr: float = common.field(0.001, "Adam learning rate of the outer loop")
-    filters: int = common.field(64, "filters in each of the 4 conv blocks")
-    rotations: bool = common.field(True, "rotated training characters as extra classes")
-    split_by: str = common.field("alphabet", "character, alphabet or archive")
-    split_fractions: tuple[float, ...] = common.field((0.6, 0.15, 0.25), "train, validation, test shares (>= 0, summing to 1); a 0 validation share trains without validation, a 0 test share skips the final test (results.json then says why its test is empty)")
-    split_seed: int = common.field(0, "fixes the character split")
-    mode: str = common.field("second_order", "second_order, first_order or checkpointed")
-    batching: str = common.field("auto", "auto (the engine's choice: loop on CPU, vmap on GPU), vmap or loop")
-    learn_inner_lr: str | None = common.field(None, "null, scalar or per_parameter (Meta-SGD)")
-    compile: bool = common.field(False, "compile the meta-step with torch.compile (second or first order; exact; a one-off compile of about a minute on a CPU, then steps a few percent faster)")
-    algorithm: str = common.field("maml", "the recipe: maml, fomaml, metasgd, anil or mamlpp (sets its paper's values for the keys below; a flag or YAML key overrides it)")
-    adapt: str = common.field("all", "what the inner loop adapts: all, head (ANIL) or body (BOIL)")
-    inner_optimizer: str = common.field("sgd", "inner update rule: sgd, momentum or adam")
-    msl_fraction: float = common.field(0.0, "share of training with MAML++'s annealed multi-step loss (0: only the last step's loss)")
-    first_order_fraction: float = common.field(0.0, "share of training in first order before --mode (derivative-order annealing)")
-    meta_lr_schedule: str = common.field("constant", "constant or cosine (annealed to --min-meta-lr)")
-    min_meta_lr: float = common.field(1e-5, "the cosine schedule's final meta-lr")
-    seed: int = common.field(0, "seeds the initialisation and the task sampler")
-    log_every: int = common.field(50, "iterations between training logs")
-    val_every: int = common.field(500, "iterations between validations")
-    val_tasks: int = common.field(100, "fixed validation tasks")
-    checkpoint_every: int = common.field(200, "iterations between checkpoints")
-    eval_tasks: int = common.field(600, "test tasks in the final evaluation")
-    eval_steps: tuple[int, ...] = common.field((3, 5), "inner steps of the final evaluation")
-    eval_chunk: int = common.field(50, "test tasks per evaluation pass (bounds memory)")
+    iterations: int = 60_000
+    meta_batch: int | None = None
+    """tasks per meta-batch (null: 32 for 5-way, 16 for 20-way)"""
+    shots: int = 1
+    """support images per class (K)"""
+    query: int = 15
+    """query images per class"""
+    inner_lr: float | None = None
+    """inner learning rate (null: 0.4 for 5-way, 0.1 for 20-way)"""
+    steps: int | None = None
+    """inner steps in training (null: 1 for 5-way, 5 for 20-way)"""
+    compile: bool = False
+    """compile the meta-step with torch.compile (second or first order; exact; a one-off compile of about a minute on a CPU, then steps a few percent faster)"""
+    log_every: int = 50
+    val_every: int = 500
+    checkpoint_every: int = 200
+    eval_tasks: int = 600
+    """test tasks in the final evaluation"""
+    eval_steps: tuple[int, ...] = (3, 5)
+    data: Annotated[str | None, tyro.conf.arg(help_behavior_hint="(default: $OMNIGLOT_DIR)")] = None
+    """Omniglot archives or folders"""
+    ways: int = 5
+    """classes per task (N)"""
+    split_by: Literal[tasks.SPLIT_BY] = "alphabet"  # type: ignore[valid-type]
+    """the unit the characters are split by into train, validation and test"""
+    split_fractions: tuple[float, ...] = (0.6, 0.15, 0.25)
+    """train, validation, test shares (>= 0, summing to 1); a 0 validation share trains without validation, a 0 test share skips the final test (results.json then says why its test is empty)"""
+    split_seed: int = 0
+    """fixes the character split"""
+    rotations: bool = True
+    """rotated training characters as extra classes"""
+    filters: int = 64
+    """filters in each of the 4 conv blocks"""
+    eval_chunk: int = 50
+    """test tasks per evaluation pass (bounds memory)"""
 
     def resolved(self) -> OmniglotConfig:
         """The config with the paper's per-ways defaults and the data path filled in."""
@@ -90,10 +94,6 @@ def validate_config(cfg: OmniglotConfig) -> None:
         cfg,
         positive=("ways", "shots", "query", "meta_batch", "iterations", "filters", "log_every", "val_every",
                   "val_tasks", "checkpoint_every", "eval_tasks", "eval_chunk"),
-        choices={"mode": maml.MODES, "batching": maml.BATCHINGS, "learn_inner_lr": maml.LEARN_INNER_LR,
-                 "algorithm": recipes.ALGORITHMS, "adapt": recipes.ADAPT, "inner_optimizer": maml.INNER_OPTIMIZERS,
-                 "meta_lr_schedule": ("constant", "cosine"),
-                 "split_by": tasks.SPLIT_BY},
         rates=("inner_lr", "meta_lr", "min_meta_lr"),
         fractions=("msl_fraction", "first_order_fraction"),
         non_negative=("steps", "eval_steps"),

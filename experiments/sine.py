@@ -15,7 +15,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -28,40 +28,17 @@ from experiments import common, recipes
 
 
 @dataclasses.dataclass(frozen=True)
-class SineConfig:
-    """Every hyperparameter of the sine experiment (each is a flag and a YAML key)."""
+class SineConfig(common.ExperimentConfig):
+    """The hyperparameters (each a flag and a --config key): the shared ones, then the model's and the evaluation's."""
 
-    iterations: int = common.field(70_000, "meta-iterations")
-    meta_batch: int = common.field(25, "tasks per meta-batch")
-    shots: int = common.field(10, "support points per training task (K)")
-    query: int = common.field(10, "query points per training task")
-    # 0.001 is what Finn et al.'s released code runs for sine (its --update_lr default; the paper's
-    # text says 0.01): it reproduces their table, while 0.01 overshoots at 5 and 10 test steps (README).
-    inner_lr: float = common.field(0.001, "inner SGD learning rate (initial value if learned)")
-    steps: int = common.field(1, "inner steps in training")
-    meta_lr: float = common.field(0.001, "Adam learning rate of the outer loop")
-    hidden: int = common.field(40, "width of the two hidden layers")
-    init: str = common.field("paper", "paper (weights ~ truncated normal, std 0.01; zero biases, as in Finn et al.'s code) or torch")
-    mode: str = common.field("second_order", "second_order, first_order or checkpointed")
-    batching: str = common.field("auto", "auto, vmap or loop")
-    learn_inner_lr: str | None = common.field(None, "null, scalar or per_parameter (Meta-SGD)")
-    compile: bool | None = common.field(None, "compile the meta-step with torch.compile (exact; a one-off compile, then faster steps); null: where a C++ compiler is found, for second or first order")
-    algorithm: str = common.field("maml", "the recipe: maml, fomaml, metasgd, anil or mamlpp (sets its paper's values for the keys below; a flag or YAML key overrides it)")
-    adapt: str = common.field("all", "what the inner loop adapts: all, head (ANIL) or body (BOIL)")
-    inner_optimizer: str = common.field("sgd", "inner update rule: sgd, momentum or adam")
-    msl_fraction: float = common.field(0.0, "share of training with MAML++'s annealed multi-step loss (0: only the last step's loss)")
-    first_order_fraction: float = common.field(0.0, "share of training in first order before --mode (derivative-order annealing)")
-    meta_lr_schedule: str = common.field("constant", "constant or cosine (annealed to --min-meta-lr)")
-    min_meta_lr: float = common.field(1e-5, "the cosine schedule's final meta-lr")
-    seed: int = common.field(0, "seeds the initialisation and the task sampler")
-    log_every: int = common.field(100, "iterations between training logs")
-    val_every: int = common.field(1000, "iterations between validations")
-    val_tasks: int = common.field(100, "fixed validation tasks (K = shots, steps = steps)")
-    checkpoint_every: int = common.field(1000, "iterations between checkpoints")
-    eval_tasks: int = common.field(600, "fresh test tasks in the final evaluation")
-    eval_shots: tuple[int, ...] = common.field((5, 10, 20), "K values of the final evaluation")
-    eval_steps: tuple[int, ...] = common.field((1, 5, 10), "inner steps of the final evaluation")
-    eval_query: int = common.field(100, "query points per test task")
+    hidden: int = 40
+    """width of the two hidden layers"""
+    init: Literal["paper", "torch"] = "paper"
+    """paper (weights ~ truncated normal, std 0.01; zero biases, as in Finn et al.'s code) or torch"""
+    eval_shots: tuple[int, ...] = (5, 10, 20)
+    """K values of the final evaluation"""
+    eval_query: int = 100
+    """query points per test task"""
 
 
 def validate_config(cfg: SineConfig) -> None:
@@ -70,10 +47,6 @@ def validate_config(cfg: SineConfig) -> None:
         cfg,
         positive=("iterations", "meta_batch", "shots", "query", "hidden", "log_every", "val_every", "val_tasks",
                   "checkpoint_every", "eval_tasks", "eval_query", "eval_shots"),
-        choices={"mode": maml.MODES, "batching": maml.BATCHINGS, "learn_inner_lr": maml.LEARN_INNER_LR,
-                 "algorithm": recipes.ALGORITHMS, "adapt": recipes.ADAPT, "inner_optimizer": maml.INNER_OPTIMIZERS,
-                 "meta_lr_schedule": ("constant", "cosine"),
-                 "init": ("paper", "torch")},
         rates=("inner_lr", "meta_lr", "min_meta_lr"),
         fractions=("msl_fraction", "first_order_fraction"),
         non_negative=("steps", "eval_steps"),

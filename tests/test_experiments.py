@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from experiments import common, omniglot, sine
-from experiments.wandb_runs import find_runs, read_run
 from helpers import REPO, omniglot_root
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -51,14 +50,15 @@ def checkpoint(out: Path) -> dict:
 
 
 def assert_logged(out: Path, history: list[dict], summary: dict[str, float]) -> None:
-    """The offline wandb run under ``out`` holds exactly the rows the script kept, and the summary."""
-    (run_dir,) = find_runs(out)
-    run = read_run(run_dir)
-    assert not run.problems
-    logged = [{k: v for k, v in row.items() if not k.startswith("_")} for row in run.history]
-    assert logged == history
+    """``out/metrics.jsonl`` holds exactly the rows the script kept, ``results.json`` the summary's test metrics
+    (``test/{metric}_{key}``, as wandb's summary names them), and wandb logged one offline run under ``out``."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows == history
+    test = json.loads((out / "results.json").read_text())["test"]
     for key, value in summary.items():
-        assert run.summary[key] == pytest.approx(value, rel=1e-12)
+        metric, entry = key.removeprefix("test/").split("_", 1)
+        assert test[entry][metric] == pytest.approx(value, rel=1e-12)
+    assert len(list((out / "wandb").glob("offline-run-*/run-*.wandb"))) == 1
 
 
 def test_sine_end_to_end(tmp_path):
@@ -158,11 +158,11 @@ def test_unknown_config_key_and_wrong_types(capsys, tmp_path):
     config.write_text("inner_rl: 0.1\n")
     fails(capsys, sine.run, ["--config", str(config)], "unknown key 'inner_rl' (did you mean inner_lr")
     config.write_text("iterations: ten\n")
-    fails(capsys, sine.run, ["--config", str(config)], "iterations must be an int, got 'ten' (str)")
+    fails(capsys, sine.run, ["--config", str(config)], f"--config {config}: iterations 'ten' is not an integer.")
     config.write_text("eval_shots: 5\n")
-    fails(capsys, sine.run, ["--config", str(config)], "eval_shots must be a non-empty list of an int, got 5")
-    fails(capsys, sine.run, ["--meta-batch", "2.5"], "--meta-batch: meta_batch must be an int, got '2.5' (str)")
-    fails(capsys, sine.run, ["--mode", "fomaml"], "mode='fomaml' is not one of 'second_order', 'first_order', 'checkpointed'")
+    fails(capsys, sine.run, ["--config", str(config)], f"--config {config}: eval_shots must be a list (e.g. [5]), got 5.")
+    fails(capsys, sine.run, ["--meta-batch", "2.5"], "error: --meta-batch '2.5' is not an integer.")
+    fails(capsys, sine.run, ["--mode", "fomaml"], "error: --mode 'fomaml' is not one of second_order, first_order, checkpointed.")
     fails(capsys, sine.run, ["--config", str(tmp_path / "nope.yaml")], "no such file")
     fails(capsys, sine.run, ["--compile", "true", "--mode", "checkpointed"],
           "compile applies to mode second_order or first_order, not checkpointed; drop --compile or pick another --mode.")  # fmt: skip
@@ -177,6 +177,43 @@ def test_config_file_and_flags_combine(tmp_path):
     assert opts.out == tmp_path and opts.config_file == config
     _, opts = common.parse_args("sine", sine.SineConfig, [], "", sine.validate_config)
     assert opts.out == Path("runs") / "sine"
+
+
+MAMLPP = {"steps": 5, "learn_inner_lr": "per_layer_per_step", "msl_fraction": 0.1, "first_order_fraction": 0.5,
+          "meta_lr_schedule": "cosine", "min_meta_lr": 1e-5}  # fmt: skip
+
+
+@pytest.mark.parametrize("module", [sine, omniglot], ids=["sine", "omniglot"])
+def test_an_algorithm_sets_its_recipe_under_config_files_and_flags(capsys, tmp_path, module):
+    cls = {sine: sine.SineConfig, omniglot: omniglot.OmniglotConfig}[module]
+    defaults = vars(cls())
+
+    def parse(*argv: str):
+        return common.parse_args(module.__name__.rsplit(".", 1)[1], cls, list(argv), "", module.validate_config)[0]
+
+    mamlpp = {**MAMLPP, **({"inner_lr": 0.1, "meta_batch": 8} if module is omniglot else {})}
+    cfg = vars(parse("--algorithm", "mamlpp"))
+    assert cfg == {**defaults, **mamlpp, "algorithm": "mamlpp", "compile": cfg["compile"]}  # those keys, no other
+    assert parse("--algorithm", "fomaml").mode == "first_order"
+    assert parse("--algorithm", "metasgd").learn_inner_lr == "per_parameter"
+    assert parse("--algorithm", "anil").adapt == "head"
+    assert parse("--algorithm", "mamlpp", "--steps", "3").steps == 3  # a flag overrides the recipe
+    assert parse("--steps=3", "--algorithm=mamlpp").steps == 3  # before it too
+    config = tmp_path / "c.yaml"
+    config.write_text("steps: 2\nmeta-lr-schedule: constant\n")
+    cfg = parse("--algorithm", "mamlpp", "--config", str(config))
+    assert (cfg.steps, cfg.meta_lr_schedule, cfg.msl_fraction) == (2, "constant", 0.1)  # so does a config file
+    assert parse("--algorithm", "mamlpp", "--config", str(config), "--steps", "4").steps == 4  # and a flag overrides both
+    config.write_text("algorithm: mamlpp\n")
+    assert parse("--config", str(config)).steps == 5  # a config file may choose the recipe
+    assert parse("--config", str(config), "--algorithm", "maml").steps == defaults["steps"]  # and a flag overrides it
+    config.write_text("algorithm: nope\n")
+    for argv, where in ((["--algorithm", "nope"], "--algorithm"), (["--config", str(config)], f"--config {config}: algorithm")):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_:
+            common.main(module.run, argv)
+        assert exit_.value.code == 2  # one line that names the choices
+        assert capsys.readouterr().err == f"error: {where} 'nope' is not one of maml, fomaml, metasgd, anil, mamlpp.\n"
 
 
 def test_output_folder_holding_another_run_is_refused(capsys, tmp_path):

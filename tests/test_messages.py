@@ -234,7 +234,8 @@ def test_a_bad_rate_from_a_config_file_names_it_too(capsys, tmp_path):
 # ---------------------------------------------------------------------------- 4. --help and the flag spellings
 
 
-def help_text(capsys, cls, experiment) -> str:
+def help_text(capsys, monkeypatch, cls, experiment) -> str:
+    monkeypatch.setenv("COLUMNS", "100")  # one column of boxes, whatever the terminal
     with pytest.raises(SystemExit) as exit_:
         common.parse_args(experiment, cls, ["--help"], "", lambda cfg: None)
     assert exit_.value.code == 0
@@ -246,6 +247,7 @@ def help_entries(text: str) -> dict[str, str]:
     entries: dict[str, str] = {}
     current = None
     for line in text.split("\n\n", 1)[1].splitlines():  # after the usage paragraph
+        line = line.replace("\u2502", " ").rstrip()  # tyro boxes each group, with these sides where stdout takes UTF-8
         if line.startswith("  -"):
             current = line.split()[0].rstrip(",")
             entries[current] = line
@@ -257,9 +259,9 @@ def help_entries(text: str) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("experiment", ["sine", "omniglot"])
-def test_help_shows_each_default_once_and_no_alias(capsys, experiment):
+def test_help_shows_each_default_once_and_no_alias(capsys, monkeypatch, experiment):
     cls = {"sine": sine.SineConfig, "omniglot": omniglot.OmniglotConfig}[experiment]
-    text = help_text(capsys, cls, experiment)
+    text = help_text(capsys, monkeypatch, cls, experiment)
     entries = help_entries(text)
     for field in cls.__dataclass_fields__.values():
         flag = "--" + field.name.replace("_", "-")
