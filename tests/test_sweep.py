@@ -218,7 +218,7 @@ def test_interrupted_sweep_resumes_and_runs_only_the_rest(grid: dict[str, Any], 
         time.sleep(0.05)
     # SIGKILL: the runner and its trial die at once, as on a lost node; SIGINT: Ctrl-C in a terminal.
     os.killpg(runner.pid, signal.SIGINT if cut == "Ctrl-C" else signal.SIGKILL)
-    assert runner.wait(timeout=120) == (130 if cut == "Ctrl-C" else -signal.SIGKILL)
+    assert runner.wait(timeout=300) == (130 if cut == "Ctrl-C" else -signal.SIGKILL)
     assert [trial["state"] for trial in report(out)] == ["finished", "killed" if cut == "Ctrl-C" else "running"]
     if cut == "killed, no checkpoint":
         (out / "trial-002" / "checkpoint.pt").unlink()
