@@ -123,6 +123,8 @@ class ExperimentConfig:
     """inner steps in training"""
     meta_lr: float = 0.001
     """Adam learning rate of the outer loop"""
+    rate_meta_lr: float | None = None
+    """Adam learning rate of learned inner rates (null: --meta-lr); a schedule scales it alike"""
     mode: Literal[maml.MODES] = "second_order"  # type: ignore[valid-type]
     """the meta-gradient: exact (second_order), without second derivatives (first_order), or exact in less memory (checkpointed)"""
     batching: Literal[maml.BATCHINGS] = "auto"  # type: ignore[valid-type]

@@ -94,7 +94,7 @@ def validate_config(cfg: OmniglotConfig) -> None:
         cfg,
         positive=("ways", "shots", "query", "meta_batch", "iterations", "filters", "log_every", "val_every",
                   "val_tasks", "checkpoint_every", "eval_tasks", "eval_chunk"),
-        rates=("inner_lr", "meta_lr", "min_meta_lr"),
+        rates=("inner_lr", "meta_lr", "rate_meta_lr", "min_meta_lr"),
         fractions=("msl_fraction", "first_order_fraction"),
         non_negative=("steps", "eval_steps"),
     )  # fmt: skip
@@ -224,7 +224,7 @@ def run(argv: Sequence[str] | None = None) -> None:
     learner = maml.MetaLearner(model, F.cross_entropy, inner_lr=cfg.inner_lr, steps=cfg.steps, mode=cfg.mode,
                                batching=cfg.batching, learn_inner_lr=cfg.learn_inner_lr, compile=cfg.compile,
                                adapt=recipes.adapt_set(model, cfg.adapt), inner_optimizer=cfg.inner_optimizer)  # fmt: skip
-    optimizer = torch.optim.Adam(learner.parameters(), lr=cfg.meta_lr)
+    optimizer = recipes.meta_optimizer(learner, cfg.meta_lr, cfg.rate_meta_lr)
     watch = common.DivergenceWatch(learner, optimizer, resumed["iteration"] if resumed else 0, cfg.meta_lr, cfg.inner_lr, opts.out)
     if val is not None:
         val_batch = val.sample(cfg.val_tasks, torch.Generator().manual_seed(cfg.seed + 10_000), device=opts.device)

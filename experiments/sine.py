@@ -47,7 +47,7 @@ def validate_config(cfg: SineConfig) -> None:
         cfg,
         positive=("iterations", "meta_batch", "shots", "query", "hidden", "log_every", "val_every", "val_tasks",
                   "checkpoint_every", "eval_tasks", "eval_query", "eval_shots"),
-        rates=("inner_lr", "meta_lr", "min_meta_lr"),
+        rates=("inner_lr", "meta_lr", "rate_meta_lr", "min_meta_lr"),
         fractions=("msl_fraction", "first_order_fraction"),
         non_negative=("steps", "eval_steps"),
     )  # fmt: skip
@@ -146,7 +146,7 @@ def run(argv: Sequence[str] | None = None) -> None:
     learner = maml.MetaLearner(model, F.mse_loss, inner_lr=cfg.inner_lr, steps=cfg.steps, mode=cfg.mode,
                                batching=cfg.batching, learn_inner_lr=cfg.learn_inner_lr, compile=cfg.compile,
                                adapt=recipes.adapt_set(model, cfg.adapt), inner_optimizer=cfg.inner_optimizer)  # fmt: skip
-    optimizer = torch.optim.Adam(learner.parameters(), lr=cfg.meta_lr)
+    optimizer = recipes.meta_optimizer(learner, cfg.meta_lr, cfg.rate_meta_lr)
     watch = common.DivergenceWatch(learner, optimizer, resumed["iteration"] if resumed else 0, cfg.meta_lr, cfg.inner_lr, opts.out)
     sine = tasks.Sine()
     val_batch = sine.sample(cfg.val_tasks, shots=cfg.shots, query=cfg.query,

@@ -191,7 +191,7 @@ def test_an_algorithm_sets_its_recipe_under_config_files_and_flags(capsys, tmp_p
     def parse(*argv: str):
         return common.parse_args(module.__name__.rsplit(".", 1)[1], cls, list(argv), "", module.validate_config)[0]
 
-    mamlpp = {**MAMLPP, **({"inner_lr": 0.1, "meta_batch": 8} if module is omniglot else {})}
+    mamlpp = {**MAMLPP, **({"inner_lr": 0.1, "meta_batch": 8} if module is omniglot else {"rate_meta_lr": 1e-4})}
     cfg = vars(parse("--algorithm", "mamlpp"))
     assert cfg == {**defaults, **mamlpp, "algorithm": "mamlpp", "compile": cfg["compile"]}  # those keys, no other
     assert parse("--algorithm", "fomaml").mode == "first_order"

@@ -209,12 +209,13 @@ def test_the_sine_table_keeps_its_columns_for_diverged_values():
         (sine.run, ["--meta-lr", "-0.5"], "--meta-lr -0.5 must be a finite number > 0, e.g. 0.001 (the default)."),
         (omniglot.run, ["--inner-lr", "nan"], "--inner-lr nan must be a finite number > 0; leave it out for the default."),
         (omniglot.run, ["--meta-lr", "0"], "--meta-lr 0 must be a finite number > 0, e.g. 0.001 (the default)."),
+        (sine.run, ["--rate-meta-lr", "0"], "--rate-meta-lr 0 must be a finite number > 0; leave it out for the default."),
         (sine.run, ["--steps", "-1"], "--steps -1 must be an integer >= 0."),
         (sine.run, ["--eval-steps", "1,-1"], "--eval-steps 1,-1: each must be an integer >= 0."),
         (sine.run, ["--eval-shots", "5,0"], "--eval-shots 5,0: each must be an integer >= 1."),
         (omniglot.run, ["--meta-batch", "0"], "--meta-batch 0 must be an integer >= 1."),
     ],
-    ids=["sine-inner-lr-0", "sine-meta-lr-negative", "omniglot-inner-lr-nan", "omniglot-meta-lr-0", "steps", "eval-steps",
+    ids=["sine-inner-lr-0", "sine-meta-lr-negative", "omniglot-inner-lr-nan", "omniglot-meta-lr-0", "rate-meta-lr", "steps", "eval-steps",
          "eval-shots", "omniglot-meta-batch"],  # fmt: skip
 )
 def test_a_bad_number_names_its_flag_and_value(capsys, tmp_path, run, argv, message):

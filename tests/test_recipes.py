@@ -65,6 +65,23 @@ def test_adapt_sets_name_the_head():
     assert [n for n, _ in deep.named_parameters() if recipes.adapt_set(deep, "head")(n)] == ["1.1.weight", "1.1.bias"]
 
 
+def test_learned_rates_take_their_own_meta_lr_through_the_schedule():
+    import maml
+
+    learner = maml.MetaLearner(sine.build_model(8), torch.nn.functional.mse_loss, 1e-3, steps=2,
+                               learn_inner_lr="per_layer_per_step")  # fmt: skip
+    optimizer = recipes.meta_optimizer(learner, 1e-3, 1e-5)
+    weights, rates = optimizer.param_groups
+    assert weights["params"] == list(learner.model.parameters()) and weights["lr"] == 1e-3
+    assert rates["params"] == list(learner.rate_parameters.values()) and rates["lr"] == 1e-5
+    schedule = Schedule(iterations=101, meta_lr=1e-3, meta_lr_schedule="cosine", min_meta_lr=1e-5)
+    schedule.apply(50, learner, optimizer)
+    assert weights["lr"] == schedule.lr(50) and math.isclose(rates["lr"], schedule.lr(50) / 100, rel_tol=1e-12)
+    assert [g["lr"] for g in recipes.meta_optimizer(learner, 1e-3).param_groups] == [1e-3, 1e-3]  # default: --meta-lr
+    fixed = maml.MetaLearner(sine.build_model(8), torch.nn.functional.mse_loss, 1e-3)
+    assert len(recipes.meta_optimizer(fixed, 1e-3, 1e-5).param_groups) == 1  # nothing to give it to
+
+
 MAMLPP = ["--algorithm", "mamlpp", "--steps", "3", "--log-every", "2", "--val-every", "4"]
 
 

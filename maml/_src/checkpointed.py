@@ -4,7 +4,8 @@ The forward pass runs the inner loop for values only, step by step over every ch
 in the order the eager path runs (so dropout draws the same masks), and keeps the fast weights
 and the rule's state every ``checkpoint_every`` steps, plus each step's random-number state.
 The autograd graph is then one node per segment (``checkpoint_every`` steps of one chunk of
-tasks) and one per chunk's query loss. A node's backward replays its steps with
+tasks) and one per chunk's query loss, whose gradient with respect to the last fast weights the
+forward pass takes at once (the backward pass scales it by the losses' cotangents). A node's backward replays its steps with
 ``create_graph=True`` from its kept input, each step under its recorded random-number state,
 and pulls the cotangents back with ``torch.autograd.grad``: peak memory is the kept iterates
 plus one segment of one chunk's activations, instead of every step's activations of every task.
@@ -198,11 +199,27 @@ def run(
                 with torch.no_grad():
                     per_chunk.append(forward(values[c], r_consts, part.query_x, part.query_y)[0])
             step_query.append(per_chunk)
-    final_query = []
+    # The final query losses' gradients with respect to the last fast weights are taken now, while
+    # their forward pass runs anyway, and the backward pass only scales them: replaying the query set
+    # would cost one more forward pass over it, often the larger set (75 images against 5 at 5-way
+    # 1-shot). Task t's loss depends on its own fast weights alone, so the gradient of the chunk's
+    # summed losses holds each task's own. Trained parameters outside the adapt set are shared by the
+    # tasks, so their per-task terms cannot be told apart in one summed gradient: then the query is
+    # replayed in the backward pass as before. Without grad mode (evaluation) nothing is taken.
+    final_query, query_grads = [], []
+    eager = torch.is_grad_enabled() and not trained and any(p.requires_grad for p in params.values())
     for c, part in enumerate(parts):
         rng["query", c, steps] = _rng_state(device)
-        with torch.no_grad():
-            final_query.append(forward(values[c], r_consts, part.query_x, part.query_y))
+        if eager:
+            with torch.enable_grad():
+                leaves = {k: v.detach().requires_grad_() for k, v in values[c].items()}
+                losses, out = forward(leaves, r_consts, part.query_x, part.query_y)
+                grads = torch.autograd.grad(losses.sum(), list(leaves.values()), allow_unused=True, materialize_grads=True)
+            final_query.append((losses.detach(), out.detach()))
+            query_grads.append(list(grads))
+        else:
+            with torch.no_grad():
+                final_query.append(forward(values[c], r_consts, part.query_x, part.query_y))
 
     # ---- the graph: per chunk, one node per segment, then one for the query loss
     def segment(c: int, start: int, count: int) -> Replay:
@@ -235,6 +252,18 @@ def run(
                 return [forward(dict(zip(names, kept_in)), seg_consts, part.query_x, part.query_y)[0]]
 
         return replay
+
+    def scaled(grads: list[Tensor]) -> Pullback:
+        """The query node's pullback from gradients taken in the forward pass: each task's, times its cotangent."""
+
+        def pullback(
+            inputs: list[Tensor], _: list[Tensor], cotangents: Sequence[Tensor], needs: Sequence[bool]
+        ) -> list[Tensor | None]:
+            cot = cotangents[0]  # (T_c,)
+            pulled = [g * cot.view(-1, *[1] * (g.dim() - 1)) for g in grads]
+            return [g if need else None for g, need in zip(pulled, needs)] + [None] * (len(inputs) - len(pulled))
+
+        return pullback
 
     n_kept = len(kept[0, 0]) if steps else len(names)
     n_fast = len(names)
@@ -344,7 +373,8 @@ def run(
             outs = _Segment.apply(pullback(c, start, count), keep, (*after, *extra), *inputs, *others)
             inputs, scores = list(outs[:n_kept]), scores + list(outs[n_kept:])
         fast = inputs[:n_fast]
-        (loss,) = _Segment.apply(_by_autograd(query(c), n_fast), 0, (final_query[c][0],), *fast, *others)
+        pull_query = scaled(query_grads[c]) if eager else _by_autograd(query(c), n_fast)
+        (loss,) = _Segment.apply(pull_query, 0, (final_query[c][0],), *fast, *others)
         fast_parts.append(fast)
         query_parts.append(loss)
         score_parts.append(scores)
