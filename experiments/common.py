@@ -437,8 +437,9 @@ def broadcast(value: Any, opts: RunOptions) -> Any:
 METRICS_FILE = "metrics.jsonl"  # every logged row, one JSON object a line, as the checkpoint's history
 PLOTS = ("learning_curves.png", "sine_fit.png", "task_grid.png")  # the PNG plots the scripts write
 # Config keys that --resume may change: how long the run goes and how often it logs, validates and
-# checkpoints. None of them changes the trajectory (no learning-rate schedule depends on the length),
-# so a lengthened run ends with the parameters of a run that was that long from the start.
+# checkpoints. None of them changes the trajectory, except the length for a run whose schedule is a
+# share of it (--algorithm mamlpp: refused on resume), so a lengthened run ends with the parameters of
+# a run that was that long from the start.
 RESUMABLE = ("iterations", "log_every", "val_every", "checkpoint_every")
 # Config keys naming data on disk: on --resume, another spelling of the path (a trailing slash, a
 # relative path) is the same data, and so is another folder holding the same files (the data moved).
@@ -561,9 +562,9 @@ def _check_out(opts: RunOptions, cfg: Any) -> dict[str, Any] | None:
 
 
 def _length_scheduled(config: dict[str, Any]) -> bool:
-    """Whether a saved config's schedule is a share of its --iterations (recipes.Schedule.depends_on_length)."""
-    return (config.get("meta_lr_schedule", "constant") != "constant" or bool(config.get("first_order_fraction"))
-            or bool(config.get("msl_fraction")))  # fmt: skip
+    """Whether a saved config's schedule is a share of its --iterations (keys it lacks take their defaults)."""
+    keys = {f.name for f in dataclasses.fields(recipes.Schedule)}
+    return recipes.Schedule(**{k: v for k, v in config.items() if k in keys}).depends_on_length
 
 
 def _check_writable(out: Path) -> None:
