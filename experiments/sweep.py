@@ -55,7 +55,7 @@ with warnings.catch_warnings():  # the engine's pydantic deprecation warnings
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MACROS = ("${env}", "${interpreter}", "${program}", "${args}")  # wandb's default command; the only forms built
 DONE = ("finished", "failed")  # trials that ran to their end: --resume keeps them
-SAME_TRIALS = ("method", "parameters", "command", "program")  # what --resume needs unchanged
+SAME_TRIALS = ("method", "parameters", "command", "program")  # what --resume needs unchanged (a grid may add values)
 STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM)  # our scripts' exit codes when stopped with a checkpoint
 
 
@@ -381,14 +381,30 @@ def open_out(out: Path | None, sweep: Sweep, resume: bool) -> tuple[Path, list[T
         report = json.loads((out / "sweep.json").read_text())
     except (OSError, ValueError):
         raise SweepError(f"--resume: no sweep in {out} (no readable sweep.json)") from None
-    if any(report["sweep"]["config"].get(key) != sweep.config.get(key) for key in SAME_TRIALS):
-        raise SweepError(f"--resume: {out} holds another sweep than {sweep.path} ({', '.join(SAME_TRIALS)} differ)")
+    recorded = report["sweep"]["config"]
+    if any(recorded.get(key) != sweep.config.get(key) for key in SAME_TRIALS[::2]) or not _extends(recorded, sweep.config):
+        raise SweepError(f"--resume: {out} holds another sweep than {sweep.path} ({', '.join(SAME_TRIALS)} differ, "
+                         f"beyond values added to a grid's parameters)")  # fmt: skip
     trials = [Trial(**trial) for trial in report["trials"]]
     for trial in trials:
         if trial.state not in DONE or trial.exit_code in STOPPED:  # cut, or it ended before the sweep recorded it
             ended = (out / trial.name / "results.json").is_file()
             trial.state, trial.metric = ("finished", score(sweep, out / trial.name)) if ended else ("pending", None)
     return out, trials, report["sweep"]["seed"]
+
+
+def _extends(old: dict[str, Any], new: dict[str, Any]) -> bool:
+    """Whether ``new``'s parameters are ``old``'s, or a grid's with values added (more seeds): then the new points run."""
+    if old.get("parameters") == new.get("parameters"):
+        return True
+    before, after = old.get("parameters", {}), new.get("parameters", {})
+
+    def values(spec: dict[str, Any]) -> list[Any] | None:
+        return None if set(spec) - {"value", "values"} else spec.get("values", [spec.get("value")])
+
+    grid = new.get("method") == "grid" and set(before) == set(after)
+    return grid and all(None not in (values(before[k]), values(after[k])) and
+                        all(v in values(after[k]) for v in values(before[k])) for k in before)  # fmt: skip
 
 
 def write_report(out: Path, sweep: Sweep, trials: Sequence[Trial], seed: int) -> None:

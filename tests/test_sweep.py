@@ -445,6 +445,29 @@ def test_resume_refuses_another_sweep(grid: dict[str, Any], tmp_path: Path) -> N
     assert "holds another sweep" in stderr.getvalue()
 
 
+def test_a_grid_given_more_values_resumes_with_only_the_new_points(grid: dict[str, Any], tmp_path: Path) -> None:
+    """More seeds for a finished sweep: --resume keeps its 6 trials and runs the 3 points with y = 3 only."""
+    out, log = tmp_path / "out", tmp_path / "log"
+    for trial in grid["trials"]:  # a copy of the finished sweep, so the module's stays as it is
+        (out / trial["name"]).mkdir(parents=True)
+        (out / trial["name"] / "results.json").write_text("{}")
+    (out / "sweep.json").write_text((grid["out"] / "sweep.json").read_text())
+    more = write_sweep(tmp_path, "grid-test", parameters={"x": {"values": GRID_X}, "y": {"values": [*GRID_Y, 3]},
+                                                          "fail-above": {"value": 10.0 ** 9}})  # fmt: skip
+    stderr = io.StringIO()
+    assert sweep_cli.main([str(more), "--out", str(out), "--resume"], io.StringIO(), stderr) == 2  # fail-above changed
+    assert "holds another sweep" in stderr.getvalue() and "beyond values added to a grid" in stderr.getvalue()
+    more = write_sweep(tmp_path, "grid-test", parameters={"x": {"values": GRID_X}, "y": {"values": [*GRID_Y, 3]},
+                                                          "fail-above": {"value": FAIL_ABOVE}})  # fmt: skip
+    result = run_cli([str(more), "--out", str(out), "--resume"], tmp_path, SWEEP_PROGRAM_LOG=str(log))
+    assert result.returncode == 0, result.stderr
+    assert [(start["trial"], start["argv"][1:3]) for start in launches(log)] == [
+        (f"trial-{i:03d}", [f"--x={x}", "--y=3"]) for i, x in zip(range(7, 10), GRID_X)
+    ]
+    trials = report(out)
+    assert [t["params"] for t in trials[:6]] == [t["params"] for t in grid["trials"]] and len(trials) == 9
+
+
 def test_out_folder_holding_a_sweep_is_refused(tmp_path: Path) -> None:
     (tmp_path / "out" / "trial-001").mkdir(parents=True)
     stderr = io.StringIO()
