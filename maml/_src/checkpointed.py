@@ -211,12 +211,13 @@ def run(
     for c, part in enumerate(parts):
         rng["query", c, steps] = _rng_state(device)
         if eager:
+            kept_grads = [torch.empty_like(v) for v in values[c].values()]  # before the activations (see above)
             with torch.enable_grad():
                 leaves = {k: v.detach().requires_grad_() for k, v in values[c].items()}
                 losses, out = forward(leaves, r_consts, part.query_x, part.query_y)
                 grads = torch.autograd.grad(losses.sum(), list(leaves.values()), allow_unused=True, materialize_grads=True)
             final_query.append((losses.detach(), out.detach()))
-            query_grads.append(list(grads))
+            query_grads.append([k.copy_(g) for k, g in zip(kept_grads, grads)])
         else:
             with torch.no_grad():
                 final_query.append(forward(values[c], r_consts, part.query_x, part.query_y))
