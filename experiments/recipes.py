@@ -23,8 +23,9 @@ its first 50 epochs (its released Omniglot configs turn that off); here the firs
 uses its inner rate 0.1 and meta-batch 8. On sine the rates start at the protocol's 0.001, where
 Adam's steps at meta-lr 0.001 are 100 % changes: they grew to 0.35 within a few thousand iterations
 and the 5-step inner loop overflowed in every seed, so sine's recipe gives them ``rate_meta_lr``
-1e-4 (1e-5 also trained; 1e-4 reached the lower validation MSE in a one-seed probe, 0.018 against 0.030; README). Its per-step batch-norm weights and statistics are not
-built (the engine does not pass the step index to the model; README).
+1e-4 (1e-5 also trained; 1e-4 reached the lower validation MSE in a one-seed probe, 0.018 against
+0.030; README). Its per-step batch-norm weights and statistics are not built (the engine does not
+pass the step index to the model; README).
 """
 
 from __future__ import annotations

@@ -382,7 +382,8 @@ def open_out(out: Path | None, sweep: Sweep, resume: bool) -> tuple[Path, list[T
     except (OSError, ValueError):
         raise SweepError(f"--resume: no sweep in {out} (no readable sweep.json)") from None
     recorded = report["sweep"]["config"]
-    if any(recorded.get(key) != sweep.config.get(key) for key in SAME_TRIALS[::2]) or not _extends(recorded, sweep.config):
+    changed = [key for key in SAME_TRIALS if key != "parameters" and recorded.get(key) != sweep.config.get(key)]
+    if changed or not _extends(recorded, sweep.config):
         raise SweepError(f"--resume: {out} holds another sweep than {sweep.path} ({', '.join(SAME_TRIALS)} differ, "
                          f"beyond values added to a grid's parameters)")  # fmt: skip
     trials = [Trial(**trial) for trial in report["trials"]]
@@ -395,16 +396,21 @@ def open_out(out: Path | None, sweep: Sweep, resume: bool) -> tuple[Path, list[T
 
 def _extends(old: dict[str, Any], new: dict[str, Any]) -> bool:
     """Whether ``new``'s parameters are ``old``'s, or a grid's with values added (more seeds): then the new points run."""
-    if old.get("parameters") == new.get("parameters"):
-        return True
     before, after = old.get("parameters", {}), new.get("parameters", {})
+    if before == after:
+        return True
+    if new.get("method") != "grid" or set(before) != set(after):
+        return False
 
     def values(spec: dict[str, Any]) -> list[Any] | None:
+        """A grid parameter's values; None for a spec with more than ``value``/``values``."""
         return None if set(spec) - {"value", "values"} else spec.get("values", [spec.get("value")])
 
-    grid = new.get("method") == "grid" and set(before) == set(after)
-    return grid and all(None not in (values(before[k]), values(after[k])) and
-                        all(v in values(after[k]) for v in values(before[k])) for k in before)  # fmt: skip
+    for key in before:
+        was, now = values(before[key]), values(after[key])
+        if was is None or now is None or any(v not in now for v in was):
+            return False
+    return True
 
 
 def write_report(out: Path, sweep: Sweep, trials: Sequence[Trial], seed: int) -> None:

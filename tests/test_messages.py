@@ -215,8 +215,8 @@ def test_the_sine_table_keeps_its_columns_for_diverged_values():
         (sine.run, ["--eval-shots", "5,0"], "--eval-shots 5,0: each must be an integer >= 1."),
         (omniglot.run, ["--meta-batch", "0"], "--meta-batch 0 must be an integer >= 1."),
     ],
-    ids=["sine-inner-lr-0", "sine-meta-lr-negative", "omniglot-inner-lr-nan", "omniglot-meta-lr-0", "rate-meta-lr", "steps", "eval-steps",
-         "eval-shots", "omniglot-meta-batch"],  # fmt: skip
+    ids=["sine-inner-lr-0", "sine-meta-lr-negative", "omniglot-inner-lr-nan", "omniglot-meta-lr-0", "rate-meta-lr", "steps",
+         "eval-steps", "eval-shots", "omniglot-meta-batch"],  # fmt: skip
 )
 def test_a_bad_number_names_its_flag_and_value(capsys, tmp_path, run, argv, message):
     data = ["--data", "unused"] if run is omniglot.run else []  # the numbers are checked first

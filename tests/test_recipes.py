@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+import maml
 from experiments import recipes, sine
 from experiments.recipes import Schedule
 from test_experiments import checkpoint
@@ -66,8 +67,6 @@ def test_adapt_sets_name_the_head():
 
 
 def test_learned_rates_take_their_own_meta_lr_through_the_schedule():
-    import maml
-
     learner = maml.MetaLearner(sine.build_model(8), torch.nn.functional.mse_loss, 1e-3, steps=2,
                                learn_inner_lr="per_layer_per_step")  # fmt: skip
     optimizer = recipes.meta_optimizer(learner, 1e-3, 1e-5)

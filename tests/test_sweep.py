@@ -457,6 +457,8 @@ def test_a_grid_given_more_values_resumes_with_only_the_new_points(grid: dict[st
     stderr = io.StringIO()
     assert sweep_cli.main([str(more), "--out", str(out), "--resume"], io.StringIO(), stderr) == 2  # fail-above changed
     assert "holds another sweep" in stderr.getvalue() and "beyond values added to a grid" in stderr.getvalue()
+    moved = write_sweep(tmp_path, "grid-test", program="tests/other_program.py")
+    assert sweep_cli.main([str(moved), "--out", str(out), "--resume"], io.StringIO(), io.StringIO()) == 2  # program changed
     more = write_sweep(tmp_path, "grid-test", parameters={"x": {"values": GRID_X}, "y": {"values": [*GRID_Y, 3]},
                                                           "fail-above": {"value": FAIL_ABOVE}})  # fmt: skip
     result = run_cli([str(more), "--out", str(out), "--resume"], tmp_path, SWEEP_PROGRAM_LOG=str(log))

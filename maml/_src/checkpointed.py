@@ -5,8 +5,8 @@ in the order the eager path runs (so dropout draws the same masks), and keeps th
 and the rule's state every ``checkpoint_every`` steps, plus each step's random-number state.
 The autograd graph is then one node per segment (``checkpoint_every`` steps of one chunk of
 tasks) and one per chunk's query loss, whose gradient with respect to the last fast weights the
-forward pass takes at once (the backward pass scales it by the losses' cotangents). A node's backward replays its steps with
-``create_graph=True`` from its kept input, each step under its recorded random-number state,
+forward pass takes at once (the backward pass scales it by the losses' cotangents). A segment
+node's backward replays its steps with ``create_graph=True`` from its kept input, each step under its recorded random-number state,
 and pulls the cotangents back with ``torch.autograd.grad``: peak memory is the kept iterates
 plus one segment of one chunk's activations, instead of every step's activations of every task.
 
@@ -207,11 +207,11 @@ def run(
     # tasks, so their per-task terms cannot be told apart in one summed gradient: then the query is
     # replayed in the backward pass as before. Without grad mode (evaluation) nothing is taken.
     final_query, query_grads = [], []
-    eager = torch.is_grad_enabled() and not trained and any(p.requires_grad for p in params.values())
+    query_now = torch.is_grad_enabled() and not trained and any(p.requires_grad for p in params.values())
     for c, part in enumerate(parts):
         rng["query", c, steps] = _rng_state(device)
-        if eager:
-            kept_grads = [torch.empty_like(v) for v in values[c].values()]  # before the activations (see above)
+        if query_now:
+            kept_grads = [torch.empty_like(v) for v in values[c].values()]  # before the activations (module docstring)
             with torch.enable_grad():
                 leaves = {k: v.detach().requires_grad_() for k, v in values[c].items()}
                 losses, out = forward(leaves, r_consts, part.query_x, part.query_y)
@@ -374,7 +374,7 @@ def run(
             outs = _Segment.apply(pullback(c, start, count), keep, (*after, *extra), *inputs, *others)
             inputs, scores = list(outs[:n_kept]), scores + list(outs[n_kept:])
         fast = inputs[:n_fast]
-        pull_query = scaled(query_grads[c]) if eager else _by_autograd(query(c), n_fast)
+        pull_query = scaled(query_grads[c]) if query_now else _by_autograd(query(c), n_fast)
         (loss,) = _Segment.apply(pull_query, 0, (final_query[c][0],), *fast, *others)
         fast_parts.append(fast)
         query_parts.append(loss)
