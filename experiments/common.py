@@ -95,8 +95,8 @@ class RunFlags:
     """wandb mode"""
     device: str = "cpu"
     """torch device, e.g. cpu or cuda"""
-    threads: Annotated[int | None, tyro.conf.arg(help_behavior_hint="(default: PyTorch's, one per core)")] = None
-    """CPU threads of this process"""
+    threads: int | None = None
+    """CPU threads of this process (null: PyTorch's, one per core)"""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,12 +309,13 @@ def _load_yaml(path: Path, cls: type) -> dict[str, Any]:
 
 
 def parse_args(
-    experiment: str, cls: type, argv: Sequence[str] | None, description: str, validate: Callable[[Any], None]
+    experiment: str, cls: type, argv: Sequence[str] | None, description: str, validate: Callable[[Any], None],
+    threads: int | None = None,
 ) -> tuple[Any, RunOptions]:
     """Parses the command line into the experiment's config dataclass and the run options.
 
     Precedence: the dataclass defaults, then the recipe of ``--algorithm``, then ``--config FILE``
-    (YAML), then flags.
+    (YAML), then flags. ``threads`` is the experiment's default ``--threads`` (None: PyTorch's).
 
     Raises:
         UsageError: unknown flag or key (with close matches), wrong type, invalid value.
@@ -322,7 +323,7 @@ def parse_args(
     argv = list(sys.argv[1:] if argv is None else argv)
     flags = [_flag(f.name) for c in (RunFlags, cls) for f in dataclasses.fields(c)] + ["--help"]
     args_cls = dataclasses.make_dataclass("Args", [("run", RunFlags), (experiment, Annotated[cls, tyro.conf.FlagConversionOff])])
-    args = _cli(args_cls, argv, args_cls(RunFlags(out=Path("runs") / experiment), cls()), flags,
+    args = _cli(args_cls, argv, args_cls(RunFlags(out=Path("runs") / experiment, threads=threads), cls()), flags,
                 prog=f"python -m experiments.{experiment}", description=description)  # fmt: skip
     run, parsed = args.run, getattr(args, experiment)
     given = {a[2:].split("=", 1)[0].replace("-", "_") for a in argv if a.startswith("--")}  # the keys flags set
@@ -457,7 +458,7 @@ def set_threads(threads: int | None) -> None:
     if threads is None:
         return
     if threads < 1:
-        raise UsageError(f"--threads {threads} must be >= 1; leave it out for PyTorch's default "
+        raise UsageError(f"--threads {threads} must be >= 1, or null for PyTorch's default "
                          f"({torch.get_num_threads()} on this machine).")  # fmt: skip
     torch.set_num_threads(threads)
     try:

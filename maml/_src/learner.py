@@ -518,25 +518,31 @@ class MetaLearner:
                 chunk.support_x, chunk.support_y, chunk.query_x, chunk.query_y, steps, weights,
             )  # fmt: skip
             chunk_grads = [*g_params.values(), *g_rates.values(), *g_trained.values()]
-            weight = chunk.num_tasks / tasks  # the meta-batch's mean: the chunks' means weighted by their sizes
+            if size < tasks:  # the meta-batch's mean: the chunks' means weighted by their sizes
+                weight = chunk.num_tasks / tasks
+                chunk_loss, chunk_grads = chunk_loss * weight, [g * weight for g in chunk_grads]
             if loss is None:
-                loss, grads = chunk_loss * weight, [g * weight for g in chunk_grads]
+                loss, grads = chunk_loss, chunk_grads
             else:
-                loss, grads = loss + chunk_loss * weight, [a + g * weight for a, g in zip(grads, chunk_grads)]
+                loss, grads = loss + chunk_loss, [a + g for a, g in zip(grads, chunk_grads)]
             parts.append(rest)
         assert loss is not None
-        query_losses = torch.cat([p[0] for p in parts])
-        support_losses = torch.cat([p[2] for p in parts], dim=1)  # (steps, T)
+
+        def join(part: list[Tensor], dim: int = 0) -> Tensor:  # one chunk (vmap's default) needs no copy
+            return part[0] if len(part) == 1 else torch.cat(part, dim)
+
+        query_losses = join([p[0] for p in parts])
+        support_losses = join([p[2] for p in parts], dim=1)  # (steps, T)
         if self.check_finite and not bool(torch.isfinite(support_losses).all()):  # one synchronisation
             for i in range(steps):
                 self._check(support_losses[i], i, steps)
-        per_step = None if step_weights is None else torch.cat([p[4] for p in parts], dim=1)
+        per_step = None if step_weights is None else join([p[4] for p in parts], dim=1)
         return MetaOutput(
             loss=with_gradient(loss, inputs, grads),
             query_losses=query_losses,
-            query_out=torch.cat([p[1] for p in parts]),
+            query_out=join([p[1] for p in parts]),
             support_losses=support_losses,
-            fast={k: torch.cat([p[3][k] for p in parts]) for k in values},
+            fast={k: join([p[3][k] for p in parts]) for k in values},
             step_query_losses=per_step,
         )
 
