@@ -422,17 +422,15 @@ def test_without_a_terminal_progress_is_one_plain_line_per_log_window(capsys, tm
 
 
 def test_threads(capsys, tmp_path):
-    before = torch.get_num_threads()
-    try:
-        common.parse_args("sine", sine.SineConfig, ["--threads", "1"], "", sine.validate_config)
-        assert torch.get_num_threads() == 1
-        torch.set_num_threads(2)
-        run_sine(capsys, ["--iterations", "1", "--out", str(tmp_path / "one")])
-        assert torch.get_num_threads() == 1  # sine's default: its small steps run fastest on one thread
-        torch.set_num_threads(2)
-        run_sine(capsys, ["--iterations", "1", "--out", str(tmp_path / "null"), "--threads", "null"])
-        assert torch.get_num_threads() == 2  # PyTorch's (here, the one set before)
-    finally:
-        torch.set_num_threads(before)
+    before = torch.get_num_threads()  # the conftest fixture restores it after the test
+    common.parse_args("sine", sine.SineConfig, ["--threads", "1"], "", sine.validate_config)
+    assert torch.get_num_threads() == 1
+    torch.set_num_threads(2)
+    run_sine(capsys, ["--iterations", "1", "--out", str(tmp_path / "one")])
+    assert torch.get_num_threads() == 1  # sine's default: its small steps run fastest on one thread
+    torch.set_num_threads(2)
+    run_sine(capsys, ["--iterations", "1", "--out", str(tmp_path / "null"), "--threads", "null"])
+    assert torch.get_num_threads() == 2  # PyTorch's (here, the one set before)
+    torch.set_num_threads(before)
     line = one_error(run_sine(capsys, ["--threads", "0", "--out", str(tmp_path / "run")], code=2))
     assert line == f"error: --threads 0 must be >= 1, or null for PyTorch's default ({before} on this machine)."
