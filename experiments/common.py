@@ -163,31 +163,35 @@ class ExperimentConfig:
     """inner steps of the final evaluation"""
 
 
-def check_config(cfg: Any, positive: Sequence[str], rates: Sequence[str] = (), non_negative: Sequence[str] = (),
-                 fractions: Sequence[str] = ()) -> None:  # fmt: skip
-    """Raises ValueError naming the flag and the value of the first invalid one.
+def check_config(cfg: Any, positive: Sequence[str] = ()) -> None:
+    """Raises ValueError naming the flag and the value of the first invalid key of :class:`ExperimentConfig`.
 
-    ``positive``: ints (or lists of ints) that must be >= 1; ``non_negative``: >= 0; ``rates``:
-    floats that must be finite and > 0; ``fractions``: floats in [0, 1]. A None value (a field
-    whose default is filled in later) passes. (The choice fields are checked as they are parsed.)
+    ``positive``: the experiment's own integer keys (or lists of them) that must be >= 1. A
+    None value (a field whose default is filled in later) passes; the choice fields are checked
+    as they are parsed.
     """
-    for key in fractions:
+    for key in ("msl_fraction", "first_order_fraction"):
         if not 0 <= getattr(cfg, key) <= 1:  # NaN fails too
             raise ValueError(f"{_flag(key)} {getattr(cfg, key):g} must be a share of training in [0, 1].")
-    for keys, low in ((positive, 1), (non_negative, 0)):
+    positive = ("iterations", "meta_batch", "shots", "query", "log_every", "val_every", "val_tasks", "checkpoint_every",
+                "eval_tasks", *positive)  # fmt: skip
+    for keys, low in ((positive, 1), (("steps", "eval_steps"), 0)):
         for key in keys:
             value = getattr(cfg, key)
             if isinstance(value, tuple) and any(v < low for v in value):
                 raise ValueError(f"{_flag(key)} {','.join(map(str, value))}: each must be an integer >= {low}.")
             if isinstance(value, int) and value < low:
                 raise ValueError(f"{_flag(key)} {value} must be an integer >= {low}.")
-    for key in rates:
+    for key in ("inner_lr", "meta_lr", "rate_meta_lr", "min_meta_lr"):
         value = getattr(cfg, key)
         if value is not None and not 0 < value <= torch.finfo(torch.float32).max:  # NaN fails; inf overflows float32
             default = next(f.default for f in dataclasses.fields(cfg) if f.name == key)
             fix = f", e.g. {default:g} (the default)" if isinstance(default, float) else "; leave it out for the default"
             big = " (in float32, the parameters' precision)" if math.isfinite(value) and value > 0 else ""
             raise ValueError(f"{_flag(key)} {value:g} must be a finite number > 0{big}{fix}.")
+    if cfg.compile and cfg.mode == "checkpointed":
+        raise ValueError("compile applies to mode second_order or first_order, not checkpointed; drop --compile or "
+                         "pick another --mode.")  # fmt: skip
 
 
 def _flag(name: str) -> str:

@@ -90,16 +90,7 @@ class OmniglotConfig(common.ExperimentConfig):
 
 def validate_config(cfg: OmniglotConfig) -> None:
     """Raises ValueError naming the key for an invalid value."""
-    common.check_config(
-        cfg,
-        positive=("ways", "shots", "query", "meta_batch", "iterations", "filters", "log_every", "val_every",
-                  "val_tasks", "checkpoint_every", "eval_tasks", "eval_chunk"),
-        rates=("inner_lr", "meta_lr", "rate_meta_lr", "min_meta_lr"),
-        fractions=("msl_fraction", "first_order_fraction"),
-        non_negative=("steps", "eval_steps"),
-    )  # fmt: skip
-    if cfg.compile and cfg.mode == "checkpointed":
-        raise ValueError("compile applies to mode second_order or first_order, not checkpointed; drop --compile or pick another --mode.")
+    common.check_config(cfg, positive=("ways", "filters", "eval_chunk"))
     fractions = ",".join(f"{f:g}" for f in cfg.split_fractions)
     if len(cfg.split_fractions) != 3 or not all(math.isfinite(f) and f >= 0 for f in cfg.split_fractions):
         raise ValueError(f"--split-fractions {fractions} must be three shares >= 0 (train, validation, test) "

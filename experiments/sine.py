@@ -43,16 +43,7 @@ class SineConfig(common.ExperimentConfig):
 
 def validate_config(cfg: SineConfig) -> None:
     """Raises ValueError naming the key for an invalid value."""
-    common.check_config(
-        cfg,
-        positive=("iterations", "meta_batch", "shots", "query", "hidden", "log_every", "val_every", "val_tasks",
-                  "checkpoint_every", "eval_tasks", "eval_query", "eval_shots"),
-        rates=("inner_lr", "meta_lr", "rate_meta_lr", "min_meta_lr"),
-        fractions=("msl_fraction", "first_order_fraction"),
-        non_negative=("steps", "eval_steps"),
-    )  # fmt: skip
-    if cfg.compile and cfg.mode == "checkpointed":
-        raise ValueError("compile applies to mode second_order or first_order, not checkpointed; drop --compile or pick another --mode.")
+    common.check_config(cfg, positive=("hidden", "eval_query", "eval_shots"))
 
 
 def build_model(hidden: int, init: str = "paper") -> nn.Module:
