@@ -396,7 +396,7 @@ def test_the_sweep_files_search_what_they_say() -> None:
     sine, omniglot = (searched[f"{name}-seeds.yaml"].config["parameters"] for name in ("sine", "omniglot"))
     assert (sine["algorithm"]["values"], sine["seed"]["values"]) == (["maml", "metasgd", "mamlpp"], [0, 1, 2, 3, 4])
     assert omniglot["algorithm"]["values"] == ["maml", "fomaml", "anil", "mamlpp"]
-    assert omniglot["seed"]["values"] == [0, 1, 2]
+    assert omniglot["seed"]["values"] == [0, 1, 2, 3, 4]
     assert omniglot["meta-batch"]["value"] == 8 and "value" in omniglot["iterations"] and "data" not in omniglot
 
 
