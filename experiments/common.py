@@ -41,7 +41,8 @@ import maml
 from experiments import recipes
 from experiments.recipes import Schedule
 
-RUN_FILES = ("config.yaml", "checkpoint.pt", "results.json")
+BEST_FILE = "best.pt"  # the meta-parameters of the best validation so far (Trainer.select)
+RUN_FILES = ("config.yaml", "checkpoint.pt", BEST_FILE, "results.json")
 
 
 class UsageError(Exception):
@@ -951,6 +952,7 @@ def finish(opts: RunOptions, cfg: Any, run: Any, trainer: Trainer, test: dict[st
         **extra,
         "test": test,
         "final_val": trainer.final_val,
+        "best_val": trainer.best,
         "iterations": trainer.iterations,
         "train_seconds": round(trainer.train_seconds, 1),
         "device": str(opts.device),
@@ -1055,7 +1057,11 @@ class Trainer:
         log_every, val_every, checkpoint_every: in iterations.
         seed: seeds the sampler's generator.
         device: where the meta-batches go.
+        select: ``(metric, "max" | "min")``: model selection. Each validation that beats every
+            earlier one on ``metric`` writes the learner's state to ``best.pt`` (with its iteration
+            and metrics), so a run ends with its last and its best-validation parameters.
         final_val: after ``run``, the validation metrics at the last iteration (rank 0).
+        best: the best validation so far: ``{"iteration": i, **metrics}`` (empty before the first).
     """
 
     learner: maml.MetaLearner
@@ -1070,6 +1076,8 @@ class Trainer:
     seed: int
     device: torch.device
     schedule: Schedule | None = None  # per-iteration meta-lr, derivative order and step weights (recipes)
+    select: tuple[str, Literal["max", "min"]] | None = None
+    best: dict[str, float] = dataclasses.field(default_factory=dict)
     history: list[dict[str, float]] = dataclasses.field(default_factory=list)
     # Meta-losses and step time since the last log row: checkpointed, so a resumed run logs the same rows.
     window: list[float] = dataclasses.field(default_factory=list)
@@ -1093,6 +1101,7 @@ class Trainer:
             "train_seconds": self.train_seconds + time.perf_counter() - self._began,
             "wandb_id": wandb_id,
             "data": self._data,
+            "best": self.best,
         }
 
     def run(self, opts: RunOptions, cfg: Any, resumed: dict[str, Any] | None, run: Any) -> None:
@@ -1124,6 +1133,7 @@ class Trainer:
             self.history = resumed["history"]
             self.window, self.step_time = resumed["window"]
             self.train_seconds = resumed["train_seconds"]
+            self.best = resumed.get("best", {})
             start = resumed["iteration"]
         wandb_id = getattr(run, "id", None)
         main, sharded = opts.main, opts.world_size > 1
@@ -1213,7 +1223,9 @@ class Trainer:
                         shard_means = torch.tensor([*inner.values(), *metrics.values()], dtype=torch.float64, device=self.device)
                         row.update(zip([*inner, *metrics], maml.all_reduce_mean(shard_means).tolist()))
                     if main and ((iteration + 1) % self.val_every == 0 or last):
-                        row.update(self.validate())
+                        validation = self.validate()
+                        row.update(validation)
+                        self._keep_if_best(opts.out, iteration + 1, validation)
                     self.history.append(row)
                     if main:
                         with _writing(metrics_path):
@@ -1255,6 +1267,19 @@ class Trainer:
         self.final_val = {k: v for k, v in last_row.items() if k.startswith("val/")}
         if main and (last_row.get("iteration") != self.iterations or not self.final_val):
             self.final_val = self.validate()
+
+    def _keep_if_best(self, out: Path, iteration: int, validation: dict[str, float]) -> None:
+        """Writes ``best.pt`` when ``validation`` beats every earlier validation (ties keep the earlier)."""
+        if self.select is None or self.select[0] not in validation:
+            return
+        metric, goal = self.select
+        value, best = validation[metric], self.best.get(metric)
+        if best is not None and not (value > best if goal == "max" else value < best):
+            return
+        self.best = {"iteration": iteration, **validation}
+        data = io.BytesIO()
+        torch.save({"iteration": iteration, "validation": validation, "learner": self.learner.state_dict()}, data)
+        atomic_write(out / BEST_FILE, lambda p: p.write_bytes(data.getbuffer()))
 
     def _inner_losses(self, out: maml.MetaOutput, batch: maml.TaskBatch) -> dict[str, float]:
         row = {"train/query_loss": float(out.query_losses.mean())}

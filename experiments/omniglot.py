@@ -14,10 +14,11 @@ characters, and reports test accuracy on 600 tasks with 95 % confidence interval
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -33,6 +34,9 @@ from experiments import common, recipes
 
 # The paper's settings by number of ways: (inner steps, inner lr, meta-batch).
 PAPER = {5: (1, 0.4, 32), 20: (5, 0.1, 16)}
+NETWORKS = ("strided", "maxpool")
+LOSSES = ("reference", "mean")
+ROTATED = {"all": True, "train": (True, False, False), "none": False}  # --rotations: which of train, val, test
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +49,8 @@ class OmniglotConfig(common.ExperimentConfig):
     """tasks per meta-batch (null: 32 for 5-way, 16 for 20-way)"""
     shots: int = 1
     """support images per class (K)"""
-    query: int = 15
-    """query images per class"""
+    query: int | None = None
+    """query images per class (null: K, as the reference: 1 at 1-shot)"""
     inner_lr: float | None = None
     """inner learning rate (null: 0.4 for 5-way, 0.1 for 20-way)"""
     steps: int | None = None
@@ -58,7 +62,8 @@ class OmniglotConfig(common.ExperimentConfig):
     checkpoint_every: int = 200
     eval_tasks: int = 600
     """test tasks in the final evaluation"""
-    eval_steps: tuple[int, ...] = (3, 5)
+    eval_steps: tuple[int, ...] = (1, 3, 5, 10)
+    """inner steps of the final evaluation (the reference tests with up to 10)"""
     data: Annotated[str | None, tyro.conf.arg(help_behavior_hint="(default: $OMNIGLOT_DIR)")] = None
     """Omniglot archives or folders"""
     ways: int = 5
@@ -69,8 +74,12 @@ class OmniglotConfig(common.ExperimentConfig):
     """train, validation, test shares (>= 0, summing to 1); a 0 validation share trains without validation, a 0 test share skips the final test (results.json then says why its test is empty)"""
     split_seed: int = 0
     """fixes the character split"""
-    rotations: bool = True
-    """rotated training characters as extra classes"""
+    rotations: Literal["all", "train", "none"] = "all"
+    """which splits hold every character in 4 rotations, each a class: all (the reference rotates validation and test characters too), train or none"""
+    network: Literal[NETWORKS] = "strided"  # type: ignore[valid-type]
+    """strided: the reference's Omniglot net (stride-2 convs, batch norm with an offset only, spatial mean); maxpool: the net of learn2learn and MAML++"""
+    loss: Literal[LOSSES] = "reference"  # type: ignore[valid-type]
+    """reference: the reference's summed cross-entropy over K (ways x the mean: its inner lr 0.4 is 2.0 on the mean); mean: the mean cross-entropy"""
     filters: int = 64
     """filters in each of the 4 conv blocks"""
     eval_chunk: int = 50
@@ -85,6 +94,7 @@ class OmniglotConfig(common.ExperimentConfig):
             steps=steps if self.steps is None else self.steps,
             inner_lr=lr if self.inner_lr is None else self.inner_lr,
             meta_batch=batch if self.meta_batch is None else self.meta_batch,
+            query=self.shots if self.query is None else self.query,
         )
 
 
@@ -103,17 +113,113 @@ def validate_config(cfg: OmniglotConfig) -> None:
                          f"a train share > 0, e.g. 0.6,0.15,0.25.")  # fmt: skip
 
 
-def build_model(ways: int, filters: int = 64) -> nn.Module:
-    """The MAML Omniglot net: 4 x (3x3 conv, BatchNorm, ReLU, 2x2 max-pool), 28 -> 14 -> 7 -> 3 -> 1, then linear."""
+class SameConv2d(nn.Conv2d):
+    """A convolution with TensorFlow's ``'SAME'`` padding: ``ceil(size / stride)`` outputs per side.
+
+    TensorFlow pads ``(out - 1) * stride + kernel - size`` pixels in all and puts the odd one at
+    the bottom and right; ``nn.Conv2d(padding=1)`` pads both sides, which moves a stride-2 grid
+    by one pixel. The shapes of the reference's Omniglot net: 28 -> 14 -> 7 -> 4 -> 2.
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        pad: list[int] = []
+        for size, k, s in reversed(list(zip(x.shape[-2:], self.kernel_size, self.stride))):  # F.pad: last dim first
+            total = max((math.ceil(size / s) - 1) * s + k - size, 0)
+            pad += [total // 2, total - total // 2]
+        return super().forward(F.pad(x, pad))
+
+
+class BatchNormOffset(nn.Module):
+    """``tf.contrib.layers.batch_norm`` as the reference calls it: batch statistics, an offset, no scale.
+
+    Its defaults are ``center=True, scale=False, epsilon=0.001``, and the reference never sets
+    ``is_training=False``, so every pass (support, query, test) normalises by its own batch.
+    ``offset`` ``(C,)`` is meta-learned; the reference keeps it outside ``weights``, so the inner
+    loop does not adapt it (:data:`META_ONLY`).
+    """
+
+    def __init__(self, channels: int, eps: float = 1e-3) -> None:
+        super().__init__()
+        self.eps = eps
+        self.offset = nn.Parameter(torch.zeros(channels))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.batch_norm(x, None, None, bias=self.offset, training=True, eps=self.eps)
+
+
+class MeanPool(nn.Module):
+    """``(n, C, H, W) -> (n, C)``: the mean over the spatial positions (the reference's ``reduce_mean(hidden4, [1, 2])``)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.mean((-2, -1))
+
+
+META_ONLY = (BatchNormOffset,)  # layers whose parameters the outer loop learns and the inner loop leaves alone
+
+
+def build_model(ways: int, filters: int = 64, network: str = "strided") -> nn.Module:
+    """The Omniglot conv net of Finn et al.'s reference code (``strided``) or the max-pool variant.
+
+    ``strided`` (``maml.py``'s ``forward_conv`` with ``--max_pool False``, what its Omniglot runs
+    use): 4 x [3x3 conv, stride 2, 'SAME' padding; batch norm with an offset and no scale; ReLU],
+    28 -> 14 -> 7 -> 4 -> 2, the mean over the 2x2 positions, a linear layer. Initialised as
+    ``construct_conv_weights``: convolutions Xavier-uniform, the output layer standard normal,
+    biases and offsets 0.
+
+    ``maxpool``: 4 x [3x3 conv, padding 1; batch norm with scale and offset; ReLU; 2x2 max-pool],
+    28 -> 14 -> 7 -> 3 -> 1, a linear layer, PyTorch's default initialisation: the net learn2learn
+    and MAML++ use (the reference's MiniImagenet net), adapted whole by the inner loop.
+    """
+    if network not in NETWORKS:
+        raise ValueError(f"network {network!r} is not one of {', '.join(NETWORKS)}.")
     blocks: list[nn.Module] = []
     for i in range(4):
-        blocks += [
-            nn.Conv2d(1 if i == 0 else filters, filters, 3, padding=1),
-            nn.BatchNorm2d(filters, track_running_stats=False),  # per-task batch statistics, as in MAML
-            nn.ReLU(),
-            nn.MaxPool2d(2),
-        ]
-    return nn.Sequential(*blocks, nn.Flatten(), nn.Linear(filters, ways))
+        channels = 1 if i == 0 else filters
+        if network == "strided":
+            conv = SameConv2d(channels, filters, 3, stride=2)
+            nn.init.xavier_uniform_(conv.weight)
+            nn.init.zeros_(conv.bias)
+            blocks += [conv, BatchNormOffset(filters), nn.ReLU()]
+        else:
+            blocks += [
+                nn.Conv2d(channels, filters, 3, padding=1),
+                nn.BatchNorm2d(filters, track_running_stats=False),  # per-task batch statistics, as in MAML
+                nn.ReLU(),
+                nn.MaxPool2d(2),
+            ]
+    head = nn.Linear(filters, ways)
+    if network == "strided":
+        nn.init.normal_(head.weight)  # tf.random_normal([dim_hidden, dim_output]): std 1
+        nn.init.zeros_(head.bias)
+        return nn.Sequential(*blocks, MeanPool(), head)
+    return nn.Sequential(*blocks, nn.Flatten(), head)
+
+
+def meta_only(model: nn.Module) -> set[str]:
+    """Names of the parameters the inner loop leaves alone (the strided net's batch-norm offsets)."""
+    return {f"{m}.{p}" for m, layer in model.named_modules() if isinstance(layer, META_ONLY)
+            for p, _ in layer.named_parameters(recurse=False)}  # fmt: skip
+
+
+def loss_function(loss: str, ways: int) -> Callable[[Tensor, Tensor], Tensor]:
+    """The per-task classification loss ``(n, ways)`` logits, ``(n,)`` labels -> ``()``.
+
+    ``"reference"``: the reference's ``xent``, ``softmax_cross_entropy_with_logits / K``, is a
+    vector of per-example losses, and ``tf.gradients`` of a vector differentiates its sum: its
+    loss is the cross-entropy summed over the task's ``ways * K`` examples over ``K``, i.e.
+    ``ways`` times the mean, and its ``update_lr`` 0.4 is a step of 2.0 on the mean (5-way).
+    Written as ``ways * mean``, which is that sum for ``K`` images per class, and stays the
+    sum of the per-class means with another number of query images. ``"mean"``: ``F.cross_entropy``.
+    """
+    if loss == "mean":
+        return F.cross_entropy
+    if loss != "reference":
+        raise ValueError(f"loss {loss!r} is not one of {', '.join(LOSSES)}.")
+    return functools.partial(_reference_cross_entropy, ways=ways)
+
+
+def _reference_cross_entropy(logits: Tensor, y: Tensor, ways: int) -> Tensor:
+    return ways * F.cross_entropy(logits, y)
 
 
 def accuracy(logits: Tensor, y: Tensor) -> Tensor:
@@ -198,7 +304,7 @@ def run(argv: Sequence[str] | None = None) -> None:
     common.check_shards(cfg.meta_batch, opts)
     resumed = common.prepare_out(opts, cfg)
     try:
-        omni = tasks.Omniglot(cfg.data, rotations=cfg.rotations)
+        omni = tasks.Omniglot(cfg.data, rotations=cfg.rotations != "none")
     except (FileNotFoundError, ValueError, TypeError) as e:
         raise common.UsageError(f"--data {cfg.data}: {e}") from None
     splits, (train, val, test) = make_splits(omni, cfg)
@@ -211,10 +317,11 @@ def run(argv: Sequence[str] | None = None) -> None:
                       file=sys.stderr)  # fmt: skip
 
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.ways, cfg.filters).to(opts.device)
-    learner = maml.MetaLearner(model, F.cross_entropy, inner_lr=cfg.inner_lr, steps=cfg.steps, mode=cfg.mode,
-                               batching=cfg.batching, learn_inner_lr=cfg.learn_inner_lr, compile=cfg.compile,
-                               adapt=recipes.adapt_set(model, cfg.adapt), inner_optimizer=cfg.inner_optimizer)  # fmt: skip
+    model = build_model(cfg.ways, cfg.filters, cfg.network).to(opts.device)
+    learner = maml.MetaLearner(model, loss_function(cfg.loss, cfg.ways), inner_lr=cfg.inner_lr, steps=cfg.steps,
+                               mode=cfg.mode, batching=cfg.batching, learn_inner_lr=cfg.learn_inner_lr,
+                               compile=cfg.compile, adapt=recipes.adapt_set(model, cfg.adapt, meta_only(model)),
+                               inner_optimizer=cfg.inner_optimizer)  # fmt: skip
     optimizer = recipes.meta_optimizer(learner, cfg.meta_lr, cfg.rate_meta_lr)
     watch = common.DivergenceWatch(learner, optimizer, resumed["iteration"] if resumed else 0, cfg.meta_lr, cfg.inner_lr, opts.out)
     if val is not None:
@@ -240,6 +347,7 @@ def run(argv: Sequence[str] | None = None) -> None:
         seed=cfg.seed,
         device=opts.device,
         schedule=recipes.Schedule.of(cfg),
+        select=("val/accuracy", "max"),
     )
     name = f"omniglot-{cfg.ways}way-{cfg.shots}shot"
     wandb_run = common.init_wandb(opts, cfg, name, resumed["wandb_id"] if resumed else None) if opts.main else None
@@ -251,17 +359,27 @@ def run(argv: Sequence[str] | None = None) -> None:
     with watch.guard(wandb_run):
         results = evaluate(learner, test, cfg, opts.device, seed=cfg.seed + 20_000) if test is not None else {}
     plot(opts.out, learner, test, cfg, trainer.history, opts.device)
+    # Model selection: the best-validation parameters on the same test tasks (the last's results when they are the last).
+    best_results = results
+    if test is not None and trainer.best and trainer.best["iteration"] != trainer.iterations:
+        learner.load_state_dict(torch.load(opts.out / common.BEST_FILE, weights_only=True)["learner"])
+        with watch.guard(wandb_run):
+            best_results = evaluate(learner, test, cfg, opts.device, seed=cfg.seed + 20_000)
     data = {"root": str(cfg.data), "characters": [len(p.characters) for p in splits],
             "alphabets": [p.alphabets for p in splits], "batching": learner.resolved_batching}  # fmt: skip
     skipped = {} if test is not None else {"test_skipped": f"--split-fractions {_shares(cfg)} gives the test split no characters"}
-    common.finish(opts, cfg, wandb_run, trainer, results, "accuracy", data=data, **skipped)
+    common.finish(opts, cfg, wandb_run, trainer, results, "accuracy", data=data, test_best=best_results, **skipped)
     if test is None:
         print(f"no final test: --split-fractions {_shares(cfg)} gives the test split no characters "
               f"(results.json has test: {{}}); the model is in {opts.out / 'checkpoint.pt'}.")  # fmt: skip
         return
-    print(f"{cfg.ways}-way {cfg.shots}-shot test accuracy on {cfg.eval_tasks} tasks of held-out characters:")
+    best_at = trainer.best.get("iteration", trainer.iterations)
+    print(f"{cfg.ways}-way {cfg.shots}-shot test accuracy on {cfg.eval_tasks} tasks of held-out characters "
+          f"(last: iteration {trainer.iterations}; best validation: iteration {best_at}):")  # fmt: skip
     for key, r in results.items():
-        print(f"  {r['steps']} steps: {100 * r['accuracy']:.2f} % +- {100 * r['ci95']:.2f} %")
+        b = best_results[key]
+        print(f"  {r['steps']} steps: last {100 * r['accuracy']:.2f} % +- {100 * r['ci95']:.2f} %, "
+              f"best {100 * b['accuracy']:.2f} % +- {100 * b['ci95']:.2f} %")
 
 
 SPLITS = ("train", "validation", "test")
@@ -281,7 +399,7 @@ def make_splits(omni: tasks.Omniglot, cfg: OmniglotConfig) -> tuple[tasks.Omnigl
     """
     by, shares = cfg.split_by, _shares(cfg)
     try:
-        splits = omni.split(by, cfg.split_fractions, seed=cfg.split_seed)
+        splits = omni.split(by, cfg.split_fractions, seed=cfg.split_seed, rotations=ROTATED[cfg.rotations])
     except ValueError as e:  # too few alphabets or archives for every share > 0
         reason = str(e).split("): ", 1)[-1]  # without the API call, which names no flag
         raise common.UsageError(f"--split-by {by} --split-fractions {shares}: {reason}") from None

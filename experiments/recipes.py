@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -56,7 +56,7 @@ _RECIPES: dict[str, dict[str, Any]] = {
 }
 # What a recipe sets differently per experiment (the paper's values for that data).
 _PER_EXPERIMENT: dict[tuple[str, str], dict[str, Any]] = {
-    ("omniglot", "mamlpp"): {"inner_lr": 0.1, "meta_batch": 8},
+    ("omniglot", "mamlpp"): {"inner_lr": 0.1, "meta_batch": 8, "loss": "mean"},
     ("sine", "mamlpp"): {"rate_meta_lr": 1e-4},
 }
 
@@ -72,19 +72,23 @@ def recipe(experiment: str, algorithm: str) -> dict[str, Any]:
     return {**_RECIPES[algorithm], **_PER_EXPERIMENT.get((experiment, algorithm), {})}
 
 
-def adapt_set(model: nn.Module, adapt: str) -> Callable[[str], bool] | None:
+def adapt_set(model: nn.Module, adapt: str, meta_only: Collection[str] = ()) -> Callable[[str], bool] | None:
     """The ``adapt=`` argument of ``maml.MetaLearner`` for ``adapt`` in ``ADAPT``.
 
     The head is the module that holds the model's last parameter (the final linear layer of both
-    experiments' models); ``None`` (adapt everything) for ``"all"``.
+    experiments' models). ``meta_only``: parameters the model's own design keeps out of the inner
+    loop (the reference Omniglot net's batch-norm offsets), left out of every set. ``None``
+    (adapt everything) for ``"all"`` when nothing is meta-only.
     """
-    if adapt == "all":
+    if adapt == "all" and not meta_only:
         return None
     last = list(dict(model.named_parameters()))[-1]
     head = last.rpartition(".")[0] + "."
+    if adapt == "all":
+        return lambda name: name not in meta_only
     if adapt == "head":
-        return lambda name: name.startswith(head)
-    return lambda name: not name.startswith(head)
+        return lambda name: name.startswith(head) and name not in meta_only
+    return lambda name: not name.startswith(head) and name not in meta_only
 
 
 def meta_optimizer(learner: maml.MetaLearner, meta_lr: float, rate_meta_lr: float | None = None) -> torch.optim.Adam:
