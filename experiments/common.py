@@ -937,7 +937,17 @@ def provenance() -> dict[str, Any]:
 
     commit = git("rev-parse", "HEAD")
     dirty = bool(git("status", "--porcelain", "--untracked-files=no")) if commit else None
-    return {"versions": versions, "git_commit": commit, "git_dirty": dirty, "host": platform.node()}
+    return {"versions": versions, "git_commit": commit, "git_dirty": dirty, "host": platform.node(), "cpu": _cpu(),
+            "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d")}
+
+
+def _cpu() -> str:
+    """The processor's model name (Linux), else the platform's word for it."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
 
 
 def finish(opts: RunOptions, cfg: Any, run: Any, trainer: Trainer, test: dict[str, dict[str, Any]], metric: str,
@@ -946,9 +956,15 @@ def finish(opts: RunOptions, cfg: Any, run: Any, trainer: Trainer, test: dict[st
     for key, r in test.items():
         run.summary[f"test/{metric}_{key}"] = r[metric]
         run.summary[f"test/{metric}_{key}_ci95"] = r["ci95"]
+    config = dataclasses.asdict(cfg)
+    # No path of this machine in a result file: the data as a path relative to the working directory, and its fingerprint.
+    data = {k: {"path": os.path.relpath(v), "fingerprint": trainer._data.get(k, {}).get("fingerprint")}
+            for k in DATA_KEYS if isinstance(v := config.get(k), str)}  # fmt: skip
+    config.update({k: d["path"] for k, d in data.items()})
     results = {
         "experiment": opts.experiment,
-        "config": dataclasses.asdict(cfg),
+        "config": config,
+        **({"data_files": data} if data else {}),
         **extra,
         "test": test,
         "final_val": trainer.final_val,

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 import maml
 import tasks
-from experiments import common, recipes
+from experiments import common, peers, recipes
 
 
 # The paper's settings by number of ways: (inner steps, inner lr, meta-batch).
@@ -82,6 +82,8 @@ class OmniglotConfig(common.ExperimentConfig):
     """reference: the reference's summed cross-entropy over K (ways x the mean: its inner lr 0.4 is 2.0 on the mean); mean: the mean cross-entropy"""
     filters: int = 64
     """filters in each of the 4 conv blocks"""
+    engine: Literal[peers.ENGINES] = "maml"  # type: ignore[valid-type]
+    """what computes the meta-gradient in training: this toolkit, or learn2learn's MAML (the peer row; the evaluation is this toolkit's either way)"""
     eval_chunk: int = 50
     """test tasks per evaluation pass (bounds memory)"""
 
@@ -108,6 +110,8 @@ def validate_config(cfg: OmniglotConfig) -> None:
     if abs(sum(cfg.split_fractions) - 1) > 1e-6:
         raise ValueError(f"--split-fractions {fractions} sums to {sum(cfg.split_fractions):g}; the three shares "
                          f"(train, validation, test) must sum to 1, e.g. 0.6,0.15,0.25.")  # fmt: skip
+    if cfg.engine == "learn2learn" and (why := peers.unsupported(cfg)):
+        raise ValueError(f"{why}.")
     if cfg.split_fractions[0] == 0:
         raise ValueError(f"--split-fractions {fractions} gives the train split no characters; meta-training needs "
                          f"a train share > 0, e.g. 0.6,0.15,0.25.")  # fmt: skip
@@ -323,7 +327,8 @@ def run(argv: Sequence[str] | None = None) -> None:
                                compile=cfg.compile, adapt=recipes.adapt_set(model, cfg.adapt, meta_only(model)),
                                inner_optimizer=cfg.inner_optimizer)  # fmt: skip
     optimizer = recipes.meta_optimizer(learner, cfg.meta_lr, cfg.rate_meta_lr)
-    watch = common.DivergenceWatch(learner, optimizer, resumed["iteration"] if resumed else 0, cfg.meta_lr, cfg.inner_lr, opts.out)
+    trained = peers.Learn2LearnMAML(learner) if cfg.engine == "learn2learn" else learner
+    watch = common.DivergenceWatch(trained, optimizer, resumed["iteration"] if resumed else 0, cfg.meta_lr, cfg.inner_lr, opts.out)
     if val is not None:
         val_batch = val.sample(cfg.val_tasks, torch.Generator().manual_seed(cfg.seed + 10_000), device=opts.device)
 
@@ -335,7 +340,7 @@ def run(argv: Sequence[str] | None = None) -> None:
         return {"val/accuracy": acc, "val/accuracy_ci95": ci}
 
     trainer = common.Trainer(
-        learner=learner,
+        learner=trained,
         optimizer=optimizer,
         sample=lambda g: train.sample(cfg.meta_batch, g, device=opts.device),
         metrics=lambda out, batch: {"train/accuracy": float(accuracy(out.query_out, batch.query_y).mean())},
@@ -365,7 +370,7 @@ def run(argv: Sequence[str] | None = None) -> None:
         learner.load_state_dict(torch.load(opts.out / common.BEST_FILE, weights_only=True)["learner"])
         with watch.guard(wandb_run):
             best_results = evaluate(learner, test, cfg, opts.device, seed=cfg.seed + 20_000)
-    data = {"root": str(cfg.data), "characters": [len(p.characters) for p in splits],
+    data = {"characters": [len(p.characters) for p in splits],
             "alphabets": [p.alphabets for p in splits], "batching": learner.resolved_batching}  # fmt: skip
     skipped = {} if test is not None else {"test_skipped": f"--split-fractions {_shares(cfg)} gives the test split no characters"}
     common.finish(opts, cfg, wandb_run, trainer, results, "accuracy", data=data, test_best=best_results, **skipped)

@@ -415,9 +415,21 @@ def _extends(old: dict[str, Any], new: dict[str, Any]) -> bool:
 
 def write_report(out: Path, sweep: Sweep, trials: Sequence[Trial], seed: int) -> None:
     """Writes ``OUT/sweep.json``: the sweep's file, name, config and seed, and every trial."""
-    settings = {"name": sweep.name, "file": str(sweep.path), "seed": seed, "config": sweep.config}
-    report = {"sweep": settings, "trials": [asdict(trial) for trial in trials]}
+    settings = {"name": sweep.name, "file": _portable(str(sweep.path)), "seed": seed, "config": sweep.config}
+    report = {"sweep": settings, "trials": [asdict(trial) | {"command": list(map(_portable, trial.command))}
+                                            for trial in trials]}  # fmt: skip
     atomic_write(out / "sweep.json", lambda tmp: tmp.write_text(json.dumps(report, indent=2) + "\n"))
+
+
+def _portable(arg: str) -> str:
+    """A command word as it reads on any machine: ``python`` for this interpreter, paths inside the repository
+    relative to its root (a sweep's folder is then committable and resumes from another clone)."""
+    if arg == sys.executable:
+        return "python"
+    path = Path(arg)
+    if path.is_absolute() and path.is_relative_to(REPO_ROOT):
+        return path.relative_to(REPO_ROOT).as_posix()
+    return arg
 
 
 def dry_run(sweep: Sweep, limit: int | None, seed: int, stdout: TextIO) -> None:

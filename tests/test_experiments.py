@@ -93,8 +93,16 @@ def test_omniglot_end_to_end(tmp_path):
 
     results = json.loads((out / "results.json").read_text())
     assert results["experiment"] == "omniglot"
-    assert set(results["test"]) == {"3step", "5step"}
+    assert set(results["test"]) == set(results["test_best"]) == {"1step", "3step", "5step", "10step"}
     assert all(0 <= r["accuracy"] <= 1 and r["tasks"] == 6 for r in results["test"].values())
+    # Model selection: the best validation's parameters in best.pt, tested on the same tasks as the last.
+    best = torch.load(out / "best.pt", weights_only=True)
+    assert best["iteration"] == results["best_val"]["iteration"] in (2, 4)  # validated at 4 and (the last) 4
+    assert best["validation"]["val/accuracy"] == results["best_val"]["val/accuracy"]
+    # No path of this machine in the result file: the data relative to the working directory, and its fingerprint.
+    assert "/tmp" not in json.dumps(results) and str(tmp_path) not in json.dumps(results)
+    assert results["config"]["data"] == os.path.relpath(omniglot_root(), REPO)
+    assert results["data_files"]["data"]["fingerprint"] == common.fingerprint(str(omniglot_root()))
     chars = results["data"]["characters"]
     assert sum(chars) == 242 and min(chars) > 0
     train, val, test = map(set, results["data"]["alphabets"])
@@ -191,7 +199,7 @@ def test_an_algorithm_sets_its_recipe_under_config_files_and_flags(capsys, tmp_p
     def parse(*argv: str):
         return common.parse_args(module.__name__.rsplit(".", 1)[1], cls, list(argv), "", module.validate_config)[0]
 
-    mamlpp = {**MAMLPP, **({"inner_lr": 0.1, "meta_batch": 8} if module is omniglot else {"rate_meta_lr": 1e-4})}
+    mamlpp = {**MAMLPP, **({"inner_lr": 0.1, "meta_batch": 8, "loss": "mean"} if module is omniglot else {"rate_meta_lr": 1e-4})}
     cfg = vars(parse("--algorithm", "mamlpp"))
     assert cfg == {**defaults, **mamlpp, "algorithm": "mamlpp", "compile": cfg["compile"]}  # those keys, no other
     assert parse("--algorithm", "fomaml").mode == "first_order"

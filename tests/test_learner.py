@@ -168,15 +168,39 @@ def flat_grad_at(learner: maml.MetaLearner, batch: maml.TaskBatch, steps: int) -
     return torch.cat([g.flatten() for g in grads])
 
 
-def test_auto_batching_loops_over_convolutions_on_the_cpu_and_vmaps_the_rest():
+@pytest.mark.parametrize("faster", ["vmap", "loop"])
+def test_auto_batching_takes_the_faster_as_timed_on_the_first_batch_and_keeps_it_in_the_state(faster, monkeypatch):
     conv, batch, loss_fn = make("conv_groupnorm")
-    mlp, _, mse = make("mlp")
-    assert maml.MetaLearner(conv, loss_fn, inner_lr=0.1).resolved_batching == "loop"
-    assert maml.MetaLearner(mlp, mse, inner_lr=0.1).resolved_batching == "vmap"
+    timed = []
+
+    def timings(forward, fast, consts, x, y):
+        timed.append(tuple(next(iter(fast.values())).shape[:1]) + tuple(x.shape[:1]))
+        return {"vmap": 1.0, "loop": 2.0} if faster == "vmap" else {"vmap": 2.0, "loop": 1.0}
+
+    monkeypatch.setattr(maml._src.inner, "time_batchings", timings)
+    auto = maml.MetaLearner(conv, loss_fn, inner_lr=0.1, steps=2)
+    assert auto.resolved_batching == "vmap"  # nothing timed before the first call
+    grad = flat_grad(auto, batch)
+    assert auto.resolved_batching == faster and timed == [(batch.num_tasks, batch.num_tasks)]  # on the whole batch
+    flat_grad(auto, batch)
+    assert len(timed) == 1  # once per device
+    # A checkpoint keeps the choice: a learner that loads it batches alike without timing again.
+    again = maml.MetaLearner(conv, loss_fn, inner_lr=0.1, steps=2)
+    again.load_state_dict(auto.state_dict())
+    assert again.resolved_batching == faster and len(timed) == 1
+    # "auto" is one of the two exact code paths, so it gives their meta-gradient.
+    explicit = maml.MetaLearner(conv, loss_fn, inner_lr=0.1, steps=2, batching=faster)
+    assert torch.allclose(grad, flat_grad(explicit, batch), rtol=1e-10, atol=1e-13)
     for batching in ("vmap", "loop"):
         assert maml.MetaLearner(conv, loss_fn, inner_lr=0.1, batching=batching).resolved_batching == batching
-    # "auto" is one of the two exact code paths, so it gives their meta-gradient.
-    auto = maml.MetaLearner(conv, loss_fn, inner_lr=0.1, steps=2)
-    vmap = maml.MetaLearner(conv, loss_fn, inner_lr=0.1, steps=2, batching="vmap")
-    assert torch.allclose(flat_grad(auto, batch), flat_grad(vmap, batch), rtol=1e-10, atol=1e-13)
     assert maml.MetaLearner(conv, loss_fn, inner_lr=0.1, chunk_size=2).resolved_batching == "vmap"
+
+
+def test_timing_the_batchings_measures_both_and_leaves_the_random_stream_alone():
+    conv, batch, loss_fn = make("conv_groupnorm")
+    forward = maml._src.inner.TaskForward(conv, loss_fn, "auto", None)
+    fast = {k: v.detach().expand(batch.num_tasks, *v.shape) for k, v in conv.named_parameters()}
+    state = torch.get_rng_state()
+    seconds = maml._src.inner.time_batchings(forward, fast, {}, batch.support_x, batch.support_y)
+    assert set(seconds) == {"vmap", "loop"} and all(s > 0 for s in seconds.values())
+    assert torch.equal(torch.get_rng_state(), state)

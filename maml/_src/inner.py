@@ -10,6 +10,7 @@ reverse-over-reverse batching rules under ``vmap`` are wrong (pytorch/functorch#
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from typing import Literal
 
@@ -25,22 +26,37 @@ except ImportError:  # older torch: the same switch under its earlier name (belo
 Params = dict[str, Tensor]
 LossFn = Callable[[Tensor, Tensor], Tensor]
 Batching = Literal["auto", "vmap", "loop"]
-_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 
 
-def choose_batching(model: nn.Module, device: torch.device) -> str:
-    """The faster task batching for ``model`` on ``device``: ``"vmap"`` or ``"loop"``.
+def time_batchings(forward: TaskForward, fast: Params, consts: Params, x: Tensor, y: Tensor) -> dict[str, float]:
+    """Seconds of one forward and backward pass of the support loss, ``{"vmap": s, "loop": s}`` (the faster of two).
 
-    Measured with ``benchmarks/speed.py``: under ``vmap`` a convolution with per-task weights
-    becomes one grouped convolution, which the CPU kernels run 2-2.5x slower than a per-task
-    loop of ordinary convolutions (Omniglot conv net); everything else (linear layers, any
-    layer on a GPU) is faster as one batched call (sine MLP: about 5x over the loop on the CPU).
-    A model whose forward pass ``vmap`` cannot batch at all (recurrent layers) is found by its
-    first call instead (:func:`maml._src.probe.check_model`), which moves it to the loop.
+    Which is faster depends on the model, the sizes and the device, not on layer types:
+    under ``vmap`` a convolution with per-task weights becomes one grouped convolution, which
+    the CPU runs 2-2.5x slower than a loop of ordinary ones for a stride-1 net on 28x28 images
+    and 2x faster for the same net with stride-2 convolutions (Omniglot, 32 tasks); an MLP is
+    about 5x faster batched. So ``batching="auto"`` times both on the learner's first batch.
+
+    Args:
+        fast: ``(T, *shape)`` per-task parameters.
+        x, y: ``(T, n, ...)`` the batch's support inputs and targets.
     """
-    if device.type == "cpu" and any(isinstance(m, _CONVS) for m in model.modules()):
-        return "loop"
-    return "vmap"
+    weights = {k: v.detach().requires_grad_() for k, v in fast.items()}
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+    seconds: dict[str, float] = {}
+    devices = [x.device.index] if x.is_cuda else []
+    with torch.random.fork_rng(devices=devices), torch.enable_grad():  # dropout draws leave the stream alone
+        for batching in ("vmap", "loop"):
+            times = []
+            for _ in range(3):  # the first call warms up (allocations, kernel choice); the best of the others
+                sync()
+                began = time.perf_counter()
+                losses, _ = forward(weights, consts, x, y, batching=batching)
+                torch.autograd.grad(losses.sum(), list(weights.values()))
+                sync()
+                times.append(time.perf_counter() - began)
+            seconds[batching] = min(times[1:])
+    return seconds
 
 
 def exact_attention() -> contextlib.AbstractContextManager[object]:
@@ -65,7 +81,8 @@ class TaskForward:
         model: the network; only its structure is used, its parameters are never read here.
         loss_fn: ``loss_fn(output, y) -> scalar`` for one task's examples.
         batching: ``"vmap"`` runs all tasks as one batched forward pass, ``"loop"`` runs
-            them one after another, ``"auto"`` picks one by model and device (:func:`choose_batching`).
+            them one after another, ``"auto"`` the faster of the two on each device, as timed on
+            the first batch there (:meth:`choose`; ``"vmap"`` until then).
         chunk_size: with ``"vmap"``, at most this many tasks per batched call (``None``: all).
     """
 
@@ -78,13 +95,28 @@ class TaskForward:
 
     def resolve(self, device: torch.device) -> str:
         """The batching used for tensors on ``device``: ``"vmap"`` or ``"loop"``."""
-        if device not in self._chosen:
-            self._chosen[device] = choose_batching(self.model, device) if self.batching == "auto" else self.batching
-        return self._chosen[device]
+        if self.batching != "auto":
+            return self.batching
+        return self._chosen.get(device, "vmap")
 
     def use_loop(self, device: torch.device) -> None:
         """Runs the tasks on ``device`` one after another from now on (vmap cannot batch the model)."""
         self._chosen[device] = "loop"
+
+    def choose(self, fast: Params, consts: Params, x: Tensor, y: Tensor) -> None:
+        """With ``"auto"``, settles the batching on ``x``'s device: the faster one on this batch (:func:`time_batchings`)."""
+        if self.batching == "auto" and x.device not in self._chosen:
+            seconds = time_batchings(self, fast, consts, x, y)
+            self._chosen[x.device] = min(seconds, key=seconds.__getitem__)
+
+    @property
+    def chosen(self) -> dict[str, str]:
+        """What ``"auto"`` settled, by device: ``{"cpu": "vmap"}``; a checkpoint keeps it, so a resumed run batches alike."""
+        return {str(device): batching for device, batching in self._chosen.items()}
+
+    @chosen.setter
+    def chosen(self, chosen: dict[str, str]) -> None:
+        self._chosen.update({torch.device(device): batching for device, batching in chosen.items()})
 
     def _one(self, fast: Params, consts: Params, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
         """One task: ``x (n, *x_shape)``, ``y (n, *y_shape)`` -> loss ``()``, output ``(n, ...)``."""

@@ -84,10 +84,12 @@ class MetaLearner:
             fast weights and recomputes the rest in the backward pass, with the same dropout
             masks as second order). Settable on a live learner (derivative-order annealing).
         batching: ``"vmap"`` (tasks as one batched forward pass), ``"loop"`` (one task after
-            another) or ``"auto"``: ``"loop"`` for a model with convolutions on the CPU (where
-            ``vmap`` turns them into slow grouped convolutions) or one vmap cannot batch
-            (recurrent layers), else ``"vmap"``; with a ``chunk_size`` outside the checkpointed
-            mode, chunked ``"vmap"``. All give the same meta-gradients.
+            another) or ``"auto"``: the faster of the two for this model, sizes and device, timed
+            on the first batch on each device (one forward and backward pass of the support loss
+            each way, about three steps' work; a checkpoint keeps the choice through
+            :meth:`state_dict`), and ``"loop"`` for a model vmap cannot batch (recurrent layers);
+            with a ``chunk_size`` outside the checkpointed mode, chunked ``"vmap"``. All give the
+            same meta-gradients (to float rounding).
         chunk_size: tasks processed together: with ``"vmap"``, at most this many tasks per
             batched call; with ``"checkpointed"``, per recomputed segment (default: every task
             with ``"vmap"``, one with ``"loop"``, where it costs no speed).
@@ -242,8 +244,9 @@ class MetaLearner:
     def resolved_batching(self) -> str:
         """The batching used on the model's current device: ``"vmap"`` or ``"loop"`` (resolves ``"auto"``).
 
-        Settled by the first call: ``"auto"`` moves a model whose forward pass vmap cannot batch
-        (recurrent layers, ``.item()``) to the loop then (see ``probe.py``).
+        Settled by the first call: ``"auto"`` times both on its batch and keeps the faster, and
+        moves a model whose forward pass vmap cannot batch (recurrent layers, ``.item()``) to the
+        loop (see ``probe.py``); before it, ``"vmap"``.
         """
         return self._forward.resolve(next(self.model.parameters()).device)
 
@@ -381,10 +384,11 @@ class MetaLearner:
         return {**frozen, **{k: v[0] for k, v in fast.items()}}
 
     def state_dict(self) -> dict[str, Any]:
-        """The model's and the learnable inner rates' state, for checkpoints."""
+        """The model's and the learnable inner rates' state, and what ``batching="auto"`` chose, for checkpoints."""
         return {
             "model": self.model.state_dict(),
             "inner_lrs": {k: v.detach().clone() for k, v in self.rate_parameters.items()},
+            "batching": self._forward.chosen,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -398,6 +402,7 @@ class MetaLearner:
         with torch.no_grad():
             for k, v in state["inner_lrs"].items():
                 self.rate_parameters[k].copy_(v)
+        self._forward.chosen = state.get("batching", {})  # absent from checkpoints of earlier versions
 
     def to(self, *args: Any, **kwargs: Any) -> MetaLearner:
         """Moves the model and the learnable inner rates, like ``nn.Module.to``."""
@@ -468,6 +473,8 @@ class MetaLearner:
         check_model(
             self._forward, one, shared, batch.support_x[:1], batch.support_y[:1], may_fall_back=self.batching == "auto"
         )
+        tasks = batch.num_tasks
+        self._forward.choose({k: v.expand(tasks, *v.shape) for k, v in one.items()}, shared, batch.support_x, batch.support_y)
         self._probed.add(key)
 
     def _output(self, trace: Trace, step_weights: Tensor | None) -> MetaOutput:
