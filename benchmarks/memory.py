@@ -443,12 +443,12 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(worker(args.one[0], int(args.one[1]), args)))
         return 0
 
-    batching = maml.MetaLearner(omniglot_net(WAYS).to(args.device), F.cross_entropy, 0.4, batching=args.batching)
+    timed = " (timed on each worker's first batch)" if args.batching == "auto" else ""
     clock = "wall time" if args.device.type == "cuda" else f"CPU time, {args.threads} thread(s)"
     memory = "peak allocated CUDA memory" if args.device.type == "cuda" else "peak resident memory"
     print(
         f"torch {torch.__version__}, device {args.device}; Omniglot conv net, {TASKS} tasks {WAYS}-way "
-        f"{args.shots}-shot {QUERY} query per class; engine batching={args.batching!r} ({batching.resolved_batching}), "
+        f"{args.shots}-shot {QUERY} query per class; engine batching={args.batching!r}{timed}, "
         f"chunk_size={args.chunk_size}"
     )
     print(f"each cell: {memory} of one meta-training step over the worker's baseline, and its {clock}\n")

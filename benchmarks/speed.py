@@ -464,7 +464,10 @@ def main(argv: list[str] | None = None) -> int:
     for key in args.workloads:
         for wl in [with_steps(all_workloads[key], s) for s in args.steps] if args.steps else [all_workloads[key]]:
             repeats = args.repeats or (30 if key.startswith("sine") else 5)
-            chosen = maml.MetaLearner(wl.net().to(device), wl.loss_fn, inner_lr=wl.inner_lr).resolved_batching
+            # "auto" times both batchings on its first batch: what it picks here is what the rows' "auto" ran.
+            probe = maml.MetaLearner(wl.net().to(device), wl.loss_fn, inner_lr=wl.inner_lr, steps=wl.steps)
+            probe.meta_loss(wl.sample(torch.Generator().manual_seed(0)).to(device))
+            chosen = probe.resolved_batching
             for table in args.tables:
                 methods = [m for m in TABLES[table] if not args.methods or any(s in m.name for s in args.methods)]
                 if not methods:

@@ -129,7 +129,7 @@ class ExperimentConfig:
     mode: Literal[maml.MODES] = "second_order"  # type: ignore[valid-type]
     """the meta-gradient: exact (second_order), without second derivatives (first_order), or exact in less memory (checkpointed)"""
     batching: Literal[maml.BATCHINGS] = "auto"  # type: ignore[valid-type]
-    """how the tasks of a meta-batch run: auto (the engine's choice: loop on CPU, vmap on GPU), vmap or loop"""
+    """how the tasks of a meta-batch run: auto (the faster of the two, timed on the first batch), vmap or loop"""
     learn_inner_lr: Literal["scalar", "per_parameter", "per_layer_per_step"] | None = None
     """learned inner rates: scalar, per_parameter (Meta-SGD) or per_layer_per_step (MAML++); null: fixed"""
     compile: bool | None = None

@@ -1,0 +1,228 @@
+"""The README's result tables, rendered from the result files under ``results/``: no figure typed by hand.
+
+    python -m experiments.tables            # rewrites every table block of README.md from results/
+    python -m experiments.tables --check    # exit 1 (and the first difference) where README.md is stale
+
+A block is the text between ``<!-- table: NAME -->`` and ``<!-- /table -->``; ``NAME`` picks its
+renderer (:data:`RENDERERS`), which reads only committed files: a trial's ``results.json`` and
+``metrics.jsonl``, and a sweep's ``sweep.json``. Each table says what its figures are (seeds,
+iterations, which checkpoint), and the device, date, commit and command they come from.
+
+Exit codes: 0, 1 for ``--check`` on a stale README, 2 for a missing file or block (one line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import re
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+BLOCK = re.compile(r"(<!-- table: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
+STEPS = ("1step", "5step", "10step")  # the test columns: the reference trains with 1 step and tests with up to 10
+
+
+class TableError(Exception):
+    """A result file or README block is missing or unreadable: one line, exit code 2."""
+
+
+def _json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise TableError(f"{path.relative_to(REPO)}: {e}") from None
+
+
+def _rows(path: Path) -> list[dict[str, Any]]:
+    try:
+        return [json.loads(line) for line in path.read_text().splitlines() if line]
+    except (OSError, ValueError) as e:
+        raise TableError(f"{path.relative_to(REPO)}: {e}") from None
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}"
+
+
+def command(results: dict[str, Any]) -> str:
+    """The command that ran a trial: its script with the flags whose values differ from the defaults."""
+    from experiments import omniglot, recipes, sine  # here: only this needs torch
+
+    name, cfg = results["experiment"], results["config"]
+    cls = {"omniglot": omniglot.OmniglotConfig, "sine": sine.SineConfig}[name]
+    base = cls(**{k: v for k, v in cfg.items() if k in ("ways", "shots")}, **recipes.recipe(name, cfg["algorithm"]))
+    defaults = dataclasses.asdict(base.resolved() if hasattr(base, "resolved") else base)
+    flags = []
+    for key, value in results["config"].items():
+        if key in ("data",) or defaults.get(key) == value or (isinstance(value, list) and tuple(value) == defaults.get(key)):
+            continue
+        shown = ",".join(map(str, value)) if isinstance(value, list) else "null" if value is None else value
+        flags.append(f"--{key.replace('_', '-')} {shown}")
+    return " ".join([f"python -m experiments.{name}", *flags])
+
+
+def provenance(runs: Sequence[dict[str, Any]]) -> str:
+    """Device, processor, threads, dates and commits of ``runs``, as one sentence."""
+
+    def distinct(values: Any) -> str:
+        return ", ".join(dict.fromkeys(str(v) for v in values if v is not None)) or "-"
+
+    dates = [run.get("date") or _commit_date(run.get("git_commit")) for run in runs]
+    cpus = distinct(run.get("cpu") for run in runs)
+    threads = distinct(run.get("threads") or run["config"].get("threads") for run in runs)
+    commits = distinct((run.get("git_commit") or "")[:10] + (" (uncommitted changes)" if run.get("git_dirty") else "")
+                       for run in runs)  # fmt: skip
+    device = distinct(run["device"] for run in runs)
+    return f"device {device}" + (f" ({cpus})" if cpus != "-" else "") + f", {threads} thread(s) a run; " \
+           f"{distinct(sorted(dates))}; commit {commits}"  # fmt: skip
+
+
+def _commit_date(commit: str | None) -> str | None:
+    """The date of a commit, for results written before they recorded their own date."""
+    if not commit:
+        return None
+    try:
+        shown = subprocess.run(["git", "show", "-s", "--format=%cs", commit], cwd=REPO, capture_output=True, text=True,
+                               timeout=10, check=True)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return shown.stdout.strip() or None
+
+
+# ---------------------------------------------------------------------------- renderers
+
+
+def omniglot_curve(root: Path = REPO / "results/omniglot/curve") -> str:
+    """Validation accuracy against iterations of one run (every 250 iterations and the last)."""
+    results, rows = _json(root / "results.json"), _rows(root / "metrics.jsonl")
+    cfg = results["config"]
+    val = [r for r in rows if "val/accuracy" in r]
+    shown = [r for r in val if r["iteration"] % 250 == 0 or r is val[-1]]
+    lines = [
+        f"Validation accuracy of `{cfg['algorithm']}` (seed {cfg['seed']}) on {cfg['val_tasks']} fixed validation tasks "
+        f"after {cfg['steps']} step(s), every 250 of {results['iterations']} iterations (meta-loss and training accuracy: "
+        f"means over the {cfg['log_every']} iterations before). `{command(results)}`; {provenance([results])}.",
+        "",
+        "| iteration | validation accuracy % | training query accuracy % | meta-loss |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| {r['iteration']} | {_pct(r['val/accuracy'])} | {_pct(r['train/accuracy'])} | {r['train/meta_loss']:.3f} |"
+              for r in shown]  # fmt: skip
+    best = max(val, key=lambda r: r["val/accuracy"])
+    test, best_test = results["test"], results.get("test_best", results["test"])
+    lines += ["", f"Best validation {_pct(best['val/accuracy'])} % at iteration {best['iteration']}. Test accuracy on "
+              f"{test['10step']['tasks']} tasks after 10 steps: {_pct(test['10step']['accuracy'])} % +- "
+              f"{_pct(test['10step']['ci95'])} % (last parameters), {_pct(best_test['10step']['accuracy'])} % +- "
+              f"{_pct(best_test['10step']['ci95'])} % (best validation)."]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def _finished(sweep: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A sweep's trials as recorded in ``sweep.json``, and the results of those that finished."""
+    trials = _json(sweep / "sweep.json")["trials"]
+    runs = [_json(sweep / t["name"] / "results.json") for t in trials if (sweep / t["name"] / "results.json").is_file()]
+    return trials, runs
+
+
+def _mean_std(values: Sequence[float]) -> str:
+    mean = sum(values) / len(values)
+    if len(values) < 2:
+        return f"{_pct(mean)}"
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+    return f"{_pct(mean)} +- {_pct(std)}"
+
+
+def omniglot_seeds(sweeps: Sequence[Path] = (REPO / "results/omniglot/seeds", REPO / "results/omniglot/learn2learn")) -> str:
+    """Test accuracy per recipe over the seeds that finished: the best-validation parameters, and the last ones."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    planned: dict[str, int] = {}
+    everything: list[dict[str, Any]] = []
+    for sweep in sweeps:
+        trials, runs = _finished(sweep)
+        for trial in trials:
+            p = trial["params"]
+            key = "learn2learn MAML" if p.get("engine") == "learn2learn" else f"`{p.get('algorithm', 'maml')}`"
+            planned[key] = planned.get(key, 0) + 1
+            groups.setdefault(key, [])
+        for run in runs:
+            cfg = run["config"]
+            key = "learn2learn MAML" if cfg.get("engine") == "learn2learn" else f"`{cfg['algorithm']}`"
+            groups[key].append(run)
+        everything += runs
+    header = ["row", "seeds", "iterations", *(f"{s.removesuffix('step')} step(s)" for s in STEPS),
+              "10 steps, last parameters", "best validation at", "minutes a run"]  # fmt: skip
+    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    pending = []
+    for key, runs in groups.items():
+        if not runs:
+            pending.append(f"{key} ({planned[key]} seeds)")
+            continue
+        seeds = ", ".join(str(r["config"]["seed"]) for r in sorted(runs, key=lambda r: r["config"]["seed"]))
+        iterations = ", ".join(dict.fromkeys(str(r["iterations"]) for r in runs))
+        cells = [key, f"{len(runs)} of {planned[key]} ({seeds})", iterations]
+        cells += [_mean_std([r.get("test_best", r["test"])[s]["accuracy"] for r in runs]) for s in STEPS]
+        cells += [_mean_std([r["test"]["10step"]["accuracy"] for r in runs])]
+        cells += [", ".join(str(r.get("best_val", {}).get("iteration", "-")) for r in runs)]
+        cells += [f"{sum(r['train_seconds'] for r in runs) / len(runs) / 60:.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    if not everything:
+        raise TableError(f"no finished trial in {', '.join(str(s.relative_to(REPO)) for s in sweeps)}")
+    tasks = everything[0]["test"]["10step"]["tasks"]
+    notes = [
+        "",
+        f"5-way 1-shot test accuracy % on {tasks} tasks of held-out alphabets, mean +- standard deviation over the "
+        f"seeds that finished (n - 1), with the parameters of the best validation (every 100 iterations, "
+        f"`best.pt`) unless the column says otherwise; the training steps are each recipe's, the test steps the "
+        f"columns'. Runs: {provenance(everything)}. Sweeps: "
+        + ", ".join(f"`python -m experiments.sweep {_json(s / 'sweep.json')['sweep']['file']} --out "
+                    f"{s.relative_to(REPO).as_posix()}`" for s in sweeps) + " (data from `$OMNIGLOT_DIR`).",
+    ]
+    if pending:
+        notes.append(f"Not yet run: {', '.join(pending)} (the sweeps resume with `--resume`).")
+    return "\n".join(lines + notes) + "\n"
+
+
+RENDERERS: dict[str, Callable[[], str]] = {"omniglot-curve": omniglot_curve, "omniglot-seeds": omniglot_seeds}
+
+
+def render(text: str) -> str:
+    """``text`` with every table block rendered anew."""
+    names = [m.group("name") for m in BLOCK.finditer(text)]
+    for name in names:
+        if name not in RENDERERS:
+            raise TableError(f"README.md: no renderer for the table block {name!r} (known: {', '.join(RENDERERS)})")
+    return BLOCK.sub(lambda m: m.group(1) + RENDERERS[m.group("name")]() + m.group(4), text)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m experiments.tables", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if README.md differs from its rendering")
+    parser.add_argument("--readme", type=Path, default=REPO / "README.md")
+    args = parser.parse_args(argv)
+    try:
+        text = args.readme.read_text()
+        rendered = render(text)
+    except (OSError, TableError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.check:
+        if rendered != text:
+            old, new = text.splitlines(), rendered.splitlines()
+            line = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
+            print(f"{args.readme.name} is stale from line {line + 1}: run python -m experiments.tables", file=sys.stderr)
+            return 1
+        return 0
+    if rendered != text:
+        args.readme.write_text(rendered)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

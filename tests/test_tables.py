@@ -1,0 +1,88 @@
+"""The README's result tables are rendered from the committed result files, and those files hold no machine path."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from experiments import tables
+from helpers import REPO
+
+
+def test_the_readme_tables_are_their_rendering_from_results():
+    text = (REPO / "README.md").read_text()
+    assert {m.group("name") for m in tables.BLOCK.finditer(text)} == set(tables.RENDERERS)
+    assert tables.render(text) == text, "README.md is stale: run python -m experiments.tables"
+
+
+def test_committed_results_hold_no_path_of_a_machine():
+    files = [p for p in (REPO / "results").rglob("*") if p.suffix in (".json", ".jsonl")]
+    assert files
+    for path in files:
+        assert not re.search(r'"/(work|tmp|home|root|Users)/', path.read_text()), path
+
+
+def trial(folder: Path, algorithm: str, seed: int, accuracy: float, best: float, engine: str = "maml") -> dict:
+    results = {
+        "experiment": "omniglot",
+        "config": {"algorithm": algorithm, "seed": seed, "engine": engine, "iterations": 2000},
+        "iterations": 2000,
+        "train_seconds": 600.0,
+        "device": "cpu",
+        "threads": 1,
+        "date": "2026-11-24",
+        "git_commit": "0123456789abcdef",
+        "git_dirty": False,
+        "best_val": {"iteration": 1500, "val/accuracy": 0.7},
+        "test": {s: {"accuracy": accuracy, "ci95": 0.01, "tasks": 600} for s in tables.STEPS},
+        "test_best": {s: {"accuracy": best, "ci95": 0.01, "tasks": 600} for s in tables.STEPS},
+    }
+    folder.mkdir(parents=True)
+    (folder / "results.json").write_text(json.dumps(results))
+    return results
+
+
+def test_the_seed_table_gives_mean_and_std_over_finished_seeds_and_names_the_pending_rows(tmp_path, monkeypatch):
+    monkeypatch.setattr(tables, "REPO", tmp_path)
+    sweep = tmp_path / "results" / "seeds"
+    params = [{"algorithm": a, "seed": s} for a in ("maml", "anil") for s in (0, 1)]
+    names = [f"trial-{i:03d}" for i in range(1, 5)]
+    (sweep).mkdir(parents=True)
+    (sweep / "sweep.json").write_text(json.dumps({"sweep": {"file": "experiments/sweeps/x.yaml"},
+                                                  "trials": [{"name": n, "params": p} for n, p in zip(names, params)]}))
+    trial(sweep / names[0], "maml", 0, accuracy=0.80, best=0.90)
+    trial(sweep / names[1], "maml", 1, accuracy=0.60, best=0.70)
+    text = tables.omniglot_seeds([sweep])
+    row = next(line for line in text.splitlines() if line.startswith("| `maml`"))
+    # best validation: mean 80.0, std sqrt(2) * 10 = 14.1; last parameters: 70.0 +- 14.1
+    assert row == "| `maml` | 2 of 2 (0, 1) | 2000 | 80.0 +- 14.1 | 80.0 +- 14.1 | 80.0 +- 14.1 | 70.0 +- 14.1 | 1500, 1500 | 10 |"
+    assert "Not yet run: `anil` (2 seeds)" in text
+    assert "commit 0123456789; device cpu" not in text and "2026-11-24; commit 0123456789" in text
+
+
+def test_check_says_which_line_is_stale_and_bad_blocks_are_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(tables.RENDERERS, "demo", lambda: "fresh\n")
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n<!-- table: demo -->\nold\n<!-- /table -->\n")
+    assert tables.main(["--check", "--readme", str(readme)]) == 1
+    assert capsys.readouterr().err == "README.md is stale from line 3: run python -m experiments.tables\n"
+    assert tables.main(["--readme", str(readme)]) == 0
+    assert readme.read_text() == "# x\n<!-- table: demo -->\nfresh\n<!-- /table -->\n"
+    assert tables.main(["--check", "--readme", str(readme)]) == 0
+    readme.write_text("<!-- table: nope -->\n<!-- /table -->\n")
+    assert tables.main(["--readme", str(readme)]) == 2
+    assert capsys.readouterr().err.startswith("error: README.md: no renderer for the table block 'nope' (known: ")
+
+
+def test_the_command_names_only_the_flags_that_differ_from_the_recipes_defaults():
+    from experiments import omniglot
+
+    cfg = json.loads(json.dumps(omniglot.OmniglotConfig(algorithm="mamlpp", iterations=2000, val_every=100,
+                                                        data="x").resolved().__dict__))  # fmt: skip
+    cfg.update({"steps": 5, "learn_inner_lr": "per_layer_per_step", "loss": "mean", "inner_lr": 0.1, "meta_batch": 8,
+                "msl_fraction": 0.1, "first_order_fraction": 0.5, "meta_lr_schedule": "cosine"})  # the recipe's
+    assert tables.command({"experiment": "omniglot", "config": cfg}) == (
+        "python -m experiments.omniglot --iterations 2000 --algorithm mamlpp --val-every 100")
