@@ -275,7 +275,8 @@ def test_help_shows_each_default_once_and_no_alias(capsys, monkeypatch, experime
     assert entries["--out"].endswith(f"output folder (default: runs/{experiment})")
     if experiment == "omniglot":
         assert entries["--data"].endswith("Omniglot archives or folders (default: $OMNIGLOT_DIR)")
-        assert entries["--eval-steps"].endswith("inner steps of the final evaluation (default: 3,5)")
+        assert entries["--eval-steps"].endswith("(the reference tests with up to 10) (default: 1,3,5,10)")
+        assert entries["--query"].endswith("(null: K, as the reference: 1 at 1-shot) (default: null)")
 
 
 def test_flags_take_the_agents_underscores_and_kebab_case(capsys, tmp_path):
@@ -301,10 +302,10 @@ def omniglot_args(tmp_path: Path, *extra: str) -> list[str]:
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--ways", "30"],
-         "--ways 30: the validation split holds only 26 classes (26 characters of 1 alphabet; --split-by alphabet "
-         "--split-fractions 0.6,0.15,0.25); lower --ways to at most 26, or give the validation split more characters: "
-         "a larger share in --split-fractions or --split-by character."),
+        (["--ways", "120"],  # every split in 4 rotations (the reference's): 26 validation characters are 104 classes
+         "--ways 120: the validation split holds only 104 classes (26 characters of 1 alphabet, 4 rotations each; "
+         "--split-by alphabet --split-fractions 0.6,0.15,0.25); lower --ways to at most 104, or give the validation "
+         "split more characters: a larger share in --split-fractions or --split-by character."),
         (["--split-fractions", "0.99,0.01,0"],
          "--split-by alphabet --split-fractions 0.99,0.01,0: there are only 8 alphabets (Balinese, Early_Aramaic, "
          "Greek, Japanese_(katakana), Korean, Latin, Sanskrit, Tagalog), too few to give the validation part any; set "
