@@ -17,7 +17,8 @@ from experiments import common, omniglot, sine
 from helpers import REPO, omniglot_root
 
 PNG = b"\x89PNG\r\n\x1a\n"
-SMALL_SINE = ["--compile", "false", "--hidden", "8", "--eval-tasks", "20", "--val-tasks", "10", "--eval-query", "20"]
+# A fixed batching: "auto" times both, and two fresh runs compared to the bit must batch alike.
+SMALL_SINE = ["--compile", "false", "--batching", "vmap", "--hidden", "8", "--eval-tasks", "20", "--val-tasks", "10", "--eval-query", "20"]
 
 
 def env(tmp_path: Path) -> dict[str, str]:

@@ -168,14 +168,16 @@ def flat_grad_at(learner: maml.MetaLearner, batch: maml.TaskBatch, steps: int) -
     return torch.cat([g.flatten() for g in grads])
 
 
-@pytest.mark.parametrize("faster", ["vmap", "loop"])
-def test_auto_batching_takes_the_faster_as_timed_on_the_first_batch_and_keeps_it_in_the_state(faster, monkeypatch):
+@pytest.mark.parametrize(("seconds", "faster"), [((1.0, 2.0), "vmap"), ((2.0, 1.0), "loop"), ((1.4, 1.0), "vmap")],
+                         ids=["vmap", "loop", "loop-not-clearly"])
+def test_auto_batching_takes_the_faster_as_timed_on_the_first_batch_and_keeps_it_in_the_state(seconds, faster,
+                                                                                                 monkeypatch):  # fmt: skip
     conv, batch, loss_fn = make("conv_groupnorm")
     timed = []
 
     def timings(forward, fast, consts, x, y):
         timed.append(tuple(next(iter(fast.values())).shape[:1]) + tuple(x.shape[:1]))
-        return {"vmap": 1.0, "loop": 2.0} if faster == "vmap" else {"vmap": 2.0, "loop": 1.0}
+        return dict(zip(("vmap", "loop"), seconds))  # the loop only where it is 1.5x faster
 
     monkeypatch.setattr(maml._src.inner, "time_batchings", timings)
     auto = maml.MetaLearner(conv, loss_fn, inner_lr=0.1, steps=2)

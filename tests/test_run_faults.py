@@ -33,7 +33,8 @@ from helpers import REPO, omniglot_root
 from test_experiments import checkpoint, env, script
 
 # A sine run of a few iterations: 2 tasks per meta-batch, a 1-8-8-1 net, 4 validation and 4 test tasks.
-TINY = ["--compile", "false", "--meta-batch", "2", "--hidden", "8", "--val-tasks", "4", "--eval-tasks", "4", "--eval-query", "5",
+# A fixed batching: "auto" times both, and two fresh runs compared to the bit must batch alike.
+TINY = ["--compile", "false", "--batching", "vmap", "--meta-batch", "2", "--hidden", "8", "--val-tasks", "4", "--eval-tasks", "4", "--eval-query", "5",
         "--eval-shots", "5", "--eval-steps", "1"]  # fmt: skip
 TIMING = ("train/step_time_ms",)  # the only logged values that differ between equal runs
 NO_PID = 4194305  # above Linux's largest pid_max (2**22): no process can hold it

@@ -85,11 +85,13 @@ class MetaLearner:
             masks as second order). Settable on a live learner (derivative-order annealing).
         batching: ``"vmap"`` (tasks as one batched forward pass), ``"loop"`` (one task after
             another) or ``"auto"``: the faster of the two for this model, sizes and device, timed
-            on the first batch on each device (one forward and backward pass of the support loss
-            each way, about three steps' work; a checkpoint keeps the choice through
-            :meth:`state_dict`), and ``"loop"`` for a model vmap cannot batch (recurrent layers);
-            with a ``chunk_size`` outside the checkpointed mode, chunked ``"vmap"``. All give the
-            same meta-gradients (to float rounding).
+            on the first batch on each device (forward and backward passes of the support loss,
+            about four steps' work; the loop only where it is 1.5x faster, else ``"vmap"``; a
+            checkpoint keeps the choice through :meth:`state_dict`), and ``"loop"`` for a model
+            vmap cannot batch (recurrent layers); with a ``chunk_size`` outside the checkpointed
+            mode, chunked ``"vmap"``. All give the same meta-gradients to float rounding, not to
+            the bit: like ``torch.backends.cudnn.benchmark``, a timed choice close to the margin
+            can differ between two runs; pass ``"vmap"`` or ``"loop"`` for bit-identical reruns.
         chunk_size: tasks processed together: with ``"vmap"``, at most this many tasks per
             batched call; with ``"checkpointed"``, per recomputed segment (default: every task
             with ``"vmap"``, one with ``"loop"``, where it costs no speed).
