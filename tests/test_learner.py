@@ -175,21 +175,25 @@ def test_auto_batching_takes_the_faster_as_timed_on_the_first_batch_and_keeps_it
     conv, batch, loss_fn = make("conv_groupnorm")
     timed = []
 
-    def timings(forward, fast, consts, x, y):
-        timed.append(tuple(next(iter(fast.values())).shape[:1]) + tuple(x.shape[:1]))
+    def timings(forward, fast, consts, data):
+        timed.append([next(iter(fast.values())).shape[0], *(x.shape[0] for x, _ in data)])
         return dict(zip(("vmap", "loop"), seconds))  # the loop only where it is 1.5x faster
 
     monkeypatch.setattr(maml._src.inner, "time_batchings", timings)
+    monkeypatch.setattr(maml._src.inner, "_CHOICES", {})
     auto = maml.MetaLearner(conv, loss_fn, inner_lr=0.1, steps=2)
     assert auto.resolved_batching == "vmap"  # nothing timed before the first call
     grad = flat_grad(auto, batch)
-    assert auto.resolved_batching == faster and timed == [(batch.num_tasks, batch.num_tasks)]  # on the whole batch
+    assert auto.resolved_batching == faster and timed == [[batch.num_tasks] * 3]  # the support and query sets
     flat_grad(auto, batch)
     assert len(timed) == 1  # once per device
     # A checkpoint keeps the choice: a learner that loads it batches alike without timing again.
     again = maml.MetaLearner(conv, loss_fn, inner_lr=0.1, steps=2)
     again.load_state_dict(auto.state_dict())
     assert again.resolved_batching == faster and len(timed) == 1
+    # Another learner of this configuration in this process takes the same choice without timing: they agree to the bit.
+    other = maml.MetaLearner(conv, loss_fn, inner_lr=0.1, steps=2)
+    assert torch.equal(flat_grad(other, batch), grad) and other.resolved_batching == faster and len(timed) == 1
     # "auto" is one of the two exact code paths, so it gives their meta-gradient.
     explicit = maml.MetaLearner(conv, loss_fn, inner_lr=0.1, steps=2, batching=faster)
     assert torch.allclose(grad, flat_grad(explicit, batch), rtol=1e-10, atol=1e-13)
@@ -203,6 +207,7 @@ def test_timing_the_batchings_measures_both_and_leaves_the_random_stream_alone()
     forward = maml._src.inner.TaskForward(conv, loss_fn, "auto", None)
     fast = {k: v.detach().expand(batch.num_tasks, *v.shape) for k, v in conv.named_parameters()}
     state = torch.get_rng_state()
-    seconds = maml._src.inner.time_batchings(forward, fast, {}, batch.support_x, batch.support_y)
+    data = [(batch.support_x, batch.support_y), (batch.query_x, batch.query_y)]
+    seconds = maml._src.inner.time_batchings(forward, fast, {}, data)
     assert set(seconds) == {"vmap", "loop"} and all(s > 0 for s in seconds.values())
     assert torch.equal(torch.get_rng_state(), state)

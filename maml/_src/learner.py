@@ -85,9 +85,10 @@ class MetaLearner:
             masks as second order). Settable on a live learner (derivative-order annealing).
         batching: ``"vmap"`` (tasks as one batched forward pass), ``"loop"`` (one task after
             another) or ``"auto"``: the faster of the two for this model, sizes and device, timed
-            on the first batch on each device (forward and backward passes of the support loss,
-            about four steps' work; the loop only where it is 1.5x faster, else ``"vmap"``; a
-            checkpoint keeps the choice through :meth:`state_dict`), and ``"loop"`` for a model
+            on the first batch on each device (forward and backward passes of its support and
+            query losses on up to 16 tasks, about 3 steps' work; the loop only where it is 1.5x
+            faster, else ``"vmap"``; a checkpoint keeps the choice through :meth:`state_dict`),
+            and ``"loop"`` for a model
             vmap cannot batch (recurrent layers); with a ``chunk_size`` outside the checkpointed
             mode, chunked ``"vmap"``. All give the same meta-gradients to float rounding, not to
             the bit: like ``torch.backends.cudnn.benchmark``, a timed choice close to the margin
@@ -476,7 +477,8 @@ class MetaLearner:
             self._forward, one, shared, batch.support_x[:1], batch.support_y[:1], may_fall_back=self.batching == "auto"
         )
         tasks = batch.num_tasks
-        self._forward.choose({k: v.expand(tasks, *v.shape) for k, v in one.items()}, shared, batch.support_x, batch.support_y)
+        data = [(batch.support_x, batch.support_y), (batch.query_x, batch.query_y)]
+        self._forward.choose({k: v.expand(tasks, *v.shape) for k, v in one.items()}, shared, data)
         self._probed.add(key)
 
     def _output(self, trace: Trace, step_weights: Tensor | None) -> MetaOutput:
