@@ -20,9 +20,10 @@ per-step loss weights start uniform and move linearly towards the last step over
 ``msl_fraction`` of training (10 of 100 epochs), the earlier steps keeping at least
 ``0.03 / steps``; afterwards only the last step's loss counts. The paper trains first-order for
 its first 50 epochs (its released Omniglot configs turn that off); here the first half. Omniglot
-uses its inner rate 0.1 and meta-batch 8. On sine the rates start at the protocol's 0.001, where
-Adam's steps at meta-lr 0.001 are 100 % changes: they grew to 0.35 within a few thousand iterations
-and the 5-step inner loop overflowed in every seed, so sine's recipe gives them ``rate_meta_lr``
+uses its inner rate 0.1 on the mean cross-entropy (its code's loss) and meta-batch 8. On sine the
+rates start at the protocol's 0.001, where Adam's steps at meta-lr 0.001 are 100 % changes: they
+grew to 0.35 within a few thousand iterations and the 5-step inner loop overflowed in every seed,
+so sine's recipe gives them ``rate_meta_lr``
 1e-4 (1e-5 also trained; 1e-4 reached the lower validation MSE in a one-seed probe, 0.018 against
 0.030; README). Its per-step batch-norm weights and statistics are not built (the engine does not
 pass the step index to the model; README).
