@@ -61,7 +61,7 @@ def command(results: dict[str, Any]) -> str:
     defaults = dataclasses.asdict(base.resolved() if hasattr(base, "resolved") else base)
     flags = []
     for key, value in results["config"].items():
-        if key in ("data",) or defaults.get(key) == value or (isinstance(value, list) and tuple(value) == defaults.get(key)):
+        if defaults.get(key) == value or (isinstance(value, list) and tuple(value) == defaults.get(key)):
             continue
         shown = ",".join(map(str, value)) if isinstance(value, list) else "null" if value is None else value
         flags.append(f"--{key.replace('_', '-')} {shown}")
@@ -76,12 +76,12 @@ def provenance(runs: Sequence[dict[str, Any]]) -> str:
 
     dates = [run.get("date") or _commit_date(run.get("git_commit")) for run in runs]
     cpus = distinct(run.get("cpu") for run in runs)
-    threads = distinct(run.get("threads") or run["config"].get("threads") for run in runs)
+    threads = distinct(run.get("threads") for run in runs)
     commits = distinct((run.get("git_commit") or "")[:10] + (" (uncommitted changes)" if run.get("git_dirty") else "")
                        for run in runs)  # fmt: skip
     device = distinct(run["device"] for run in runs)
-    return f"device {device}" + (f" ({cpus})" if cpus != "-" else "") + f", {threads} thread(s) a run; " \
-           f"{distinct(sorted(dates))}; commit {commits}"  # fmt: skip
+    threads = f", {threads} thread{'s' * (threads != '1')} a run" if threads != "-" else ""
+    return f"device {device}" + (f" ({cpus})" if cpus != "-" else "") + f"{threads}; {distinct(sorted(dates))}; commit {commits}"
 
 
 def _commit_date(commit: str | None) -> str | None:
@@ -104,11 +104,12 @@ def omniglot_curve(root: Path = REPO / "results/omniglot/curve") -> str:
     results, rows = _json(root / "results.json"), _rows(root / "metrics.jsonl")
     cfg = results["config"]
     val = [r for r in rows if "val/accuracy" in r]
-    shown = [r for r in val if r["iteration"] % 250 == 0 or r is val[-1]]
+    shown = [r for r in val if r["iteration"] % 200 == 0 or r is val[-1]]
     lines = [
         f"Validation accuracy of `{cfg['algorithm']}` (seed {cfg['seed']}) on {cfg['val_tasks']} fixed validation tasks "
-        f"after {cfg['steps']} step(s), every 250 of {results['iterations']} iterations (meta-loss and training accuracy: "
-        f"means over the {cfg['log_every']} iterations before). `{command(results)}`; {provenance([results])}.",
+        f"after {cfg['steps']} step{'s' * (cfg['steps'] != 1)}, every 200 of {results['iterations']} iterations (the "
+        f"meta-loss: the mean over the {cfg['log_every']} iterations before; the training query accuracy: that "
+        f"iteration's meta-batch). `{command(results)}`; {provenance([results])}.",
         "",
         "| iteration | validation accuracy % | training query accuracy % | meta-loss |",
         "|---|---|---|---|",
@@ -124,11 +125,13 @@ def omniglot_curve(root: Path = REPO / "results/omniglot/curve") -> str:
     return "\n".join(lines) + "\n"
 
 
-def _finished(sweep: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """A sweep's trials as recorded in ``sweep.json``, and the results of those that finished."""
-    trials = _json(sweep / "sweep.json")["trials"]
-    runs = [_json(sweep / t["name"] / "results.json") for t in trials if (sweep / t["name"] / "results.json").is_file()]
-    return trials, runs
+def _values(spec: dict[str, Any] | None, default: Any) -> list[Any]:
+    """A sweep parameter's values (``values`` or ``value``), or ``[default]`` when the sweep does not set it."""
+    return [default] if spec is None else list(spec.get("values", [spec.get("value")]))
+
+
+def _row(engine: str, algorithm: str) -> str:
+    return "learn2learn MAML" if engine == "learn2learn" else f"`{algorithm}`"
 
 
 def _mean_std(values: Sequence[float]) -> str:
@@ -140,52 +143,53 @@ def _mean_std(values: Sequence[float]) -> str:
 
 
 def omniglot_seeds(sweeps: Sequence[Path] = (REPO / "results/omniglot/seeds", REPO / "results/omniglot/learn2learn")) -> str:
-    """Test accuracy per recipe over the seeds that finished: the best-validation parameters, and the last ones."""
+    """Test accuracy per recipe over the seeds that finished: the best-validation parameters, and the last ones.
+
+    The rows and their seeds are the sweeps' grids (``sweep.json``); a row shows the trials that finished.
+    """
+    planned: dict[str, list[int]] = {}
     groups: dict[str, list[dict[str, Any]]] = {}
-    planned: dict[str, int] = {}
-    everything: list[dict[str, Any]] = []
+    commands = []
     for sweep in sweeps:
-        trials, runs = _finished(sweep)
-        for trial in trials:
-            p = trial["params"]
-            key = "learn2learn MAML" if p.get("engine") == "learn2learn" else f"`{p.get('algorithm', 'maml')}`"
-            planned[key] = planned.get(key, 0) + 1
-            groups.setdefault(key, [])
-        for run in runs:
-            cfg = run["config"]
-            key = "learn2learn MAML" if cfg.get("engine") == "learn2learn" else f"`{cfg['algorithm']}`"
-            groups[key].append(run)
-        everything += runs
-    header = ["row", "seeds", "iterations", *(f"{s.removesuffix('step')} step(s)" for s in STEPS),
+        report = _json(sweep / "sweep.json")
+        params = report["sweep"]["config"]["parameters"]
+        for engine in _values(params.get("engine"), "maml"):
+            for algorithm in _values(params.get("algorithm"), "maml"):
+                planned[_row(engine, algorithm)] = _values(params.get("seed"), 0)
+                groups[_row(engine, algorithm)] = []
+        for trial in report["trials"]:
+            if (path := sweep / trial["name"] / "results.json").is_file():
+                run = _json(path)
+                groups[_row(run["config"].get("engine", "maml"), run["config"]["algorithm"])].append(run)
+        commands.append(f"`python -m experiments.sweep {report['sweep']['file']} --out {sweep.relative_to(REPO).as_posix()}`")
+    everything = [run for runs in groups.values() for run in runs]
+    pending = [f"{key} ({len(planned[key])} seeds)" for key, runs in groups.items() if not runs]
+    if not everything:
+        return f"No trial has finished yet: {', '.join(pending)}; the sweeps resume with `--resume`.\n"
+    header = ["row", "seeds", "iterations", *(f"{s.removesuffix('step')} step{'s' * (s != '1step')}" for s in STEPS),
               "10 steps, last parameters", "best validation at", "minutes a run"]  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
-    pending = []
     for key, runs in groups.items():
         if not runs:
-            pending.append(f"{key} ({planned[key]} seeds)")
             continue
-        seeds = ", ".join(str(r["config"]["seed"]) for r in sorted(runs, key=lambda r: r["config"]["seed"]))
-        iterations = ", ".join(dict.fromkeys(str(r["iterations"]) for r in runs))
-        cells = [key, f"{len(runs)} of {planned[key]} ({seeds})", iterations]
+        runs = sorted(runs, key=lambda r: r["config"]["seed"])
+        seeds = ", ".join(str(r["config"]["seed"]) for r in runs)
+        cells = [key, f"{len(runs)} of {len(planned[key])} ({seeds})", ", ".join(dict.fromkeys(str(r["iterations"]) for r in runs))]
         cells += [_mean_std([r.get("test_best", r["test"])[s]["accuracy"] for r in runs]) for s in STEPS]
         cells += [_mean_std([r["test"]["10step"]["accuracy"] for r in runs])]
         cells += [", ".join(str(r.get("best_val", {}).get("iteration", "-")) for r in runs)]
         cells += [f"{sum(r['train_seconds'] for r in runs) / len(runs) / 60:.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
-    if not everything:
-        raise TableError(f"no finished trial in {', '.join(str(s.relative_to(REPO)) for s in sweeps)}")
     tasks = everything[0]["test"]["10step"]["tasks"]
     notes = [
         "",
         f"5-way 1-shot test accuracy % on {tasks} tasks of held-out alphabets, mean +- standard deviation over the "
         f"seeds that finished (n - 1), with the parameters of the best validation (every 100 iterations, "
         f"`best.pt`) unless the column says otherwise; the training steps are each recipe's, the test steps the "
-        f"columns'. Runs: {provenance(everything)}. Sweeps: "
-        + ", ".join(f"`python -m experiments.sweep {_json(s / 'sweep.json')['sweep']['file']} --out "
-                    f"{s.relative_to(REPO).as_posix()}`" for s in sweeps) + " (data from `$OMNIGLOT_DIR`).",
+        f"columns'. Runs: {provenance(everything)}. Sweeps: {', '.join(commands)}, data from `$OMNIGLOT_DIR`.",
     ]
     if pending:
-        notes.append(f"Not yet run: {', '.join(pending)} (the sweeps resume with `--resume`).")
+        notes.append(f"Not yet run: {', '.join(pending)}; the sweeps resume with `--resume`.")
     return "\n".join(lines + notes) + "\n"
 
 
