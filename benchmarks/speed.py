@@ -39,7 +39,7 @@ rounding in small gradients); in float64 it agrees with higher's like the rest.
 A third table, only on request (``--tables hvp``), sets the checkpointed mode's two backward
 passes (``checkpoint_hvp``) side by side: second order, checkpointed with reverse-over-reverse
 Hessian-vector products (the default), checkpointed with forward-over-reverse ones, first order
-(all ``batching="auto"``: a loop over tasks for the conv net on the CPU, vmap on a GPU),
+(all ``batching="auto"``, which times vmap and the loop on the first batch),
 learn2learn's ``MAML`` (second and first order) and higher; speed-ups and gradient differences as in
 the main table. Meant for the 8-task Omniglot workloads at ``--steps 1 5 10 20 40`` (issue 14).
 
@@ -48,7 +48,9 @@ Workloads, on the real task distributions (Omniglot: $OMNIGLOT_DIR, else ../shar
     omniglot5        the MAML conv net (4 x 64 3x3 filters, BatchNorm, ReLU, max-pool), 5-way 1-shot,
                      15 query per class, meta-batch 32, 1 inner step (lr 0.4)
     omniglot20       20-way 1-shot, 15 query per class, meta-batch 16, 5 inner steps (lr 0.1)
-    omniglot5-1shot  the same conv net, 5-way 1-shot, 15 query per class, meta-batch 8, 1 inner step (lr 0.4)
+    omniglot5-reference  the reference's strided net (experiments.omniglot's default), 5-way 1-shot, 1 query
+                     per class, meta-batch 32, 1 inner step (lr 0.4 on its summed loss)
+    omniglot5-1shot  the max-pool conv net, 5-way 1-shot, 15 query per class, meta-batch 8, 1 inner step (lr 0.4)
     omniglot5-5shot  5-way 5-shot, otherwise the same (the workload of benchmarks/memory.py)
 --steps N [N ...] runs every chosen workload at each of these numbers of inner steps instead of its own.
 """
@@ -84,6 +86,7 @@ import maml  # noqa: E402
 import tasks  # noqa: E402
 from benchmarks.flops import count_flops  # noqa: E402
 from benchmarks.sampling import omniglot_net, sine_net  # noqa: E402
+from experiments.omniglot import build_model as reference_net, loss_function  # noqa: E402  # the default: strided
 
 with warnings.catch_warnings():  # gym, imported by learn2learn, warns about its own deprecation
     warnings.simplefilter("ignore")
@@ -127,8 +130,8 @@ def workloads(data: Path, device: torch.device) -> dict[str, Workload]:
 
     omniglot_images = functools.cache(lambda: tasks.Omniglot(data))  # loaded once, for every Omniglot workload
 
-    def omniglot(ways: int, meta_batch: int, shots: int = 1) -> Callable[[torch.Generator], maml.TaskBatch]:
-        sampler = omniglot_images().sampler(ways=ways, shots=shots, query=15)
+    def omniglot(ways: int, meta_batch: int, shots: int = 1, query: int = 15) -> Callable[[torch.Generator], maml.TaskBatch]:
+        sampler = omniglot_images().sampler(ways=ways, shots=shots, query=query)
         return lambda g: sampler.sample(meta_batch, g, device=device)
 
     return {
@@ -141,6 +144,10 @@ def workloads(data: Path, device: torch.device) -> dict[str, Workload]:
         "omniglot20": Workload(
             "Omniglot conv net, 16 tasks, 20-way 1-shot, 5 steps", lambda: omniglot_net(20), omniglot(20, 16),
             F.cross_entropy, 0.1, 5,
+        ),
+        "omniglot5-reference": Workload(
+            "Omniglot strided net (the reference's), 32 tasks, 5-way 1-shot, 1 query per class, 1 step",
+            lambda: reference_net(5), omniglot(5, 32, query=1), loss_function("reference", 5), 0.4, 1,
         ),
         "omniglot5-1shot": Workload(
             "Omniglot conv net, 8 tasks, 5-way 1-shot, 1 step", lambda: omniglot_net(5), omniglot(5, 8),
