@@ -393,12 +393,16 @@ def test_the_sweep_files_search_what_they_say() -> None:
         "omniglot.yaml": ("val/accuracy", "maximize", ["meta-batch", "mode"]),
         "sine-seeds.yaml": ("val/mse", "minimize", ["algorithm", "seed"]),
         "omniglot-seeds.yaml": ("val/accuracy", "maximize", ["algorithm", "seed"]),
+        "omniglot-learn2learn.yaml": ("val/accuracy", "maximize", ["seed"]),
     }
     sine, omniglot = (searched[f"{name}-seeds.yaml"].config["parameters"] for name in ("sine", "omniglot"))
     assert (sine["algorithm"]["values"], sine["seed"]["values"]) == (["maml", "metasgd", "mamlpp"], [0, 1, 2, 3, 4])
-    assert omniglot["algorithm"]["values"] == ["maml", "fomaml", "anil", "mamlpp"]
-    assert omniglot["seed"]["values"] == [0, 1, 2, 3, 4]
-    assert omniglot["meta-batch"]["value"] == 8 and "value" in omniglot["iterations"] and "data" not in omniglot
+    assert omniglot["algorithm"]["values"] == ["maml", "fomaml", "anil", "metasgd", "mamlpp"]
+    # The reference protocol's own meta-batch (no override), and the same budget and seeds for the learn2learn row.
+    peer = searched["omniglot-learn2learn.yaml"].config["parameters"]
+    assert omniglot["seed"]["values"] == peer["seed"]["values"] == [0, 1, 2] and peer["engine"]["value"] == "learn2learn"
+    assert omniglot["iterations"] == peer["iterations"] and omniglot["val-every"] == peer["val-every"]
+    assert "meta-batch" not in omniglot and "data" not in omniglot
 
 
 BAD_INPUTS = {
