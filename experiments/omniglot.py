@@ -152,7 +152,9 @@ class BatchNormOffset(nn.Module):
         self.offset = nn.Parameter(torch.zeros(channels))
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.batch_norm(x, None, None, bias=self.offset, training=True, eps=self.eps)
+        # The offset added, not passed as batch_norm's bias: its double backward fails for a bias without a
+        # weight (PyTorch 2.15: "Expected a proper Tensor but got None"), which adapting the offset needs.
+        return F.batch_norm(x, None, None, training=True, eps=self.eps) + self.offset[:, None, None]
 
 
 class MeanPool(nn.Module):
