@@ -8,7 +8,8 @@
 
 from ._src.batch import TaskBatch
 from ._src.distributed import all_reduce_grads, all_reduce_mean, shard
-from ._src.learner import BATCHINGS, CHECKPOINT_HVPS, MODES, MetaLearner, MetaOutput
+from ._src.learner import BATCHINGS, CHECKPOINT_HVPS, MODES, MetaLearner
+from ._src.loop import MetaOutput
 from ._src.rates import LEARN_INNER_LR
 from ._src.rules import INNER_OPTIMIZERS
 

@@ -179,8 +179,8 @@ def test_auto_batching_takes_the_faster_as_timed_on_the_first_batch_and_keeps_it
         timed.append([next(iter(fast.values())).shape[0], *(x.shape[0] for x, _ in data)])
         return dict(zip(("vmap", "loop"), seconds))  # the loop only where it is 1.5x faster
 
-    monkeypatch.setattr(maml._src.inner, "time_batchings", timings)
-    monkeypatch.setattr(maml._src.inner, "_CHOICES", {})
+    monkeypatch.setattr(maml._src.forward, "time_batchings", timings)
+    monkeypatch.setattr(maml._src.forward, "_CHOICES", {})
     auto = maml.MetaLearner(conv, loss_fn, inner_lr=0.1, steps=2)
     assert auto.resolved_batching == "vmap"  # nothing timed before the first call
     grad = flat_grad(auto, batch)
@@ -204,10 +204,10 @@ def test_auto_batching_takes_the_faster_as_timed_on_the_first_batch_and_keeps_it
 
 def test_timing_the_batchings_measures_both_and_leaves_the_random_stream_alone():
     conv, batch, loss_fn = make("conv_groupnorm")
-    forward = maml._src.inner.TaskForward(conv, loss_fn, "auto", None)
+    forward = maml._src.forward.TaskForward(conv, loss_fn, "auto", None)
     fast = {k: v.detach().expand(batch.num_tasks, *v.shape) for k, v in conv.named_parameters()}
     state = torch.get_rng_state()
     data = [(batch.support_x, batch.support_y), (batch.query_x, batch.query_y)]
-    seconds = maml._src.inner.time_batchings(forward, fast, {}, data)
+    seconds = maml._src.forward.time_batchings(forward, fast, {}, data)
     assert set(seconds) == {"vmap", "loop"} and all(s > 0 for s in seconds.values())
     assert torch.equal(torch.get_rng_state(), state)

@@ -312,7 +312,7 @@ def test_checkpointed_draws_the_dropout_masks_of_second_order(batching, chunk_si
         assert torch.allclose(getattr(a, field), getattr(b, field), rtol=1e-12, atol=1e-14)
     torch.manual_seed(6)
     assert not torch.equal(second.run(batch).loss, b.loss)  # other masks, another loss: a mix-up would show
-    # The first call's look at the model (probe.py) draws nothing from the stream: a later call is the same.
+    # The first call's look at the model (model_check.py) draws nothing from the stream: a later call is the same.
     assert torch.equal(run(ckpt)[1], got)
 
 

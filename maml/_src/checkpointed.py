@@ -15,7 +15,7 @@ How a node's backward pulls the cotangents back through its steps is the learner
 ``create_graph=True`` and differentiates the replay with ``torch.autograd.grad``, as above;
 ``"forward_over_reverse"`` replays them for values only and walks them backwards one step at a
 time, the support loss's Hessian-vector products by ``torch.func.jvp`` over ``torch.func.grad``
-and the update rule's Jacobian by autograd on the rule alone (``mixed.py`` has the math and why
+and the update rule's Jacobian by autograd on the rule alone (``hvp.py`` has the math and why
 both exist). Either way each replayed forward pass restores its step's random-number state.
 
 ``torch.utils.checkpoint`` cannot do this: its saved-tensor hooks are not allowed under
@@ -31,18 +31,19 @@ net (8 tasks one at a time, 40 inner steps) peaked at 1 GiB of resident memory i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .batch import TaskBatch
-from .inner import Params, exact_attention
-from .loop import InnerLoop, Trace, flatten_state, unflatten_state
-from .mixed import CHECKPOINT_HVPS, HessianProducts, step_vjp, support_hvp
+from .forward import Params, TaskForward, exact_attention
+from .hvp import HessianProducts, step_vjp, support_hvp
+from .loop import Adapted, InnerLoop, MetaOutput, autograd_support_grad, flatten_state, per_task, stacked, unflatten_state
 from .rules import State
-from .step import autograd_support_grad, inner_step
 
 __all__ = ["run"]
 
@@ -73,6 +74,10 @@ def _rng_forked(device: torch.device) -> Iterator[None]:
         yield
 
 
+def _join(pieces: list[Tensor]) -> Tensor:
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
 class _Segment(torch.autograd.Function):
     """Returns outputs computed already; its backward pulls the cotangents back from the inputs it keeps.
 
@@ -82,7 +87,7 @@ class _Segment(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx, pullback: Pullback, keep_outputs: int, outputs: tuple[Tensor, ...], *inputs: Tensor
+        ctx: Any, pullback: Pullback, keep_outputs: int, outputs: tuple[Tensor, ...], *inputs: Tensor
     ) -> tuple[Tensor, ...]:
         ctx.pullback, ctx.n_inputs = pullback, len(inputs)
         outs = tuple(t.detach() for t in outputs)
@@ -91,10 +96,117 @@ class _Segment(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, *cotangents: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, *cotangents: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         saved = list(ctx.saved_tensors)
         grads = ctx.pullback(saved[: ctx.n_inputs], saved[ctx.n_inputs :], cotangents, ctx.needs_input_grad[3:])
         return (None, None, None, *grads)
+
+
+@dataclasses.dataclass
+class _Pass:
+    """One checkpointed pass over a meta-batch: what its forward pass recorded, and how a node's inputs unpack.
+
+    A segment node's inputs are the kept fast weights and state (``n_kept`` tensors), then
+    ``others``: the learnable rates, then the trained parameters outside the adapt set.
+    """
+
+    loop: InnerLoop
+    names: tuple[str, ...]
+    parts: list[TaskBatch]  # the chunks of tasks
+    bounds: list[tuple[int, int]]  # each chunk's tasks, [lo, hi)
+    steps: int
+    every_step: bool
+    device: torch.device
+    rate_keys: tuple[str, ...]
+    trained: tuple[str, ...]
+    plain: Params  # every const, detached
+    rng: dict[tuple[str, int, int], _RngState] = dataclasses.field(default_factory=dict)  # (phase, chunk, step)
+
+    @property
+    def forward(self) -> TaskForward:
+        return self.loop.forward
+
+    def unpack(self, other: Sequence[Tensor]) -> tuple[Params, Params]:
+        """``(rate values, consts)`` from a node's other inputs."""
+        return dict(zip(self.rate_keys, other)), {**self.plain, **dict(zip(self.trained, other[len(self.rate_keys) :]))}
+
+    def chunk(self, tensors: Sequence[Tensor], c: int) -> list[Tensor]:
+        """Chunk ``c``'s slices of ``(T, ...)`` tensors."""
+        lo, hi = self.bounds[c]
+        return [t[lo:hi] for t in tensors]
+
+
+def _values_pass(p: _Pass, params: Params, rate_values: Params, consts: Params, every: int) -> tuple[dict[int, list[Tensor]], Adapted]:
+    """The inner loop for values only, every chunk at each step in turn (the eager path's order: same dropout masks).
+
+    Returns the iterates kept every ``every`` steps, ``step -> [fast weights, state]`` entering
+    the step, all ``(T, *shape)``, and the loop's result. Records each chunk's random-number state
+    before each forward pass in ``p.rng``.
+    """
+    names, forward = p.names, p.forward
+    fast = per_task({k: v.detach() for k, v in params.items()}, sum(b.num_tasks for b in p.parts))
+    state = p.loop.rule.init(fast)
+    kept = {0: [*fast.values(), *flatten_state(state, names)]} if p.steps else {}
+    buffers: list[Tensor] = []
+
+    def support_grad(fast: Params, step: int) -> tuple[Params, Tensor]:
+        # The new iterate's memory, before the activations (module docstring).
+        buffers[:] = [torch.empty_like(t) for t in kept[0]]
+        grads, losses = [], []
+        for c, part in enumerate(p.parts):
+            p.rng["support", c, step] = _rng_state(p.device)
+            leaves = {k: v.detach().requires_grad_() for k, v in zip(names, p.chunk(list(fast.values()), c))}
+            g, loss = autograd_support_grad(forward, consts, part.support_x, part.support_y, create_graph=False)(leaves, step)
+            grads.append(g)
+            losses.append(loss)
+        return {k: _join([g[k] for g in grads]) for k in names}, _join(losses)
+
+    def score(fast: Params, step: int) -> Tensor:
+        losses = []
+        for c, part in enumerate(p.parts):
+            p.rng["query", c, step] = _rng_state(p.device)
+            with torch.no_grad():
+                chunk = dict(zip(names, p.chunk(list(fast.values()), c)))
+                losses.append(forward(chunk, consts, part.query_x, part.query_y)[0])
+        return _join(losses)
+
+    def keep(step: int, fast: Params, state: State) -> tuple[Params, State]:
+        out = [b.copy_(t.detach()) for b, t in zip(buffers, [*fast.values(), *flatten_state(state, names)])]
+        if (step + 1) % every == 0 and step + 1 < p.steps:
+            kept[step + 1] = out
+        return dict(zip(names, out[: len(names)])), unflatten_state(out[len(names) :], names)
+
+    done = p.loop.run(support_grad, fast, state, rate_values, p.steps, score=score if p.every_step else None, keep=keep)
+    return kept, done
+
+
+def _final_query(p: _Pass, fast: Params, consts: Params, grads_now: bool) -> list[tuple[Tensor, Tensor, list[Tensor] | None]]:
+    """Each chunk's query losses ``(T_c,)`` and outputs at the last fast weights, and with ``grads_now`` their gradients.
+
+    The gradients with respect to the last fast weights are taken now, while the forward pass
+    runs anyway, and the backward pass only scales them: replaying the query set would cost one
+    more forward pass over it, often the larger set (75 images against 5 at 5-way 1-shot). Task
+    t's loss depends on its own fast weights alone, so the gradient of the chunk's summed losses
+    holds each task's own. Trained parameters outside the adapt set are shared by the tasks, so
+    their per-task terms cannot be told apart in one summed gradient: then (``grads_now`` false)
+    the query is replayed in the backward pass.
+    """
+    results = []
+    for c, part in enumerate(p.parts):
+        p.rng["query", c, p.steps] = _rng_state(p.device)
+        values = p.chunk(list(fast.values()), c)
+        if grads_now:
+            kept_grads = [torch.empty_like(v) for v in values]  # before the activations (module docstring)
+            with torch.enable_grad():
+                leaves = {k: v.detach().requires_grad_() for k, v in zip(p.names, values)}
+                losses, out = p.forward(leaves, consts, part.query_x, part.query_y)
+                grads = torch.autograd.grad(losses.sum(), list(leaves.values()), allow_unused=True, materialize_grads=True)
+            results.append((losses.detach(), out.detach(), [k.copy_(g) for k, g in zip(kept_grads, grads)]))
+        else:
+            with torch.no_grad():
+                losses, out = p.forward(dict(zip(p.names, values)), consts, part.query_x, part.query_y)
+            results.append((losses, out, None))
+    return results
 
 
 def _by_autograd(replay: Replay, n_kept: int) -> Pullback:
@@ -122,6 +234,157 @@ def _by_autograd(replay: Replay, n_kept: int) -> Pullback:
     return pullback
 
 
+def _replay_segment(p: _Pass, c: int, start: int, count: int) -> Replay:
+    """Steps ``start`` to ``start + count - 1`` of chunk ``c`` again, with a graph, each under its recorded random state."""
+    part, names = p.parts[c], p.names
+
+    def replay(kept_in: list[Tensor], other: list[Tensor]) -> list[Tensor]:
+        seg_rates, seg_consts = p.unpack(other)
+        support = autograd_support_grad(p.forward, seg_consts, part.support_x, part.support_y, create_graph=True)
+
+        def support_grad(fast: Params, step: int) -> tuple[Params, Tensor]:
+            _set_rng(p.rng["support", c, step])
+            return support(fast, step)
+
+        def score(fast: Params, step: int) -> Tensor:
+            _set_rng(p.rng["query", c, step])
+            return p.forward(fast, seg_consts, part.query_x, part.query_y)[0]
+
+        fast, state = dict(zip(names, kept_in[: len(names)])), unflatten_state(kept_in[len(names) :], names)
+        with _rng_forked(p.device), exact_attention():
+            done = p.loop.unchecked().run(
+                support_grad, fast, state, seg_rates, p.steps,
+                start=start, stop=start + count, score=score if p.every_step else None,
+            )  # fmt: skip
+        return [*done.fast.values(), *flatten_state(done.state, names), *done.scores]
+
+    return replay
+
+
+def _replay_query(p: _Pass, c: int) -> Replay:
+    """Chunk ``c``'s final query losses again, with a graph."""
+    part = p.parts[c]
+
+    def replay(kept_in: list[Tensor], other: list[Tensor]) -> list[Tensor]:
+        _, seg_consts = p.unpack(other)
+        with _rng_forked(p.device), exact_attention():
+            _set_rng(p.rng["query", c, p.steps])
+            return [p.forward(dict(zip(p.names, kept_in)), seg_consts, part.query_x, part.query_y)[0]]
+
+    return replay
+
+
+def _scaled(grads: list[Tensor]) -> Pullback:
+    """The query node's pullback from gradients taken in the forward pass: each task's, times its cotangent."""
+
+    def pullback(
+        inputs: list[Tensor], _: list[Tensor], cotangents: Sequence[Tensor], needs: Sequence[bool]
+    ) -> list[Tensor | None]:
+        cot = cotangents[0]  # (T_c,)
+        pulled = [g * cot.view(-1, *[1] * (g.dim() - 1)) for g in grads]
+        return [g if need else None for g, need in zip(pulled, needs)] + [None] * (len(inputs) - len(pulled))
+
+    return pullback
+
+
+class _ForwardOverReverse:
+    """A segment's pullback without a second-order graph: values forwards, then ``step_vjp`` backwards (``hvp.py``).
+
+    Inputs and cotangents as the segment node lays them out: kept ``(T_c, *shape)`` fast
+    weights and state, then the rates and the trained consts; the outputs' cotangents are
+    the new fast weights' and state's, then one ``(T_c,)`` per query score after a step.
+    """
+
+    def __init__(self, p: _Pass, c: int, start: int, count: int, n_kept: int) -> None:
+        self.p, self.c, self.start, self.count, self.n_kept = p, c, start, count, n_kept
+        self.part = p.parts[c]
+
+    def _support_grad(self, consts: Params) -> Callable[[Params, int], tuple[Params, Tensor]]:
+        """The step's support gradient at given fast weights (values), under its recorded random state."""
+        support = autograd_support_grad(self.p.forward, consts, self.part.support_x, self.part.support_y, create_graph=False)
+
+        def support_grad(fast: Params, step: int) -> tuple[Params, Tensor]:
+            _set_rng(self.p.rng["support", self.c, step])
+            with torch.enable_grad():
+                return support({k: v.detach().requires_grad_() for k, v in fast.items()}, step)
+
+        return support_grad
+
+    def _hvp(self, step: int, fixed: Params, phi: Params) -> HessianProducts:
+        def products(fast: Params, tangent: Params) -> tuple[Params, Params, Params]:
+            _set_rng(self.p.rng["support", self.c, step])
+            return support_hvp(self.p.forward, fixed, phi, self.part.support_x, self.part.support_y, fast, tangent)
+
+        return products
+
+    def _score_vjp(self, step: int, fast: Params, cot: Tensor, fixed: Params, phi: Params) -> tuple[Params, Params]:
+        """Pulls the ``(T_c,)`` cotangent of the query losses after ``step`` back to ``fast`` and ``phi``."""
+        _set_rng(self.p.rng["query", self.c, step])
+        with torch.enable_grad():
+            leaves = {k: v.detach().requires_grad_() for k, v in fast.items()}
+            phi_leaves = {k: v.detach().requires_grad_() for k, v in phi.items()}
+            losses, _ = self.p.forward(leaves, {**fixed, **phi_leaves}, self.part.query_x, self.part.query_y)
+            pulled = torch.autograd.grad(
+                losses, [*leaves.values(), *phi_leaves.values()], cot, allow_unused=True, materialize_grads=True
+            )
+        n = len(self.p.names)
+        return dict(zip(self.p.names, pulled[:n])), dict(zip(phi, pulled[n:]))
+
+    def __call__(
+        self, inputs: list[Tensor], outputs: list[Tensor], cotangents: Sequence[Tensor], needs: Sequence[bool]
+    ) -> list[Tensor | None]:
+        p, names, n_kept, n_fast = self.p, self.p.names, self.n_kept, len(self.p.names)
+        start, count, loop = self.start, self.count, self.p.loop
+        seg_rates, seg_consts = p.unpack([t.detach() for t in inputs[n_kept:]])
+        want_rates = any(needs[n_kept : n_kept + len(p.rate_keys)])
+        # The trained consts whose cotangent is wanted get the cross terms; the rest are constants.
+        phi = {k: seg_consts[k] for i, k in enumerate(p.trained) if needs[n_kept + len(p.rate_keys) + i]}
+        fixed = {k: v for k, v in seg_consts.items() if k not in phi}
+        support_grad = self._support_grad(seg_consts)
+        fast = {k: v.detach() for k, v in zip(names, inputs[:n_fast])}  # (T_c, *shape)
+        state: State = unflatten_state([t.detach() for t in inputs[n_fast:n_kept]], names)
+        cot_fast = dict(zip(names, cotangents[:n_fast]))
+        cot_state = unflatten_state(list(cotangents[n_fast:n_kept]), names)
+        score_cots = cotangents[n_kept:]  # (T_c,) after step start + i, for each such step < steps - 1
+        cot_rates = {k: torch.zeros_like(v) for k, v in seg_rates.items()} if want_rates else {}
+        cot_phi = {k: torch.zeros_like(v) for k, v in phi.items()}
+        with _rng_forked(p.device), exact_attention():
+            # Values only, through all but the last step (whose output the node kept), keeping
+            # the fast weights, state and support gradient entering each step.
+            seen: list[Params | None] = []
+            visited: list[tuple[Params, State]] = [(fast, state)]
+
+            def record(fast: Params, step: int) -> tuple[Params, Tensor]:
+                grads, losses = support_grad(fast, step)
+                seen.append(grads)
+                return grads, losses
+
+            def keep(step: int, fast: Params, state: State) -> tuple[Params, State]:
+                visited.append((fast, state))
+                return fast, state
+
+            loop.unchecked().run(record, fast, state, seg_rates, p.steps, start=start, stop=start + count - 1, keep=keep)
+            entering = [(f, s, g) for (f, s), g in zip(visited, [*seen, None])]
+            for i in reversed(range(count)):
+                step = start + i
+                if p.every_step and step < p.steps - 1:  # the query score after the step, at its output
+                    after = dict(zip(names, outputs)) if i == count - 1 else entering[i + 1][0]
+                    from_score, phi_score = self._score_vjp(step, after, score_cots[i], fixed, phi)
+                    cot_fast = {k: v + from_score[k] for k, v in cot_fast.items()}
+                    cot_phi = {k: v + phi_score[k] for k, v in cot_phi.items()}
+                fast_i, state_i, grads_i = entering[i]
+                cot_fast, cot_state, step_rates, step_phi = step_vjp(
+                    self._hvp(step, fixed, phi), lambda f, step=step: support_grad(f, step)[0],
+                    loop.rule, loop.rates, seg_rates, step, fast_i, state_i, grads_i, cot_fast, cot_state,
+                    want_rates=want_rates,
+                )  # fmt: skip
+                cot_rates = {k: v + step_rates[k] for k, v in cot_rates.items()}
+                cot_phi = {k: v + step_phi[k] for k, v in cot_phi.items()}
+        pulled: list[Tensor | None] = [*cot_fast.values(), *flatten_state(cot_state, names)]
+        pulled += [cot_rates.get(k) for k in p.rate_keys] + [cot_phi.get(k) for k in p.trained]
+        return [g if need else None for g, need in zip(pulled, needs)]
+
+
 def run(
     loop: InnerLoop,
     params: Params,
@@ -132,10 +395,10 @@ def run(
     *,
     chunk: int,
     every: int,
-    every_step: bool,
+    step_weights: Tensor | None,
     hvp: str = "reverse_over_reverse",
-) -> Trace:
-    """The exact meta-loss's pieces with recomputation in the backward pass.
+) -> MetaOutput:
+    """The exact meta-loss with recomputation in the backward pass.
 
     Args:
         loop: the learner's inner loop.
@@ -147,246 +410,58 @@ def run(
         steps: inner steps.
         chunk: tasks per recomputed segment.
         every: inner steps per recomputed segment (``checkpoint_every``).
-        every_step: also score the query set after every step (the multi-step loss).
-        hvp: how a segment's backward differentiates its steps (``checkpoint_hvp``, see ``mixed.py``).
+        step_weights: ``(steps,)`` MAML++'s multi-step loss weights, or ``None``.
+        hvp: how a segment's backward differentiates its steps (``checkpoint_hvp``, see ``hvp.py``).
     """
-    assert hvp in CHECKPOINT_HVPS, hvp
-    names = tuple(params)
-    tasks = batch.num_tasks
-    device = batch.support_x.device
-    forward, rule, rates = loop.forward, loop.rule, loop.rates
-    rate_keys = tuple(rate_values)
+    assert hvp in ("reverse_over_reverse", "forward_over_reverse"), hvp
+    names, tasks = tuple(params), batch.num_tasks
     trained = tuple(k for k, v in consts.items() if v.requires_grad)
     others = [*rate_values.values(), *(consts[k] for k in trained)]
-    plain = {k: v.detach() for k, v in consts.items()}
-    starts = range(0, tasks, chunk)
-    parts = [batch[lo : lo + chunk] for lo in starts]
-
-    def unpack(other: Sequence[Tensor]) -> tuple[Params, Params]:
-        """``(rate values, consts)`` from a node's other inputs."""
-        return dict(zip(rate_keys, other)), {**plain, **dict(zip(trained, other[len(rate_keys) :]))}
-
-    # ---- values only, step by step over every chunk, in the eager path's order
-    values = [{k: p.detach().unsqueeze(0).expand(part.num_tasks, *p.shape) for k, p in params.items()} for part in parts]
-    states = [rule.init(v) for v in values]
-    kept: dict[tuple[int, int], list[Tensor]] = {}  # (chunk, step) -> fast weights and state entering the step
-    rng: dict[tuple[str, int, int], _RngState] = {}  # (phase, chunk, step) -> random state before it
-    r_values, r_consts = unpack([o.detach() for o in others])
-    support_losses, step_query = [], []
-    for step in range(steps):
-        step_rates = rates.at(r_values, step)
-        losses = []
-        for c, part in enumerate(parts):
-            if step % every == 0:
-                kept[c, step] = [*values[c].values(), *flatten_state(states[c], names)]
-            rng["support", c, step] = _rng_state(device)
-            fast = {k: v.detach().requires_grad_() for k, v in values[c].items()}
-            flat = flatten_state(states[c], names)
-            out = [torch.empty_like(t) for t in [*fast.values(), *flat]]  # before the activations
-            support_grad = autograd_support_grad(forward, r_consts, part.support_x, part.support_y, create_graph=False)
-            new, state, loss = inner_step(support_grad, rule, fast, states[c], step_rates, step)
-            out = [o.copy_(t.detach()) for o, t in zip(out, [*new.values(), *flatten_state(state, names)])]
-            values[c], states[c] = dict(zip(names, out[: len(names)])), unflatten_state(out[len(names) :], names)
-            losses.append(loss)
-        losses = torch.cat(losses)
-        if loop.check is not None:  # once every chunk took the step, so that the task index is the batch's
-            loop.check(losses, step, steps)
-        support_losses.append(losses)
-        if every_step and step < steps - 1:
-            per_chunk = []
-            for c, part in enumerate(parts):
-                rng["query", c, step] = _rng_state(device)
-                with torch.no_grad():
-                    per_chunk.append(forward(values[c], r_consts, part.query_x, part.query_y)[0])
-            step_query.append(per_chunk)
-    # The final query losses' gradients with respect to the last fast weights are taken now, while
-    # their forward pass runs anyway, and the backward pass only scales them: replaying the query set
-    # would cost one more forward pass over it, often the larger set (75 images against 5 at 5-way
-    # 1-shot). Task t's loss depends on its own fast weights alone, so the gradient of the chunk's
-    # summed losses holds each task's own. Trained parameters outside the adapt set are shared by the
-    # tasks, so their per-task terms cannot be told apart in one summed gradient: then the query is
-    # replayed in the backward pass as before. Without grad mode (evaluation) nothing is taken.
-    final_query, query_grads = [], []
-    query_now = torch.is_grad_enabled() and not trained and any(p.requires_grad for p in params.values())
-    for c, part in enumerate(parts):
-        rng["query", c, steps] = _rng_state(device)
-        if query_now:
-            kept_grads = [torch.empty_like(v) for v in values[c].values()]  # before the activations (module docstring)
-            with torch.enable_grad():
-                leaves = {k: v.detach().requires_grad_() for k, v in values[c].items()}
-                losses, out = forward(leaves, r_consts, part.query_x, part.query_y)
-                grads = torch.autograd.grad(losses.sum(), list(leaves.values()), allow_unused=True, materialize_grads=True)
-            final_query.append((losses.detach(), out.detach()))
-            query_grads.append([k.copy_(g) for k, g in zip(kept_grads, grads)])
-        else:
-            with torch.no_grad():
-                final_query.append(forward(values[c], r_consts, part.query_x, part.query_y))
+    bounds = [(lo, min(lo + chunk, tasks)) for lo in range(0, tasks, chunk)]
+    p = _Pass(
+        loop=loop, names=names, parts=[batch[lo:hi] for lo, hi in bounds], bounds=bounds, steps=steps,
+        every_step=step_weights is not None, device=batch.support_x.device, rate_keys=tuple(rate_values),
+        trained=trained, plain={k: v.detach() for k, v in consts.items()},
+    )  # fmt: skip
+    r_values, r_consts = p.unpack([o.detach() for o in others])
+    kept, done = _values_pass(p, params, r_values, r_consts, every)
+    final_state = [*done.fast.values(), *flatten_state(done.state, names)]
+    # Without grad mode (evaluation) nothing is taken now (see _final_query).
+    grads_now = torch.is_grad_enabled() and not trained and any(v.requires_grad for v in params.values())
+    final = _final_query(p, done.fast, r_consts, grads_now)
 
     # ---- the graph: per chunk, one node per segment, then one for the query loss
-    def segment(c: int, start: int, count: int) -> Replay:
-        part = parts[c]
-
-        def replay(kept_in: list[Tensor], other: list[Tensor]) -> list[Tensor]:
-            seg_rates, seg_consts = unpack(other)
-            fast = dict(zip(names, kept_in[: len(names)]))
-            state = unflatten_state(kept_in[len(names) :], names)
-            scores = []
-            with _rng_forked(device), exact_attention():
-                for step in range(start, start + count):
-                    _set_rng(rng["support", c, step])
-                    support_grad = autograd_support_grad(forward, seg_consts, part.support_x, part.support_y, create_graph=True)
-                    fast, state, _ = inner_step(support_grad, rule, fast, state, rates.at(seg_rates, step), step)
-                    if every_step and step < steps - 1:
-                        _set_rng(rng["query", c, step])
-                        scores.append(forward(fast, seg_consts, part.query_x, part.query_y)[0])
-            return [*fast.values(), *flatten_state(state, names), *scores]
-
-        return replay
-
-    def query(c: int) -> Replay:
-        part = parts[c]
-
-        def replay(kept_in: list[Tensor], other: list[Tensor]) -> list[Tensor]:
-            _, seg_consts = unpack(other)
-            with _rng_forked(device), exact_attention():
-                _set_rng(rng["query", c, steps])
-                return [forward(dict(zip(names, kept_in)), seg_consts, part.query_x, part.query_y)[0]]
-
-        return replay
-
-    def scaled(grads: list[Tensor]) -> Pullback:
-        """The query node's pullback from gradients taken in the forward pass: each task's, times its cotangent."""
-
-        def pullback(
-            inputs: list[Tensor], _: list[Tensor], cotangents: Sequence[Tensor], needs: Sequence[bool]
-        ) -> list[Tensor | None]:
-            cot = cotangents[0]  # (T_c,)
-            pulled = [g * cot.view(-1, *[1] * (g.dim() - 1)) for g in grads]
-            return [g if need else None for g, need in zip(pulled, needs)] + [None] * (len(inputs) - len(pulled))
-
-        return pullback
-
-    n_kept = len(kept[0, 0]) if steps else len(names)
     n_fast = len(names)
-
-    def forward_over_reverse(c: int, start: int, count: int) -> Pullback:
-        """The segment's pullback without a second-order graph: values forwards, then ``step_vjp`` backwards.
-
-        Inputs and cotangents as the segment node lays them out: kept ``(T_c, *shape)`` fast
-        weights and state, then the rates and the trained consts; the outputs' cotangents are
-        the new fast weights' and state's, then one ``(T_c,)`` per query score after a step.
-        """
-        part = parts[c]
-        end = start + count
-
-        def pullback(
-            inputs: list[Tensor], outputs: list[Tensor], cotangents: Sequence[Tensor], needs: Sequence[bool]
-        ) -> list[Tensor | None]:
-            seg_rates, seg_consts = unpack([t.detach() for t in inputs[n_kept:]])
-            want_rates = any(needs[n_kept : n_kept + len(rate_keys)])
-            # The trained consts whose cotangent is wanted get the cross terms; the rest are constants.
-            phi = {k: seg_consts[k] for i, k in enumerate(trained) if needs[n_kept + len(rate_keys) + i]}
-            fixed = {k: v for k, v in seg_consts.items() if k not in phi}
-
-            def hvp_at(step: int) -> HessianProducts:
-                def products(fast: Params, tangent: Params) -> tuple[Params, Params, Params]:
-                    _set_rng(rng["support", c, step])
-                    return support_hvp(forward, fixed, phi, part.support_x, part.support_y, fast, tangent)
-
-                return products
-
-            def grad_at(step: int) -> Callable[[Params], Params]:
-                def grad(fast: Params) -> Params:
-                    _set_rng(rng["support", c, step])
-                    leaves = {k: v.detach().requires_grad_() for k, v in fast.items()}
-                    support_grad = autograd_support_grad(forward, seg_consts, part.support_x, part.support_y, create_graph=False)
-                    with torch.enable_grad():
-                        return support_grad(leaves)[0]
-
-                return grad
-
-            def score_vjp(step: int, fast: Params, cot: Tensor) -> tuple[Params, Params]:
-                """Pulls the ``(T_c,)`` cotangent of the query losses after ``step`` back to ``fast`` and ``phi``."""
-                _set_rng(rng["query", c, step])
-                with torch.enable_grad():
-                    leaves = {k: v.detach().requires_grad_() for k, v in fast.items()}
-                    phi_leaves = {k: v.detach().requires_grad_() for k, v in phi.items()}
-                    losses, _ = forward(leaves, {**fixed, **phi_leaves}, part.query_x, part.query_y)
-                    pulled = torch.autograd.grad(
-                        losses, [*leaves.values(), *phi_leaves.values()], cot, allow_unused=True, materialize_grads=True
-                    )
-                return dict(zip(names, pulled[:n_fast])), dict(zip(phi, pulled[n_fast:]))
-
-            fast = {k: v.detach() for k, v in zip(names, inputs[:n_fast])}  # (T_c, *shape)
-            state: State = unflatten_state([t.detach() for t in inputs[n_fast:n_kept]], names)
-            # (fast weights, state, support gradient or None) entering each step of the segment
-            entering: list[tuple[Params, State, Params | None]] = []
-            cot_fast = dict(zip(names, cotangents[:n_fast]))
-            cot_state = unflatten_state(list(cotangents[n_fast:n_kept]), names)
-            score_cots = cotangents[n_kept:]  # (T_c,) after step start + i, for each such step < steps - 1
-            cot_rates = {k: torch.zeros_like(v) for k, v in seg_rates.items()} if want_rates else {}
-            cot_phi = {k: torch.zeros_like(v) for k, v in phi.items()}
-            with _rng_forked(device), exact_attention():
-                for step in range(start, end):  # values only; the last step's output is the node's
-                    grads = grad_at(step)(fast) if step < end - 1 else None
-                    entering.append((fast, state, grads))
-                    if grads is not None:
-                        with torch.no_grad():
-                            fast, state = rule.update(grads, state, fast, step, rates.at(seg_rates, step))
-                for i in reversed(range(count)):
-                    step = start + i
-                    if every_step and step < steps - 1:  # the query score after the step, at its output
-                        after = dict(zip(names, outputs)) if i == count - 1 else entering[i + 1][0]
-                        from_score, phi_score = score_vjp(step, after, score_cots[i])
-                        cot_fast = {k: v + from_score[k] for k, v in cot_fast.items()}
-                        cot_phi = {k: v + phi_score[k] for k, v in cot_phi.items()}
-                    fast_i, state_i, grads_i = entering[i]
-                    cot_fast, cot_state, step_rates, step_phi = step_vjp(
-                        hvp_at(step), grad_at(step), rule, rates, seg_rates, step, fast_i, state_i, grads_i,
-                        cot_fast, cot_state, want_rates=want_rates,
-                    )  # fmt: skip
-                    cot_rates = {k: v + step_rates[k] for k, v in cot_rates.items()}
-                    cot_phi = {k: v + step_phi[k] for k, v in cot_phi.items()}
-            pulled: list[Tensor | None] = [*cot_fast.values(), *flatten_state(cot_state, names)]
-            pulled += [cot_rates.get(k) for k in rate_keys] + [cot_phi.get(k) for k in trained]
-            return [g if need else None for g, need in zip(pulled, needs)]
-
-        return pullback
-
-    def pullback(c: int, start: int, count: int) -> Pullback:
-        if hvp == "forward_over_reverse":
-            return forward_over_reverse(c, start, count)
-        return _by_autograd(segment(c, start, count), n_kept)
-
+    n_kept = len(kept[0]) if steps else n_fast
     # The forward-over-reverse pullback of a segment scored after its last step reads that step's output.
-    keep = n_fast if hvp == "forward_over_reverse" and every_step else 0
+    keep_outputs = n_fast if hvp == "forward_over_reverse" and p.every_step else 0
     fast_parts, query_parts, score_parts = [], [], []
-    for c, part in enumerate(parts):
+    for c, part in enumerate(p.parts):
         # The initial fast weights as a view of the parameters, so that the gradient reaches them.
-        inputs = [*(p.unsqueeze(0).expand(part.num_tasks, *p.shape) for p in params.values())]
-        inputs += kept[c, 0][len(names) :] if steps else []
+        inputs = [*per_task(params, part.num_tasks).values(), *(p.chunk(kept[0], c)[n_fast:] if steps else [])]
         scores: list[Tensor] = []
         for start in range(0, steps, every):
             count = min(every, steps - start)
             end = start + count
-            after = kept[c, end] if end < steps else [*values[c].values(), *flatten_state(states[c], names)]
-            extra = [step_query[s][c] for s in range(start, end) if s < steps - 1] if every_step else []
-            outs = _Segment.apply(pullback(c, start, count), keep, (*after, *extra), *inputs, *others)
+            after = p.chunk(kept[end] if end < steps else final_state, c)
+            extra = [p.chunk([done.scores[s]], c)[0] for s in range(start, end) if s < steps - 1] if p.every_step else []
+            if hvp == "forward_over_reverse":
+                pullback: Pullback = _ForwardOverReverse(p, c, start, count, n_kept)
+            else:
+                pullback = _by_autograd(_replay_segment(p, c, start, count), n_kept)
+            outs = _Segment.apply(pullback, keep_outputs, (*after, *extra), *inputs, *others)
             inputs, scores = list(outs[:n_kept]), scores + list(outs[n_kept:])
-        fast = inputs[:n_fast]
-        pull_query = scaled(query_grads[c]) if query_now else _by_autograd(query(c), n_fast)
-        (loss,) = _Segment.apply(pull_query, 0, (final_query[c][0],), *fast, *others)
-        fast_parts.append(fast)
+        losses, _, grads = final[c]
+        pull_query = _scaled(grads) if grads is not None else _by_autograd(_replay_query(p, c), n_fast)
+        (loss,) = _Segment.apply(pull_query, 0, (losses,), *inputs[:n_fast], *others)
+        fast_parts.append(inputs[:n_fast])
         query_parts.append(loss)
         score_parts.append(scores)
-    return Trace(
-        query_losses=torch.cat(query_parts),
-        query_out=torch.cat([out for _, out in final_query]),
-        support_losses=torch.stack(support_losses) if support_losses else batch.support_x.new_zeros((0, tasks), dtype=torch.float32),
-        fast={k: torch.cat([f[i] for f in fast_parts]) for i, k in enumerate(names)},
-        step_query_losses=(
-            torch.stack([*(torch.cat([s[i] for s in score_parts]) for i in range(steps - 1)), torch.cat(query_parts)])
-            if every_step
-            else None
-        ),
-    )
+    query_losses = torch.cat(query_parts)
+    per_step = None
+    if p.every_step:
+        per_step = torch.stack([*(torch.cat([s[i] for s in score_parts]) for i in range(steps - 1)), query_losses])
+    return MetaOutput.of(
+        query_losses, torch.cat([out for _, out, _ in final]), stacked(done.support_losses, tasks, batch.support_x),
+        {k: torch.cat([f[i] for f in fast_parts]) for i, k in enumerate(names)}, per_step, step_weights,
+    )  # fmt: skip

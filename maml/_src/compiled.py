@@ -22,15 +22,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .inner import Params
-from .loop import InnerLoop
-from .step import func_support_grad, inner_step
+from .batch import TaskBatch
+from .forward import Params
+from .loop import InnerLoop, MetaOutput, func_support_grad, meta_objective, per_task, stacked
+
+__all__ = ["meta_step", "run"]
 
 # (grads of params, rates, trained consts), (loss, query losses, query outputs, support losses, fast, step query losses)
 StepResult = tuple[tuple[Params, Params, Params], tuple[Tensor, Tensor, Tensor, Tensor, Params, Tensor]]
+Step = Callable[..., StepResult]
 
 
-def meta_step(loop: InnerLoop, first_order: bool) -> Callable[..., StepResult]:
+def meta_step(loop: InnerLoop, first_order: bool) -> Step:
     """The uncompiled step: ``step(params, rate_values, trained, consts, sx, sy, qx, qy, steps, step_weights)``.
 
     ``trained`` are the trainable parameters outside the adapt set, ``consts`` the rest of the
@@ -40,6 +43,7 @@ def meta_step(loop: InnerLoop, first_order: bool) -> Callable[..., StepResult]:
     ``loss`` is the mean query loss over the ``T`` tasks after ``steps`` inner steps, or the
     ``step_weights``-weighted sum of the means after each step.
     """
+    loop = loop.unchecked()  # traced code cannot raise on a value: run() checks the losses after
 
     def meta_loss(
         params: Params, rate_values: Params, trained: Params, consts: Params,
@@ -47,21 +51,16 @@ def meta_step(loop: InnerLoop, first_order: bool) -> Callable[..., StepResult]:
     ) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor, Params, Tensor]]:  # fmt: skip
         consts = {**consts, **trained}
         tasks = sx.shape[0]
-        fast = {k: p.unsqueeze(0).expand(tasks, *p.shape) for k, p in params.items()}
-        state = loop.rule.init(fast)
+        fast = per_task(params, tasks)
         support_grad = func_support_grad(loop.forward, consts, sx, sy, first_order=first_order)
-        support_losses, scores = [], []
-        for step in range(steps):
-            fast, state, losses = inner_step(support_grad, loop.rule, fast, state, loop.rates.at(rate_values, step), step)
-            support_losses.append(losses)
-            if step_weights is not None and step < steps - 1:
-                scores.append(loop.forward(fast, consts, qx, qy)[0])
-        query_losses, query_out = loop.forward(fast, consts, qx, qy)
-        support = torch.stack(support_losses) if support_losses else sx.new_zeros((0, tasks), dtype=torch.float32)
-        if step_weights is None:  # an empty stand-in: the transforms' outputs must all be tensors
-            return query_losses.mean(), (query_losses, query_out, support, fast, query_losses.new_zeros(0))
-        per_step = torch.stack([*scores, query_losses])  # (steps, T)
-        return (step_weights * per_step.mean(1)).sum(), (query_losses, query_out, support, fast, per_step)
+        score = None if step_weights is None else (lambda fast, step: loop.forward(fast, consts, qx, qy)[0])
+        done = loop.run(support_grad, fast, loop.rule.init(fast), rate_values, steps, score=score)
+        query_losses, query_out = loop.forward(done.fast, consts, qx, qy)
+        support = stacked(done.support_losses, tasks, sx)
+        # Without step weights an empty stand-in: the transforms' outputs must all be tensors.
+        per_step = query_losses.new_zeros(0) if step_weights is None else torch.stack([*done.scores, query_losses])
+        loss = meta_objective(query_losses, per_step, step_weights)
+        return loss, (query_losses, query_out, support, done.fast, per_step)
 
     value_and_grad = torch.func.grad_and_value(meta_loss, argnums=(0, 1, 2), has_aux=True)
 
@@ -70,6 +69,71 @@ def meta_step(loop: InnerLoop, first_order: bool) -> Callable[..., StepResult]:
         return grads, (loss, query_losses, query_out, support, fast, per_step)
 
     return step
+
+
+def run(
+    step: Step,
+    loop: InnerLoop,
+    params: Params,
+    rate_values: Params,
+    consts: Params,
+    batch: TaskBatch,
+    steps: int,
+    *,
+    chunk: int,
+    step_weights: Tensor | None,
+) -> MetaOutput:
+    """The meta-loss with its meta-gradient computed now, by the compiled ``step``, ``chunk`` tasks at a time.
+
+    With the loop, each call is one task (no grouped convolutions, one task's activations);
+    with vmap, all tasks (or ``chunk_size``). The loss and gradient are the chunks' means
+    weighted by their sizes, which is the mean over the meta-batch. ``loop.check`` runs on the
+    support losses afterwards.
+    """
+    tasks = batch.num_tasks
+    trained = {k: v for k, v in consts.items() if v.requires_grad}
+    inputs = [*params.values(), *rate_values.values(), *trained.values()]
+    values = {k: v.detach() for k, v in params.items()}
+    rates = {k: v.detach() for k, v in rate_values.items()}
+    trained_values = {k: v.detach() for k, v in trained.items()}
+    shared = {k: v.detach() for k, v in consts.items() if k not in trained}
+    weights = None if step_weights is None else step_weights.detach()
+
+    loss: Tensor | None = None
+    grads: list[Tensor] = []
+    parts = []
+    for lo in range(0, tasks, chunk):
+        part = batch[lo : lo + chunk]
+        (g_params, g_rates, g_trained), (part_loss, *rest) = step(
+            values, rates, trained_values, shared,
+            part.support_x, part.support_y, part.query_x, part.query_y, steps, weights,
+        )  # fmt: skip
+        part_grads = [*g_params.values(), *g_rates.values(), *g_trained.values()]
+        if chunk < tasks:  # the meta-batch's mean: the chunks' means weighted by their sizes
+            weight = part.num_tasks / tasks
+            part_loss, part_grads = part_loss * weight, [g * weight for g in part_grads]
+        if loss is None:
+            loss, grads = part_loss, part_grads
+        else:
+            loss, grads = loss + part_loss, [a + g for a, g in zip(grads, part_grads)]
+        parts.append(rest)
+    assert loss is not None
+
+    def join(pieces: list[Tensor], dim: int = 0) -> Tensor:  # one chunk (vmap's default) needs no copy
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+
+    support_losses = join([p[2] for p in parts], dim=1)  # (steps, T)
+    if loop.check is not None and not bool(torch.isfinite(support_losses).all()):  # one synchronisation
+        for i in range(steps):
+            loop.check(support_losses[i], i, steps)
+    return MetaOutput(
+        loss=with_gradient(loss, inputs, grads),
+        query_losses=join([p[0] for p in parts]),
+        query_out=join([p[1] for p in parts]),
+        support_losses=support_losses,
+        fast={k: join([p[3][k] for p in parts]) for k in values},
+        step_query_losses=None if step_weights is None else join([p[4] for p in parts], dim=1),
+    )
 
 
 def compile_step(step: Callable[..., StepResult]) -> Callable[..., StepResult]:

@@ -10,11 +10,18 @@ import torch
 from torch import Tensor
 
 from .batch import TaskBatch
-from .inner import Params
-from .loop import InnerLoop, Trace
-from .step import autograd_support_grad, inner_step
+from .forward import Params
+from .loop import InnerLoop, MetaOutput, autograd_support_grad, per_task, stacked
+from .rules import State
 
 __all__ = ["adapt", "run"]
+
+
+def _values(step: int, fast: Params, state: State) -> tuple[Params, State]:
+    """Evaluation keeps each step's values, not its graph: the next step starts from fresh leaves."""
+    return {k: v.detach().requires_grad_() for k, v in fast.items()}, tuple(
+        {k: v.detach() for k, v in s.items()} for s in state
+    )
 
 
 def adapt(
@@ -51,30 +58,21 @@ def adapt(
     tasks = x.shape[0]
     differentiable = torch.is_grad_enabled()
     with torch.enable_grad():  # the inner loop needs gradients even under torch.no_grad()
-        fast = {k: p.unsqueeze(0).expand(tasks, *p.shape) for k, p in params.items()}
+        fast = per_task(params, tasks)
         if not differentiable:
             # Evaluation: no meta-gradient wanted, so the same values without a graph to keep.
             fast = {k: v.detach().requires_grad_() for k, v in fast.items()}
             rate_values = {k: v.detach() for k, v in rate_values.items()}
             consts = {k: v.detach() for k, v in consts.items()}
             first_order = True
-        state = loop.rule.init(fast)
-        support_losses, step_query = [], []
-        for step in range(steps):
-            support_grad = autograd_support_grad(loop.forward, consts, x, y, create_graph=not first_order)
-            fast, state, losses = inner_step(support_grad, loop.rule, fast, state, loop.rates.at(rate_values, step), step)
-            if loop.check is not None:
-                loop.check(losses, step, steps)
-            support_losses.append(losses)
-            if query is not None and step < steps - 1:
-                step_query.append(loop.forward(fast, consts, *query)[0])
-            if not differentiable:
-                fast = {k: v.detach().requires_grad_() for k, v in fast.items()}
-                state = tuple({k: v.detach() for k, v in s.items()} for s in state)
-    if not differentiable:
-        fast = {k: v.detach() for k, v in fast.items()}
-    support = torch.stack(support_losses) if support_losses else x.new_zeros((0, tasks), dtype=torch.float32)
-    return fast, support, step_query
+        support_grad = autograd_support_grad(loop.forward, consts, x, y, create_graph=not first_order)
+        score = None if query is None else (lambda fast, step: loop.forward(fast, consts, *query)[0])
+        done = loop.run(
+            support_grad, fast, loop.rule.init(fast), rate_values, steps,
+            score=score, keep=None if differentiable else _values,
+        )  # fmt: skip
+    fast = done.fast if differentiable else {k: v.detach() for k, v in done.fast.items()}
+    return fast, stacked(done.support_losses, tasks, x), done.scores
 
 
 def run(
@@ -86,19 +84,15 @@ def run(
     steps: int,
     *,
     first_order: bool,
-    every_step: bool,
-) -> Trace:
+    step_weights: Tensor | None,
+) -> MetaOutput:
     """Adapts to every task of ``batch`` and scores the fast weights on its query set."""
     query = (batch.query_x, batch.query_y)
+    every_step = step_weights is not None
     fast, support, step_query = adapt(
         loop, params, rate_values, consts, batch.support_x, batch.support_y, steps,
         first_order=first_order, query=query if every_step else None,
     )  # fmt: skip
     query_losses, query_out = loop.forward(fast, consts, *query)
-    return Trace(
-        query_losses=query_losses,
-        query_out=query_out.detach(),
-        support_losses=support,
-        fast=fast,
-        step_query_losses=torch.stack([*step_query, query_losses]) if every_step else None,
-    )
+    per_step = torch.stack([*step_query, query_losses]) if every_step else None
+    return MetaOutput.of(query_losses, query_out, support, fast, per_step, step_weights)

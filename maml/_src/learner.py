@@ -1,27 +1,26 @@
 """MetaLearner: validation, state and dispatch to the execution paths.
 
-What one inner step does is in ``step.py`` (gradient, then the update rule of ``rules.py``,
-at the rates of ``rates.py``); each execution path runs it in a module of its own:
-``eager.py`` (second and first order, evaluation), ``checkpointed.py`` and ``compiled.py``.
+The inner loop is ``loop.py`` (the support gradient, then the update rule of ``rules.py`` at
+the rates of ``rates.py``, over the per-task forward pass of ``forward.py``); each execution
+path runs it in a module of its own and returns a :class:`MetaOutput`: ``eager.py`` (second and
+first order, evaluation), ``checkpointed.py`` (with the Hessian-vector strategies of ``hvp.py``)
+and ``compiled.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
-from . import checkpointed, checks, eager
+from . import checks, checkpointed, compiled, eager
 from .batch import TaskBatch
-from .compiled import compile_step, meta_step, with_gradient
-from .inner import LossFn, Params, TaskForward, check_finite, exact_attention
-from .loop import InnerLoop, Trace
-from .mixed import CHECKPOINT_HVPS
-from .probe import check_model
+from .forward import LossFn, Params, TaskForward, check_finite, exact_attention
+from .loop import InnerLoop, MetaOutput
+from .model_check import check_model
 from .rates import LEARN_INNER_LR, InnerRates
 from .rules import INNER_OPTIMIZERS, make_rule
 
@@ -33,34 +32,9 @@ CheckpointHvp = Literal["reverse_over_reverse", "forward_over_reverse"]
 
 MODES: tuple[str, ...] = ("second_order", "first_order", "checkpointed")
 BATCHINGS: tuple[str, ...] = ("auto", "vmap", "loop")
+CHECKPOINT_HVPS: tuple[str, ...] = ("reverse_over_reverse", "forward_over_reverse")
 
 __all__ = ["BATCHINGS", "CHECKPOINT_HVPS", "INNER_OPTIMIZERS", "LEARN_INNER_LR", "MODES", "MetaLearner", "MetaOutput"]
-
-
-@dataclasses.dataclass(frozen=True)
-class MetaOutput:
-    """Everything one pass over a meta-batch computes.
-
-    Attributes:
-        loss: ``()`` the meta-loss: the mean query loss over the tasks at their fast weights,
-            or with ``step_weights`` the weighted sum of the means after each inner step;
-            differentiable with respect to the meta-parameters.
-        query_losses: ``(T,)`` each task's query loss after the last inner step (detached).
-        query_out: ``(T, n_query, ...)`` the model's outputs on the query inputs at the fast
-            weights (detached), e.g. logits for accuracy.
-        support_losses: ``(steps, T)`` support loss before each inner step (detached); row
-            0 is the loss before adaptation.
-        fast: ``(T, *shape)`` per-task fast weights of the adapted parameters.
-        step_query_losses: ``(steps, T)`` each task's query loss after each inner step
-            (detached) when ``step_weights`` was given, else ``None``.
-    """
-
-    loss: Tensor
-    query_losses: Tensor
-    query_out: Tensor
-    support_losses: Tensor
-    fast: Params
-    step_query_losses: Tensor | None = None
 
 
 class MetaLearner:
@@ -310,23 +284,27 @@ class MetaLearner:
         self._probe(params, consts, batch)
         self._example_shape = batch.support_x.shape[2:]
         rate_values = dict(self.rate_parameters)
-        every_step = step_weights is not None
         grad = torch.is_grad_enabled()
         with self._attention():
             if self.compile and grad:
-                return self._run_compiled(params, rate_values, consts, batch, steps, step_weights)
+                if self._mode not in self._compiled:
+                    step = compiled.meta_step(self._loop, first_order=self._mode == "first_order")
+                    self._compiled[self._mode] = compiled.compile_step(step)
+                return compiled.run(
+                    self._compiled[self._mode], self._loop if self.check_finite else self._loop.unchecked(),
+                    params, rate_values, consts, batch, steps,
+                    chunk=self._tasks_per_chunk(batch.num_tasks), step_weights=step_weights,
+                )  # fmt: skip
             if self._mode == "checkpointed" and grad:
-                trace = checkpointed.run(
+                return checkpointed.run(
                     self._loop, params, rate_values, consts, batch, steps,
-                    chunk=self._tasks_per_chunk(batch.num_tasks), every=self.checkpoint_every, every_step=every_step,
-                    hvp=self._checkpoint_hvp,
+                    chunk=self._tasks_per_chunk(batch.num_tasks), every=self.checkpoint_every,
+                    step_weights=step_weights, hvp=self._checkpoint_hvp,
                 )  # fmt: skip
-            else:
-                trace = eager.run(
-                    self._loop, params, rate_values, consts, batch, steps,
-                    first_order=self._mode == "first_order", every_step=every_step,
-                )  # fmt: skip
-        return self._output(trace, step_weights)
+            return eager.run(
+                self._loop, params, rate_values, consts, batch, steps,
+                first_order=self._mode == "first_order", step_weights=step_weights,
+            )  # fmt: skip
 
     def task_losses(self, fast: Params, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
         """Each task's loss and outputs at its own fast weights, e.g. the support loss after adaptation.
@@ -480,82 +458,6 @@ class MetaLearner:
         data = [(batch.support_x, batch.support_y), (batch.query_x, batch.query_y)]
         self._forward.choose({k: v.expand(tasks, *v.shape) for k, v in one.items()}, shared, data)
         self._probed.add(key)
-
-    def _output(self, trace: Trace, step_weights: Tensor | None) -> MetaOutput:
-        if step_weights is None:
-            loss = trace.query_losses.mean()
-        else:
-            assert trace.step_query_losses is not None
-            loss = (step_weights * trace.step_query_losses.mean(1)).sum()
-        per_step = trace.step_query_losses
-        return MetaOutput(
-            loss=loss,
-            query_losses=trace.query_losses.detach(),
-            query_out=trace.query_out,
-            support_losses=trace.support_losses,
-            fast=trace.fast,
-            step_query_losses=None if per_step is None else per_step.detach(),
-        )
-
-    def _run_compiled(
-        self, params: Params, rate_values: Params, consts: Params, batch: TaskBatch, steps: int, step_weights: Tensor | None
-    ) -> MetaOutput:
-        """The meta-loss with its meta-gradient computed now, by the compiled step, one chunk of tasks at a time.
-
-        With the loop, each call is one task (no grouped convolutions, one task's activations);
-        with vmap, all tasks (or ``chunk_size``). The loss and gradient are the chunks' means
-        weighted by their sizes, which is the mean over the meta-batch.
-        """
-        if self._mode not in self._compiled:
-            self._compiled[self._mode] = compile_step(meta_step(self._loop, first_order=self._mode == "first_order"))
-        compiled = self._compiled[self._mode]
-        tasks = batch.num_tasks
-        size = self._tasks_per_chunk(tasks)
-        trained = {k: v for k, v in consts.items() if v.requires_grad}
-        inputs = [*params.values(), *rate_values.values(), *trained.values()]
-        values = {k: v.detach() for k, v in params.items()}
-        rates = {k: v.detach() for k, v in rate_values.items()}
-        trained_values = {k: v.detach() for k, v in trained.items()}
-        shared = {k: v.detach() for k, v in consts.items() if k not in trained}
-        weights = None if step_weights is None else step_weights.detach()
-
-        loss: Tensor | None = None
-        grads: list[Tensor] = []
-        parts = []
-        for lo in range(0, tasks, size):
-            chunk = batch[lo : lo + size]
-            (g_params, g_rates, g_trained), (chunk_loss, *rest) = compiled(
-                values, rates, trained_values, shared,
-                chunk.support_x, chunk.support_y, chunk.query_x, chunk.query_y, steps, weights,
-            )  # fmt: skip
-            chunk_grads = [*g_params.values(), *g_rates.values(), *g_trained.values()]
-            if size < tasks:  # the meta-batch's mean: the chunks' means weighted by their sizes
-                weight = chunk.num_tasks / tasks
-                chunk_loss, chunk_grads = chunk_loss * weight, [g * weight for g in chunk_grads]
-            if loss is None:
-                loss, grads = chunk_loss, chunk_grads
-            else:
-                loss, grads = loss + chunk_loss, [a + g for a, g in zip(grads, chunk_grads)]
-            parts.append(rest)
-        assert loss is not None
-
-        def join(part: list[Tensor], dim: int = 0) -> Tensor:  # one chunk (vmap's default) needs no copy
-            return part[0] if len(part) == 1 else torch.cat(part, dim)
-
-        query_losses = join([p[0] for p in parts])
-        support_losses = join([p[2] for p in parts], dim=1)  # (steps, T)
-        if self.check_finite and not bool(torch.isfinite(support_losses).all()):  # one synchronisation
-            for i in range(steps):
-                self._check(support_losses[i], i, steps)
-        per_step = None if step_weights is None else join([p[4] for p in parts], dim=1)
-        return MetaOutput(
-            loss=with_gradient(loss, inputs, grads),
-            query_losses=query_losses,
-            query_out=join([p[1] for p in parts]),
-            support_losses=support_losses,
-            fast={k: join([p[3][k] for p in parts]) for k in values},
-            step_query_losses=per_step,
-        )
 
     @property
     def _rate_hint(self) -> str:

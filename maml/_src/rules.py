@@ -36,7 +36,7 @@ class UpdateRule(Protocol):
 
     ``linear``: the update is linear in ``(params, state, grads)`` at fixed rates (SGD, momentum),
     so its vector-Jacobian product with respect to them does not depend on their values; the
-    checkpointed mode's forward-over-reverse backward pass (``mixed.py``) then needs no support
+    checkpointed mode's forward-over-reverse backward pass (``hvp.py``) then needs no support
     gradient before a step's Hessian-vector product.
     """
 

@@ -57,13 +57,12 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from .inner import Params, TaskForward
+from .forward import Params, TaskForward
 from .rates import InnerRates
 from .rules import State, UpdateRule
 
-__all__ = ["CHECKPOINT_HVPS", "HessianProducts", "rule_vjp", "step_vjp", "support_hvp"]
+__all__ = ["HessianProducts", "rule_vjp", "step_vjp", "support_hvp"]
 
-CHECKPOINT_HVPS: tuple[str, ...] = ("reverse_over_reverse", "forward_over_reverse")
 
 # hvp(fast (T, *shape), tangent (T, *shape)) -> (support gradient (T, *shape), H_theta_theta tangent
 # (T, *shape), H_phi_theta tangent keyed like the trained parameters, summed over the tasks)

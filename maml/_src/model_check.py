@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from .checks import module_kind
-from .inner import Params, TaskForward
+from .forward import Params, TaskForward
 
 
 def check_model(
