@@ -129,9 +129,15 @@ def engine_step(method: str, steps: int, batch: maml.TaskBatch, args: argparse.N
     chunk_size = 1 if method.endswith("_chunk1") else args.chunk_size
     model = omniglot_net(WAYS).to(args.device)
     learner = maml.MetaLearner(
-        model, F.cross_entropy, inner_lr=INNER_LR, steps=steps, mode=mode, batching=args.batching,
-        chunk_size=chunk_size, **options,
-    )  # fmt: skip
+        model,
+        F.cross_entropy,
+        inner_lr=INNER_LR,
+        steps=steps,
+        mode=mode,
+        batching=args.batching,
+        chunk_size=chunk_size,
+        **options,
+    )
     optimizer = torch.optim.Adam(learner.parameters(), lr=META_LR)
 
     def step() -> None:
@@ -360,8 +366,10 @@ def report(
     whether no check failed."""
     print_grid({key: cell(r, limit_gib) for key, r in results.items()}, methods, steps)
     if any("grad_diff" in r for r in results.values()):
-        print(f"\nmeta-gradient of the measured step: largest difference from {GRADIENT_REFERENCES[0]}'s (else "
-              f"{GRADIENT_REFERENCES[1]}'s), relative to its largest entry; float32")  # fmt: skip
+        print(
+            f"\nmeta-gradient of the measured step: largest difference from {GRADIENT_REFERENCES[0]}'s (else "
+            f"{GRADIENT_REFERENCES[1]}'s), relative to its largest entry; float32"
+        )
         print_grid({key: grad_cell(r) for key, r in results.items()}, methods, steps)
 
     def fmt(value: float | None, spec: str, unit: str = "") -> str:
@@ -393,29 +401,43 @@ def report(
         ran = results.get((name, PEER_STEPS))
         peer = ratio(results, "learn2learn", name, PEER_STEPS, "extra_mib")
         verdicts += [
-            check(None if mem is None else mem <= MEMORY_RATIO,
-                  f"{TARGET_STEPS} steps: {name}'s extra peak memory <= {MEMORY_RATIO} x second order's"),
-            check(None if sec is None else sec <= TIME_RATIO,
-                  f"{TARGET_STEPS} steps: {name}'s time <= {TIME_RATIO} x second order's"),
-            check(None if ran is None or peer is None else peer >= PEER_RATIO,
-                  f"{PEER_STEPS} steps: {name} runs and learn2learn's extra peak memory >= {PEER_RATIO} x its"),
-        ]  # fmt: skip
+            check(
+                None if mem is None else mem <= MEMORY_RATIO,
+                f"{TARGET_STEPS} steps: {name}'s extra peak memory <= {MEMORY_RATIO} x second order's",
+            ),
+            check(
+                None if sec is None else sec <= TIME_RATIO,
+                f"{TARGET_STEPS} steps: {name}'s time <= {TIME_RATIO} x second order's",
+            ),
+            check(
+                None if ran is None or peer is None else peer >= PEER_RATIO,
+                f"{PEER_STEPS} steps: {name} runs and learn2learn's extra peak memory >= {PEER_RATIO} x its",
+            ),
+        ]
     if FORWARD_OVER_REVERSE in methods:  # issue 14's targets
         name = FORWARD_OVER_REVERSE
         for s in steps:
             sec = ratio(results, name, "second_order", s, "seconds")
-            verdicts.append(check(None if sec is None else sec <= HVP_TIME_RATIO,
-                                  f"{s} steps: {name}'s time <= {HVP_TIME_RATIO} x second order's"))  # fmt: skip
+            verdicts.append(
+                check(
+                    None if sec is None else sec <= HVP_TIME_RATIO,
+                    f"{s} steps: {name}'s time <= {HVP_TIME_RATIO} x second order's",
+                )
+            )
         mem = ratio(results, name, "second_order", TARGET_STEPS, "extra_mib")
         ran = results.get((name, PEER_STEPS))
         peer = ratio(results, "learn2learn", name, PEER_STEPS, "extra_mib")
         verdicts += [
-            check(None if mem is None or shots != HVP_MEMORY_SHOTS else mem <= HVP_MEMORY_RATIO,
-                  f"{TARGET_STEPS} steps, {HVP_MEMORY_SHOTS}-shot: {name}'s extra peak memory <= "
-                  f"{HVP_MEMORY_RATIO} x second order's"),
-            check(None if ran is None or peer is None else peer >= PEER_RATIO,
-                  f"{PEER_STEPS} steps: {name} runs and learn2learn's extra peak memory >= {PEER_RATIO} x its"),
-        ]  # fmt: skip
+            check(
+                None if mem is None or shots != HVP_MEMORY_SHOTS else mem <= HVP_MEMORY_RATIO,
+                f"{TARGET_STEPS} steps, {HVP_MEMORY_SHOTS}-shot: {name}'s extra peak memory <= "
+                f"{HVP_MEMORY_RATIO} x second order's",
+            ),
+            check(
+                None if ran is None or peer is None else peer >= PEER_RATIO,
+                f"{PEER_STEPS} steps: {name} runs and learn2learn's extra peak memory >= {PEER_RATIO} x its",
+            ),
+        ]
     return all(v is not False for v in verdicts)
 
 
@@ -423,9 +445,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, nargs="+", default=list(STEPS), help="inner steps (default: %(default)s)")
     parser.add_argument(
-        "--methods", nargs="+", choices=METHODS, default=DEFAULT_METHODS,
+        "--methods",
+        nargs="+",
+        choices=METHODS,
+        default=DEFAULT_METHODS,
         help=f"(default: all but checkpointed_chunk1 and {FORWARD_OVER_REVERSE})",
-    )  # fmt: skip
+    )
     parser.add_argument("--shots", type=int, default=SHOTS, help="support images per class (default: %(default)s)")
     parser.add_argument("--device", type=torch.device, default=torch.device("cpu"), help="(default: cpu)")
     parser.add_argument("--batching", choices=maml.BATCHINGS, default="auto", help="engine batching (default: auto)")
@@ -460,8 +485,11 @@ def main(argv: list[str] | None = None) -> int:
                 start = time.perf_counter()
                 results[(m, s)] = r = run_worker(m, s, args, grad_files[(m, s)])
                 note = f" ({r['error']})" if r.get("error") else ""
-                print(f"  {m}, {s} steps: {cell(r, args.limit_gib)}{note}, {time.perf_counter() - start:.0f} s wall",
-                      file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"  {m}, {s} steps: {cell(r, args.limit_gib)}{note}, {time.perf_counter() - start:.0f} s wall",
+                    file=sys.stderr,
+                    flush=True,
+                )
         gradient_differences(results, grad_files)
     ok = report(results, args.methods, args.steps, args.limit_gib, args.shots)
     return 1 if args.check and not ok else 0

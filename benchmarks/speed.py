@@ -86,7 +86,8 @@ import maml  # noqa: E402
 import tasks  # noqa: E402
 from benchmarks.flops import count_flops  # noqa: E402
 from benchmarks.sampling import omniglot_net, sine_net  # noqa: E402
-from experiments.omniglot import build_model as reference_net, loss_function  # noqa: E402  # the default: strided
+from experiments.omniglot import build_model as reference_net  # noqa: E402  # the default: strided
+from experiments.omniglot import loss_function  # noqa: E402
 
 with warnings.catch_warnings():  # gym, imported by learn2learn, warns about its own deprecation
     warnings.simplefilter("ignore")
@@ -130,7 +131,9 @@ def workloads(data: Path, device: torch.device) -> dict[str, Workload]:
 
     omniglot_images = functools.cache(lambda: tasks.Omniglot(data))  # loaded once, for every Omniglot workload
 
-    def omniglot(ways: int, meta_batch: int, shots: int = 1, query: int = 15) -> Callable[[torch.Generator], maml.TaskBatch]:
+    def omniglot(
+        ways: int, meta_batch: int, shots: int = 1, query: int = 15
+    ) -> Callable[[torch.Generator], maml.TaskBatch]:
         sampler = omniglot_images().sampler(ways=ways, shots=shots, query=query)
         return lambda g: sampler.sample(meta_batch, g, device=device)
 
@@ -138,26 +141,46 @@ def workloads(data: Path, device: torch.device) -> dict[str, Workload]:
         "sine1": Workload("sine MLP, 25 tasks, 10-shot, 1 step", sine_net, sine_batch, F.mse_loss, 0.01, 1),
         "sine5": Workload("sine MLP, 25 tasks, 10-shot, 5 steps", sine_net, sine_batch, F.mse_loss, 0.01, 5),
         "omniglot5": Workload(
-            "Omniglot conv net, 32 tasks, 5-way 1-shot, 1 step", lambda: omniglot_net(5), omniglot(5, 32),
-            F.cross_entropy, 0.4, 1,
+            "Omniglot conv net, 32 tasks, 5-way 1-shot, 1 step",
+            lambda: omniglot_net(5),
+            omniglot(5, 32),
+            F.cross_entropy,
+            0.4,
+            1,
         ),
         "omniglot20": Workload(
-            "Omniglot conv net, 16 tasks, 20-way 1-shot, 5 steps", lambda: omniglot_net(20), omniglot(20, 16),
-            F.cross_entropy, 0.1, 5,
+            "Omniglot conv net, 16 tasks, 20-way 1-shot, 5 steps",
+            lambda: omniglot_net(20),
+            omniglot(20, 16),
+            F.cross_entropy,
+            0.1,
+            5,
         ),
         "omniglot5-reference": Workload(
             "Omniglot strided net (the reference's), 32 tasks, 5-way 1-shot, 1 query per class, 1 step",
-            lambda: reference_net(5), omniglot(5, 32, query=1), loss_function("reference", 5), 0.4, 1,
+            lambda: reference_net(5),
+            omniglot(5, 32, query=1),
+            loss_function("reference", 5),
+            0.4,
+            1,
         ),
         "omniglot5-1shot": Workload(
-            "Omniglot conv net, 8 tasks, 5-way 1-shot, 1 step", lambda: omniglot_net(5), omniglot(5, 8),
-            F.cross_entropy, 0.4, 1,
+            "Omniglot conv net, 8 tasks, 5-way 1-shot, 1 step",
+            lambda: omniglot_net(5),
+            omniglot(5, 8),
+            F.cross_entropy,
+            0.4,
+            1,
         ),
         "omniglot5-5shot": Workload(
-            "Omniglot conv net, 8 tasks, 5-way 5-shot, 1 step", lambda: omniglot_net(5), omniglot(5, 8, shots=5),
-            F.cross_entropy, 0.4, 1,
+            "Omniglot conv net, 8 tasks, 5-way 5-shot, 1 step",
+            lambda: omniglot_net(5),
+            omniglot(5, 8, shots=5),
+            F.cross_entropy,
+            0.4,
+            1,
         ),
-    }  # fmt: skip
+    }
 
 
 def with_steps(wl: Workload, steps: int) -> Workload:
@@ -169,14 +192,30 @@ def with_steps(wl: Workload, steps: int) -> Workload:
 # ---------------------------------------------------------------------------- the methods
 
 
-def engine(mode: str, batching: str, *, compile: bool = False, channels_last: bool = False, name: str | None = None,
-           anil: bool = False, **options: Any) -> Method:  # fmt: skip
+def engine(
+    mode: str,
+    batching: str,
+    *,
+    compile: bool = False,
+    channels_last: bool = False,
+    name: str | None = None,
+    anil: bool = False,
+    **options: Any,
+) -> Method:
     """This engine; ``anil``: adapt only the head; ``options``: more MetaLearner arguments (the family rows)."""
 
     def build(model: nn.Module, wl: Workload) -> tuple[list[Tensor], Backward]:
-        learner = maml.MetaLearner(model, wl.loss_fn, inner_lr=wl.inner_lr, steps=wl.steps, mode=mode,
-                                   batching=batching, compile=compile, adapt=head(model) if anil else None,
-                                   **options)  # fmt: skip
+        learner = maml.MetaLearner(
+            model,
+            wl.loss_fn,
+            inner_lr=wl.inner_lr,
+            steps=wl.steps,
+            mode=mode,
+            batching=batching,
+            compile=compile,
+            adapt=head(model) if anil else None,
+            **options,
+        )
         return list(learner.parameters()), lambda batch: learner.meta_loss(batch).backward()
 
     if name is None:
@@ -307,8 +346,10 @@ FAMILY: list[Method] = [
     *pair(family("maml ANIL", anil=True), learn2learn_anil()),
     *pair(family("maml Meta-SGD", learn_inner_lr="per_parameter"), learn2learn(first_order=False, meta_sgd=True)),
     *pair(family("maml LSLR", learn_inner_lr="per_layer_per_step"), plain_loop(lslr=True)),
-    *pair(family("maml momentum 0.9", inner_optimizer="momentum", inner_optimizer_options={"momentum": 0.9}),
-          higher_innerloop("momentum")),  # fmt: skip
+    *pair(
+        family("maml momentum 0.9", inner_optimizer="momentum", inner_optimizer_options={"momentum": 0.9}),
+        higher_innerloop("momentum"),
+    ),
     *pair(family("maml Adam", inner_optimizer="adam"), higher_innerloop("adam")),
 ]
 
@@ -362,8 +403,9 @@ def relative_difference(got: list[Tensor], expected: list[Tensor]) -> float:
     return float((flat - ref).abs().max() / ref.abs().max())
 
 
-def run_workload(wl: Workload, methods: list[Method], device: torch.device, repeats: int, warmup: int,
-                 clock: Clock, peak: float) -> list[dict[str, object]]:  # fmt: skip
+def run_workload(
+    wl: Workload, methods: list[Method], device: torch.device, repeats: int, warmup: int, clock: Clock, peak: float
+) -> list[dict[str, object]]:
     torch.manual_seed(0)
     base = wl.net().to(device)
     batches = [wl.sample(torch.Generator().manual_seed(i)) for i in range(warmup + repeats)]
@@ -384,13 +426,15 @@ def run_workload(wl: Workload, methods: list[Method], device: torch.device, repe
         for p in params:
             p.grad = None
         counted = backward if method.flops_of is None else method.flops_of.build(copy.deepcopy(base), wl)[1]
-        flops[method.name] = count_flops(lambda: counted(batches[0]))
+        flops[method.name] = count_flops(lambda: counted(batches[0]))  # noqa: B023 (called at once)
         for p in params:
             p.grad = None
         # The same optimizer for every method: Adam with its fused kernel (one call for all parameters).
         optimizer = torch.optim.Adam(params, lr=1e-3, fused=True)
 
-        def step(batch: maml.TaskBatch, backward: Backward = backward, optimizer: torch.optim.Optimizer = optimizer) -> None:
+        def step(
+            batch: maml.TaskBatch, backward: Backward = backward, optimizer: torch.optim.Optimizer = optimizer
+        ) -> None:
             optimizer.zero_grad(set_to_none=True)
             backward(batch)
             optimizer.step()
@@ -404,7 +448,7 @@ def run_workload(wl: Workload, methods: list[Method], device: torch.device, repe
         # no method always follows the same one (whose garbage it would free, whose cache lines it
         # would find). A rotation would not do: it keeps the cyclic order, hence every predecessor.
         for method in order.sample(methods, len(methods)):
-            seconds = clock.time(lambda: steps[method.name](batch))
+            seconds = clock.time(lambda: steps[method.name](batch))  # noqa: B023 (called at once)
             if i >= warmup:
                 times[method.name].append(seconds)
 
@@ -412,31 +456,37 @@ def run_workload(wl: Workload, methods: list[Method], device: torch.device, repe
     for method in methods:
         median = statistics.median(times[method.name])
         ref = method.reference or REFERENCE[method.first_order]
-        rows.append({
-            "method": method.name,
-            "median": median,
-            "min": min(times[method.name]),
-            "max": max(times[method.name]),
-            "speedup": statistics.median(times[ref]) / median if ref in times else float("nan"),
-            "gflops": flops[method.name] / 1e9,
-            "rate": flops[method.name] / median,
-            "peak_fraction": flops[method.name] / median / peak,
-            "grad_diff": relative_difference(grads[method.name], grads[ref]) if ref in grads else float("nan"),
-        })  # fmt: skip
+        rows.append(
+            {
+                "method": method.name,
+                "median": median,
+                "min": min(times[method.name]),
+                "max": max(times[method.name]),
+                "speedup": statistics.median(times[ref]) / median if ref in times else float("nan"),
+                "gflops": flops[method.name] / 1e9,
+                "rate": flops[method.name] / median,
+                "peak_fraction": flops[method.name] / median / peak,
+                "grad_diff": relative_difference(grads[method.name], grads[ref]) if ref in grads else float("nan"),
+            }
+        )
     return rows
 
 
 def print_table(title: str, rows: list[dict[str, object]], repeats: int, versus: str = "vs learn2learn") -> None:
     print(f"\n{title}  (median of {repeats}; spread = fastest..slowest)")
-    head = (f"| {'method':<28} | {'median':>10} | {'spread':>19} | {versus:>14} | {'GFLOP':>7} "
-            f"| {'GFLOP/s':>7} | {'% of peak':>9} | {'grad rel. diff':>14} |")  # fmt: skip
+    head = (
+        f"| {'method':<28} | {'median':>10} | {'spread':>19} | {versus:>14} | {'GFLOP':>7} "
+        f"| {'GFLOP/s':>7} | {'% of peak':>9} | {'grad rel. diff':>14} |"
+    )
     print(head)
     print("|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|")
     for r in rows:
-        print(f"| {r['method']:<28} | {fmt_time(r['median']):>10} | "
-              f"{fmt_time(r['min']) + '..' + fmt_time(r['max']).strip():>19} | {r['speedup']:>13.2f}x | "
-              f"{r['gflops']:>7.2f} | {r['rate'] / 1e9:>7.1f} | {100 * r['peak_fraction']:>8.1f}% | "
-              f"{r['grad_diff']:>14.1e} |")  # fmt: skip
+        print(
+            f"| {r['method']:<28} | {fmt_time(r['median']):>10} | "
+            f"{fmt_time(r['min']) + '..' + fmt_time(r['max']).strip():>19} | {r['speedup']:>13.2f}x | "
+            f"{r['gflops']:>7.2f} | {r['rate'] / 1e9:>7.1f} | {100 * r['peak_fraction']:>8.1f}% | "
+            f"{r['grad_diff']:>14.1e} |"
+        )
 
 
 def fmt_time(seconds: float) -> str:
@@ -450,13 +500,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="default: %(default)s")
     parser.add_argument("--workloads", nargs="+", default=["sine1", "sine5", "omniglot5", "omniglot20"])
     parser.add_argument("--methods", nargs="+", help="substrings of method names to keep (default: all)")
-    parser.add_argument("--tables", nargs="+", choices=list(TABLES), default=DEFAULT_TABLES,
-                        help="main: MAML against learn2learn, higher, a plain loop; family: ANIL, Meta-SGD, "
-                             "LSLR, momentum, Adam against their peers; hvp: the checkpointed mode's "
-                             "checkpoint_hvp choices against second and first order, learn2learn, higher "
-                             "(default: main family)")  # fmt: skip
-    parser.add_argument("--steps", type=int, nargs="+",
-                        help="inner steps: run every workload at each of these (default: the workload's own)")
+    parser.add_argument(
+        "--tables",
+        nargs="+",
+        choices=list(TABLES),
+        default=DEFAULT_TABLES,
+        help="main: MAML against learn2learn, higher, a plain loop; family: ANIL, Meta-SGD, "
+        "LSLR, momentum, Adam against their peers; hvp: the checkpointed mode's "
+        "checkpoint_hvp choices against second and first order, learn2learn, higher "
+        "(default: main family)",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        nargs="+",
+        help="inner steps: run every workload at each of these (default: the workload's own)",
+    )
     parser.add_argument("--repeats", type=int, help="timed steps per method (default: 30 for sine, 5 for Omniglot)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per method first (default: %(default)s)")
     args = parser.parse_args(argv)
@@ -465,8 +524,10 @@ def main(argv: list[str] | None = None) -> int:
     clock = Clock(device)
     peak = peak_flops(device, clock)
     threads = torch.get_num_threads()
-    print(f"device: {device}, torch {torch.__version__}, {threads} CPU threads, "
-          f"measured float32 matmul peak {peak / 1e9:.0f} GFLOP/s")  # fmt: skip
+    print(
+        f"device: {device}, torch {torch.__version__}, {threads} CPU threads, "
+        f"measured float32 matmul peak {peak / 1e9:.0f} GFLOP/s"
+    )
     all_workloads = workloads(Path(args.data), device)
     for key in args.workloads:
         for wl in [with_steps(all_workloads[key], s) for s in args.steps] if args.steps else [all_workloads[key]]:
@@ -483,11 +544,20 @@ def main(argv: list[str] | None = None) -> int:
                 if table == "main":
                     print_table(f"{key}: {wl.name}; batching='auto' picks {chosen!r}", rows, repeats)
                 elif table == "hvp":
-                    print_table(f"{key} hvp: {wl.name}; batching='auto' picks {chosen!r}; checkpointed rows "
-                                f"without a checkpoint_hvp are reverse_over_reverse", rows, repeats)  # fmt: skip
+                    print_table(
+                        f"{key} hvp: {wl.name}; batching='auto' picks {chosen!r}; checkpointed rows "
+                        f"without a checkpoint_hvp are reverse_over_reverse",
+                        rows,
+                        repeats,
+                    )
                 else:
-                    print_table(f"{key} family: {wl.name}; second order, batching='auto'; each maml row against "
-                                f"the peer below it", rows, repeats, versus="vs peer")  # fmt: skip
+                    print_table(
+                        f"{key} family: {wl.name}; second order, batching='auto'; each maml row against "
+                        f"the peer below it",
+                        rows,
+                        repeats,
+                        versus="vs peer",
+                    )
     return 0
 
 

@@ -1,9 +1,9 @@
 """Exact, fast MAML meta-gradients for PyTorch, built on torch.func.
 
-    import maml
-    batch = maml.TaskBatch(support_x, support_y, query_x, query_y)
-    learner = maml.MetaLearner(model, loss_fn, inner_lr=0.4, steps=1)
-    learner.meta_loss(batch).backward()
+import maml
+batch = maml.TaskBatch(support_x, support_y, query_x, query_y)
+learner = maml.MetaLearner(model, loss_fn, inner_lr=0.4, steps=1)
+learner.meta_loss(batch).backward()
 """
 
 from ._src.batch import TaskBatch

@@ -1,11 +1,11 @@
 """Task distributions for meta-learning, as ``maml.TaskBatch``es.
 
-    import tasks
-    sine = tasks.Sine()
-    batch = sine.sample(25, shots=10, query=10, generator=g)          # (T, n, 1) regression tasks
-    omni = tasks.Omniglot(root, rotations=False)                       # the real data set, cached
-    sampler = tasks.FewShotSampler(omni.images, omni.labels, ways=5, shots=1, query=15)
-    batch = sampler.sample(32, generator=g)                            # (T, ways * n, 1, 28, 28)
+import tasks
+sine = tasks.Sine()
+batch = sine.sample(25, shots=10, query=10, generator=g)          # (T, n, 1) regression tasks
+omni = tasks.Omniglot(root, rotations=False)                       # the real data set, cached
+sampler = tasks.FewShotSampler(omni.images, omni.labels, ways=5, shots=1, query=15)
+batch = sampler.sample(32, generator=g)                            # (T, ways * n, 1, 28, 28)
 """
 
 from ._src.interop import batches, collate, from_learn2learn, split_task

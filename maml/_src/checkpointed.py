@@ -42,7 +42,16 @@ from torch.autograd.function import once_differentiable
 from .batch import TaskBatch
 from .forward import Params, TaskForward, exact_attention
 from .hvp import HessianProducts, step_vjp, support_hvp
-from .loop import Adapted, InnerLoop, MetaOutput, autograd_support_grad, flatten_state, per_task, stacked, unflatten_state
+from .loop import (
+    Adapted,
+    InnerLoop,
+    MetaOutput,
+    autograd_support_grad,
+    flatten_state,
+    per_task,
+    stacked,
+    unflatten_state,
+)
 from .rules import State
 
 __all__ = ["run"]
@@ -56,7 +65,9 @@ _RngState = tuple[Tensor, list[int], list[Tensor]]
 
 
 def _rng_state(device: torch.device) -> _RngState:
-    devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    devices = (
+        [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    )
     return torch.get_rng_state(), devices, [torch.cuda.get_rng_state(d) for d in devices]
 
 
@@ -136,7 +147,9 @@ class _Pass:
         return [t[lo:hi] for t in tensors]
 
 
-def _values_pass(p: _Pass, params: Params, rate_values: Params, consts: Params, every: int) -> tuple[dict[int, list[Tensor]], Adapted]:
+def _values_pass(
+    p: _Pass, params: Params, rate_values: Params, consts: Params, every: int
+) -> tuple[dict[int, list[Tensor]], Adapted]:
     """The inner loop for values only, every chunk at each step in turn (the eager path's order: same dropout masks).
 
     Returns the iterates kept every ``every`` steps, ``step -> [fast weights, state]`` entering
@@ -156,7 +169,9 @@ def _values_pass(p: _Pass, params: Params, rate_values: Params, consts: Params, 
         for c, part in enumerate(p.parts):
             p.rng["support", c, step] = _rng_state(p.device)
             leaves = {k: v.detach().requires_grad_() for k, v in zip(names, p.chunk(list(fast.values()), c))}
-            g, loss = autograd_support_grad(forward, consts, part.support_x, part.support_y, create_graph=False)(leaves, step)
+            g, loss = autograd_support_grad(forward, consts, part.support_x, part.support_y, create_graph=False)(
+                leaves, step
+            )
             grads.append(g)
             losses.append(loss)
         return {k: _join([g[k] for g in grads]) for k in names}, _join(losses)
@@ -180,7 +195,9 @@ def _values_pass(p: _Pass, params: Params, rate_values: Params, consts: Params, 
     return kept, done
 
 
-def _final_query(p: _Pass, fast: Params, consts: Params, grads_now: bool) -> list[tuple[Tensor, Tensor, list[Tensor] | None]]:
+def _final_query(
+    p: _Pass, fast: Params, consts: Params, grads_now: bool
+) -> list[tuple[Tensor, Tensor, list[Tensor] | None]]:
     """Each chunk's query losses ``(T_c,)`` and outputs at the last fast weights, and with ``grads_now`` their gradients.
 
     The gradients with respect to the last fast weights are taken now, while the forward pass
@@ -200,7 +217,9 @@ def _final_query(p: _Pass, fast: Params, consts: Params, grads_now: bool) -> lis
             with torch.enable_grad():
                 leaves = {k: v.detach().requires_grad_() for k, v in zip(p.names, values)}
                 losses, out = p.forward(leaves, consts, part.query_x, part.query_y)
-                grads = torch.autograd.grad(losses.sum(), list(leaves.values()), allow_unused=True, materialize_grads=True)
+                grads = torch.autograd.grad(
+                    losses.sum(), list(leaves.values()), allow_unused=True, materialize_grads=True
+                )
             results.append((losses.detach(), out.detach(), [k.copy_(g) for k, g in zip(kept_grads, grads)]))
         else:
             with torch.no_grad():
@@ -253,9 +272,15 @@ def _replay_segment(p: _Pass, c: int, start: int, count: int) -> Replay:
         fast, state = dict(zip(names, kept_in[: len(names)])), unflatten_state(kept_in[len(names) :], names)
         with _rng_forked(p.device), exact_attention():
             done = p.loop.unchecked().run(
-                support_grad, fast, state, seg_rates, p.steps,
-                start=start, stop=start + count, score=score if p.every_step else None,
-            )  # fmt: skip
+                support_grad,
+                fast,
+                state,
+                seg_rates,
+                p.steps,
+                start=start,
+                stop=start + count,
+                score=score if p.every_step else None,
+            )
         return [*done.fast.values(), *flatten_state(done.state, names), *done.scores]
 
     return replay
@@ -301,7 +326,9 @@ class _ForwardOverReverse:
 
     def _support_grad(self, consts: Params) -> Callable[[Params, int], tuple[Params, Tensor]]:
         """The step's support gradient at given fast weights (values), under its recorded random state."""
-        support = autograd_support_grad(self.p.forward, consts, self.part.support_x, self.part.support_y, create_graph=False)
+        support = autograd_support_grad(
+            self.p.forward, consts, self.part.support_x, self.part.support_y, create_graph=False
+        )
 
         def support_grad(fast: Params, step: int) -> tuple[Params, Tensor]:
             _set_rng(self.p.rng["support", self.c, step])
@@ -363,7 +390,9 @@ class _ForwardOverReverse:
                 visited.append((fast, state))
                 return fast, state
 
-            loop.unchecked().run(record, fast, state, seg_rates, p.steps, start=start, stop=start + count - 1, keep=keep)
+            loop.unchecked().run(
+                record, fast, state, seg_rates, p.steps, start=start, stop=start + count - 1, keep=keep
+            )
             entering = [(f, s, g) for (f, s), g in zip(visited, [*seen, None])]
             for i in reversed(range(count)):
                 step = start + i
@@ -374,10 +403,19 @@ class _ForwardOverReverse:
                     cot_phi = {k: v + phi_score[k] for k, v in cot_phi.items()}
                 fast_i, state_i, grads_i = entering[i]
                 cot_fast, cot_state, step_rates, step_phi = step_vjp(
-                    self._hvp(step, fixed, phi), lambda f, step=step: support_grad(f, step)[0],
-                    loop.rule, loop.rates, seg_rates, step, fast_i, state_i, grads_i, cot_fast, cot_state,
+                    self._hvp(step, fixed, phi),
+                    lambda f, step=step: support_grad(f, step)[0],
+                    loop.rule,
+                    loop.rates,
+                    seg_rates,
+                    step,
+                    fast_i,
+                    state_i,
+                    grads_i,
+                    cot_fast,
+                    cot_state,
                     want_rates=want_rates,
-                )  # fmt: skip
+                )
                 cot_rates = {k: v + step_rates[k] for k, v in cot_rates.items()}
                 cot_phi = {k: v + step_phi[k] for k, v in cot_phi.items()}
         pulled: list[Tensor | None] = [*cot_fast.values(), *flatten_state(cot_state, names)]
@@ -419,10 +457,17 @@ def run(
     others = [*rate_values.values(), *(consts[k] for k in trained)]
     bounds = [(lo, min(lo + chunk, tasks)) for lo in range(0, tasks, chunk)]
     p = _Pass(
-        loop=loop, names=names, parts=[batch[lo:hi] for lo, hi in bounds], bounds=bounds, steps=steps,
-        every_step=step_weights is not None, device=batch.support_x.device, rate_keys=tuple(rate_values),
-        trained=trained, plain={k: v.detach() for k, v in consts.items()},
-    )  # fmt: skip
+        loop=loop,
+        names=names,
+        parts=[batch[lo:hi] for lo, hi in bounds],
+        bounds=bounds,
+        steps=steps,
+        every_step=step_weights is not None,
+        device=batch.support_x.device,
+        rate_keys=tuple(rate_values),
+        trained=trained,
+        plain={k: v.detach() for k, v in consts.items()},
+    )
     r_values, r_consts = p.unpack([o.detach() for o in others])
     kept, done = _values_pass(p, params, r_values, r_consts, every)
     final_state = [*done.fast.values(), *flatten_state(done.state, names)]
@@ -444,7 +489,9 @@ def run(
             count = min(every, steps - start)
             end = start + count
             after = p.chunk(kept[end] if end < steps else final_state, c)
-            extra = [p.chunk([done.scores[s]], c)[0] for s in range(start, end) if s < steps - 1] if p.every_step else []
+            extra = (
+                [p.chunk([done.scores[s]], c)[0] for s in range(start, end) if s < steps - 1] if p.every_step else []
+            )
             if hvp == "forward_over_reverse":
                 pullback: Pullback = _ForwardOverReverse(p, c, start, count, n_kept)
             else:
@@ -462,6 +509,10 @@ def run(
     if p.every_step:
         per_step = torch.stack([*(torch.cat([s[i] for s in score_parts]) for i in range(steps - 1)), query_losses])
     return MetaOutput.of(
-        query_losses, torch.cat([out for _, out, _ in final]), stacked(done.support_losses, tasks, batch.support_x),
-        {k: torch.cat([f[i] for f in fast_parts]) for i, k in enumerate(names)}, per_step, step_weights,
-    )  # fmt: skip
+        query_losses,
+        torch.cat([out for _, out, _ in final]),
+        stacked(done.support_losses, tasks, batch.support_x),
+        {k: torch.cat([f[i] for f in fast_parts]) for i, k in enumerate(names)},
+        per_step,
+        step_weights,
+    )

@@ -134,7 +134,6 @@ def warn_weight_norm(model: nn.Module, mode: str) -> None:
         )
 
 
-
 def grad_mode_possible(method: str) -> None:
     """The inner loop differentiates the support loss, which ``torch.inference_mode()`` forbids."""
     if torch.is_inference_mode_enabled():
@@ -160,6 +159,7 @@ def one_task(support_x: Tensor, seen: torch.Size | None) -> None:
             f"(n, *x_shape). Pass one task (support_x[t], support_y[t]), or use "
             f"learner.run(maml.TaskBatch(...)) for every task."
         )
+
 
 class _EvaluationLoss(Tensor):
     """A loss computed under ``torch.no_grad()``: an ordinary tensor whose ``backward()`` says why it has no graph.
@@ -234,7 +234,9 @@ def adapt_set(adapt: Any, model: nn.Module) -> list[str]:
 def step_weights(weights: Any, steps: int, like: Tensor) -> Tensor:
     """``weights`` as a ``(steps,)`` tensor in ``like``'s dtype and device, or an error that says what is expected."""
     if not isinstance(weights, Tensor):
-        raise TypeError(f"step_weights must be a tensor of shape ({steps},), one weight per inner step, got {weights!r}.")
+        raise TypeError(
+            f"step_weights must be a tensor of shape ({steps},), one weight per inner step, got {weights!r}."
+        )
     if weights.shape != (steps,) or steps == 0:
         raise ValueError(
             f"step_weights has shape {tuple(weights.shape)} but this call takes {steps} inner steps: pass a "

@@ -46,9 +46,17 @@ def meta_step(loop: InnerLoop, first_order: bool) -> Step:
     loop = loop.unchecked()  # traced code cannot raise on a value: run() checks the losses after
 
     def meta_loss(
-        params: Params, rate_values: Params, trained: Params, consts: Params,
-        sx: Tensor, sy: Tensor, qx: Tensor, qy: Tensor, steps: int, step_weights: Tensor | None,
-    ) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor, Params, Tensor]]:  # fmt: skip
+        params: Params,
+        rate_values: Params,
+        trained: Params,
+        consts: Params,
+        sx: Tensor,
+        sy: Tensor,
+        qx: Tensor,
+        qy: Tensor,
+        steps: int,
+        step_weights: Tensor | None,
+    ) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor, Params, Tensor]]:
         consts = {**consts, **trained}
         tasks = sx.shape[0]
         fast = per_task(params, tasks)
@@ -105,9 +113,17 @@ def run(
     for lo in range(0, tasks, chunk):
         part = batch[lo : lo + chunk]
         (g_params, g_rates, g_trained), (part_loss, *rest) = step(
-            values, rates, trained_values, shared,
-            part.support_x, part.support_y, part.query_x, part.query_y, steps, weights,
-        )  # fmt: skip
+            values,
+            rates,
+            trained_values,
+            shared,
+            part.support_x,
+            part.support_y,
+            part.query_x,
+            part.query_y,
+            steps,
+            weights,
+        )
         part_grads = [*g_params.values(), *g_rates.values(), *g_trained.values()]
         if chunk < tasks:  # the meta-batch's mean: the chunks' means weighted by their sizes
             weight = part.num_tasks / tasks

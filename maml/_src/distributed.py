@@ -120,8 +120,10 @@ def all_reduce_grads(
         buckets[(extras.dtype, extras.device)] = []
     averaged_extras = None
     for i, ((dtype, device), group_params) in enumerate(buckets.items()):
-        parts = [torch.zeros(p.numel(), dtype=dtype, device=device) if p.grad is None else p.grad.reshape(-1)
-                 for p in group_params]  # fmt: skip
+        parts = [
+            torch.zeros(p.numel(), dtype=dtype, device=device) if p.grad is None else p.grad.reshape(-1)
+            for p in group_params
+        ]
         # One presence flag per parameter: after the sum, > 0 where some rank had a gradient.
         parts.append(torch.tensor([p.grad is not None for p in group_params], dtype=dtype, device=device))
         with_extras = i == 0 and extras is not None

@@ -68,9 +68,14 @@ def adapt(
         support_grad = autograd_support_grad(loop.forward, consts, x, y, create_graph=not first_order)
         score = None if query is None else (lambda fast, step: loop.forward(fast, consts, *query)[0])
         done = loop.run(
-            support_grad, fast, loop.rule.init(fast), rate_values, steps,
-            score=score, keep=None if differentiable else _values,
-        )  # fmt: skip
+            support_grad,
+            fast,
+            loop.rule.init(fast),
+            rate_values,
+            steps,
+            score=score,
+            keep=None if differentiable else _values,
+        )
     fast = done.fast if differentiable else {k: v.detach() for k, v in done.fast.items()}
     return fast, stacked(done.support_losses, tasks, x), done.scores
 
@@ -90,9 +95,16 @@ def run(
     query = (batch.query_x, batch.query_y)
     every_step = step_weights is not None
     fast, support, step_query = adapt(
-        loop, params, rate_values, consts, batch.support_x, batch.support_y, steps,
-        first_order=first_order, query=query if every_step else None,
-    )  # fmt: skip
+        loop,
+        params,
+        rate_values,
+        consts,
+        batch.support_x,
+        batch.support_y,
+        steps,
+        first_order=first_order,
+        query=query if every_step else None,
+    )
     query_losses, query_out = loop.forward(fast, consts, *query)
     per_step = torch.stack([*step_query, query_losses]) if every_step else None
     return MetaOutput.of(query_losses, query_out, support, fast, per_step, step_weights)

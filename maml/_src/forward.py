@@ -129,8 +129,14 @@ class TaskForward:
             return
         # One timing per configuration and process: learners of one architecture on equal sizes batch alike.
         shapes = lambda tensors: tuple((tuple(t.shape), t.dtype) for t in tensors)  # noqa: E731
-        key = (device, repr(self.model), getattr(self.loss_fn, "__qualname__", repr(self.loss_fn)),
-               shapes(fast.values()), shapes(consts.values()), shapes(t for pair in data for t in pair))  # fmt: skip
+        key = (
+            device,
+            repr(self.model),
+            getattr(self.loss_fn, "__qualname__", repr(self.loss_fn)),
+            shapes(fast.values()),
+            shapes(consts.values()),
+            shapes(t for pair in data for t in pair),
+        )
         if key not in _CHOICES:
             seconds = time_batchings(self, fast, consts, data)
             _CHOICES[key] = "loop" if seconds["loop"] * LOOP_MARGIN < seconds["vmap"] else "vmap"

@@ -217,7 +217,17 @@ def step_vjp(
         cot_rates = {}
         if want_rates:
             cot_rates = rule_vjp(
-                rule, rates, rate_values, step, fast, state, grads, cot_fast, cot_state, wrt_inputs=False, wrt_rates=True
+                rule,
+                rates,
+                rate_values,
+                step,
+                fast,
+                state,
+                grads,
+                cot_fast,
+                cot_state,
+                wrt_inputs=False,
+                wrt_rates=True,
             )[3]
     else:
         cot_in, cot_state_in, u, cot_rates = rule_vjp(

@@ -16,7 +16,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from . import checks, checkpointed, compiled, eager
+from . import checkpointed, checks, compiled, eager
 from .batch import TaskBatch
 from .forward import LossFn, Params, TaskForward, check_finite, exact_attention
 from .loop import InnerLoop, MetaOutput
@@ -180,7 +180,9 @@ class MetaLearner:
         rates = InnerRates(learn_inner_lr, self.inner_lr, tuple(adapted))
         self._loop = InnerLoop(forward, rule, rates, self._check)
         params = dict(model.named_parameters())
-        self.rate_parameters: dict[str, nn.Parameter] = {k: nn.Parameter(v) for k, v in rates.init(params, steps).items()}
+        self.rate_parameters: dict[str, nn.Parameter] = {
+            k: nn.Parameter(v) for k, v in rates.init(params, steps).items()
+        }
         checks.warn_weight_norm(model, mode)
 
     # ------------------------------------------------------------------ public API
@@ -257,7 +259,11 @@ class MetaLearner:
         return loss if torch.is_grad_enabled() else checks.evaluation_loss(loss)
 
     def run(
-        self, batch: TaskBatch, params: Params | None = None, steps: int | None = None, step_weights: Tensor | None = None
+        self,
+        batch: TaskBatch,
+        params: Params | None = None,
+        steps: int | None = None,
+        step_weights: Tensor | None = None,
     ) -> MetaOutput:
         """Adapts to every task of ``batch`` and scores the fast weights on its query set.
 
@@ -291,20 +297,39 @@ class MetaLearner:
                     step = compiled.meta_step(self._loop, first_order=self._mode == "first_order")
                     self._compiled[self._mode] = compiled.compile_step(step)
                 return compiled.run(
-                    self._compiled[self._mode], self._loop if self.check_finite else self._loop.unchecked(),
-                    params, rate_values, consts, batch, steps,
-                    chunk=self._tasks_per_chunk(batch.num_tasks), step_weights=step_weights,
-                )  # fmt: skip
+                    self._compiled[self._mode],
+                    self._loop if self.check_finite else self._loop.unchecked(),
+                    params,
+                    rate_values,
+                    consts,
+                    batch,
+                    steps,
+                    chunk=self._tasks_per_chunk(batch.num_tasks),
+                    step_weights=step_weights,
+                )
             if self._mode == "checkpointed" and grad:
                 return checkpointed.run(
-                    self._loop, params, rate_values, consts, batch, steps,
-                    chunk=self._tasks_per_chunk(batch.num_tasks), every=self.checkpoint_every,
-                    step_weights=step_weights, hvp=self._checkpoint_hvp,
-                )  # fmt: skip
+                    self._loop,
+                    params,
+                    rate_values,
+                    consts,
+                    batch,
+                    steps,
+                    chunk=self._tasks_per_chunk(batch.num_tasks),
+                    every=self.checkpoint_every,
+                    step_weights=step_weights,
+                    hvp=self._checkpoint_hvp,
+                )
             return eager.run(
-                self._loop, params, rate_values, consts, batch, steps,
-                first_order=self._mode == "first_order", step_weights=step_weights,
-            )  # fmt: skip
+                self._loop,
+                params,
+                rate_values,
+                consts,
+                batch,
+                steps,
+                first_order=self._mode == "first_order",
+                step_weights=step_weights,
+            )
 
     def task_losses(self, fast: Params, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
         """Each task's loss and outputs at its own fast weights, e.g. the support loss after adaptation.
@@ -359,7 +384,14 @@ class MetaLearner:
         self._example_shape = support_x.shape[1:]
         with self._attention():
             fast, _, _ = eager.adapt(
-                self._loop, params, dict(self.rate_parameters), consts, x, y, steps, first_order=self._mode == "first_order"
+                self._loop,
+                params,
+                dict(self.rate_parameters),
+                consts,
+                x,
+                y,
+                steps,
+                first_order=self._mode == "first_order",
             )
         frozen = {k: v for k, v in consts.items() if k in self._names}
         return {**frozen, **{k: v[0] for k, v in fast.items()}}
@@ -473,4 +505,3 @@ class MetaLearner:
         if self.chunk_size is not None:
             return self.chunk_size
         return 1 if self.resolved_batching == "loop" else tasks
-

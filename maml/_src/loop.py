@@ -128,7 +128,9 @@ class InnerLoop:
         return dataclasses.replace(self, check=None)
 
 
-def autograd_support_grad(forward: TaskForward, consts: Params, x: Tensor, y: Tensor, *, create_graph: bool) -> SupportGrad:
+def autograd_support_grad(
+    forward: TaskForward, consts: Params, x: Tensor, y: Tensor, *, create_graph: bool
+) -> SupportGrad:
     """The support gradient by ``torch.autograd.grad``; ``create_graph=False`` treats it as a constant (first order).
 
     The fast weights must require grad. The returned losses are detached.

@@ -57,7 +57,9 @@ class InnerRates:
             return {n: torch.full_like(params[n], self.inner_lr) for n in self.names}
         return {n: params[n].new_full((max(steps, 1),), self.inner_lr) for n in self.names}
 
-    def at(self, values: Mapping[str, Tensor], step: int, names: Sequence[str] | None = None) -> dict[str, float | Tensor]:
+    def at(
+        self, values: Mapping[str, Tensor], step: int, names: Sequence[str] | None = None
+    ) -> dict[str, float | Tensor]:
         """Each adapted parameter's rate at inner step ``step`` (0-based).
 
         Args:

@@ -154,7 +154,9 @@ def make_rule(name: str, options: Mapping[str, Any] | None) -> UpdateRule:
     if name == "momentum":
         mu = options.get("momentum", 0.9)
         if isinstance(mu, bool) or not isinstance(mu, (int, float)) or not 0 <= mu < 1:
-            raise ValueError(f"inner_optimizer_options['momentum']={mu!r} is out of range; it must be a float in [0, 1).")
+            raise ValueError(
+                f"inner_optimizer_options['momentum']={mu!r} is out of range; it must be a float in [0, 1)."
+            )
         nesterov = options.get("nesterov", False)
         if not isinstance(nesterov, bool):
             raise TypeError(f"inner_optimizer_options['nesterov'] must be True or False, got {nesterov!r}.")

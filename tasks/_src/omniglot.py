@@ -367,8 +367,7 @@ def _find_sources(root: Path) -> list[_Source]:
     if root.is_file():
         if not zipfile.is_zipfile(root):
             raise ValueError(
-                f"{str(root)!r} is not a zip archive (it is corrupt, truncated or another kind of file). "
-                f"{LAYOUT_HELP}"
+                f"{str(root)!r} is not a zip archive (it is corrupt, truncated or another kind of file). {LAYOUT_HELP}"
             )
         return [_Source(root.stem, root, True)]
     if _is_split_folder(root):
@@ -451,8 +450,7 @@ def _decode_chunk(jobs: list[tuple[str, bytes]], size: int, out: np.ndarray, sta
             out[start + i] = _decode(blob, size)
         except Exception as exc:  # noqa: BLE001 - PIL reports broken PNGs as OSError, SyntaxError, ...
             raise ValueError(
-                f"cannot decode the image {where} ({exc}); the data is corrupt: download it again from "
-                f"{OMNIGLOT_URL}."
+                f"cannot decode the image {where} ({exc}); the data is corrupt: download it again from {OMNIGLOT_URL}."
             ) from exc
 
 
