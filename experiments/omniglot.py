@@ -21,7 +21,6 @@ import dataclasses
 import functools
 import math
 import os
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -33,7 +32,12 @@ from torch import Tensor, nn
 
 import maml
 import tasks
-from experiments import common, peers, recipes
+from experiments import fit, peers
+from experiments.cli import UsageError
+from experiments.config import ExperimentConfig, check_config
+from experiments.files import atomic_write
+from experiments.results import mean_ci95
+from experiments.rundir import BEST_FILE
 
 
 # The paper's settings by number of ways: (inner steps, inner lr, meta-batch).
@@ -44,7 +48,7 @@ ROTATED = {"all": True, "train": (True, False, False), "none": False}  # --rotat
 
 
 @dataclasses.dataclass(frozen=True)
-class OmniglotConfig(common.ExperimentConfig):
+class OmniglotConfig(ExperimentConfig):
     """The hyperparameters (each a flag and a --config key): the shared ones, then the data's, the model's and the
     evaluation's."""
 
@@ -106,7 +110,7 @@ class OmniglotConfig(common.ExperimentConfig):
 
 def validate_config(cfg: OmniglotConfig) -> None:
     """Raises ValueError naming the key for an invalid value."""
-    common.check_config(cfg, positive=("ways", "filters", "eval_chunk"))
+    check_config(cfg, positive=("ways", "filters", "eval_chunk"))
     fractions = ",".join(f"{f:g}" for f in cfg.split_fractions)
     if len(cfg.split_fractions) != 3 or not all(math.isfinite(f) and f >= 0 for f in cfg.split_fractions):
         raise ValueError(f"--split-fractions {fractions} must be three shares >= 0 (train, validation, test) "
@@ -238,16 +242,19 @@ def accuracy(logits: Tensor, y: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def evaluate(learner: maml.MetaLearner, sampler: tasks.FewShotSampler, cfg: OmniglotConfig,
+def evaluate(run: Callable[..., maml.MetaOutput], sampler: tasks.FewShotSampler, cfg: OmniglotConfig,
              device: torch.device, seed: int) -> dict[str, Any]:  # fmt: skip
-    """Test accuracy on ``eval_tasks`` tasks for each number of steps, with 95 % CIs (same tasks for every column)."""
+    """Test accuracy on ``eval_tasks`` tasks for each number of steps, with 95 % CIs (same tasks for every column).
+
+    ``run``: ``learner.run``, or what calls it (``fit.Fitted.run`` explains a NaN/Inf).
+    """
     g = torch.Generator().manual_seed(seed)
     chunks = [sampler.sample(min(cfg.eval_chunk, cfg.eval_tasks - i), g, device=device)
               for i in range(0, cfg.eval_tasks, cfg.eval_chunk)]  # fmt: skip
     results = {}
     for steps in cfg.eval_steps:
-        acc = torch.cat([accuracy(learner.run(b, steps=steps).query_out, b.query_y) for b in chunks])
-        mean, ci = common.mean_ci95(acc)
+        acc = torch.cat([accuracy(run(b, steps=steps).query_out, b.query_y) for b in chunks])
+        mean, ci = mean_ci95(acc)
         results[f"{steps}step"] = {"accuracy": mean, "ci95": ci, "steps": steps, "tasks": acc.numel()}
     return results
 
@@ -272,7 +279,7 @@ def plot(out: Path, learner: maml.MetaLearner, sampler: tasks.FewShotSampler | N
     for ax in axes:
         ax.legend()
     fig.tight_layout()
-    common.atomic_write(out / "learning_curves.png", lambda p: fig.savefig(p, format="png", dpi=120))
+    atomic_write(out / "learning_curves.png", lambda p: fig.savefig(p, format="png", dpi=120))
     plt.close(fig)
 
     if sampler is None:
@@ -301,96 +308,90 @@ def plot(out: Path, learner: maml.MetaLearner, sampler: tasks.FewShotSampler | N
             ax.set_title(f"pred {int(pred[i])}", fontsize=5, color="green" if ok else "red")
     fig.suptitle(f"one test task after {steps} steps: support (left), query with predictions", fontsize=8)
     fig.tight_layout()
-    common.atomic_write(out / "task_grid.png", lambda p: fig.savefig(p, format="png", dpi=120))
+    atomic_write(out / "task_grid.png", lambda p: fig.savefig(p, format="png", dpi=120))
     plt.close(fig)
 
 
-def run(argv: Sequence[str] | None = None) -> None:
-    cfg, opts = common.parse_args("omniglot", OmniglotConfig, argv, __doc__.split("\n\n")[0], validate_config)
+def resolve(cfg: OmniglotConfig) -> OmniglotConfig:
+    """The config with its per-ways defaults and the data path filled in (:meth:`OmniglotConfig.resolved`)."""
     cfg = cfg.resolved()
     if cfg.data is None:
-        raise common.UsageError("no data: pass --data PATH (Omniglot archives or folders) or set $OMNIGLOT_DIR.")
-    assert cfg.meta_batch is not None  # resolved() fills it in
-    common.check_shards(cfg.meta_batch, opts)
-    resumed = common.prepare_out(opts, cfg)
+        raise UsageError("no data: pass --data PATH (Omniglot archives or folders) or set $OMNIGLOT_DIR.")
+    return cfg
+
+
+def load(cfg: OmniglotConfig) -> tuple[tasks.OmniglotSplits, list[tasks.FewShotSampler | None]]:
+    """The characters split into train, validation and test, and their task samplers (:func:`make_splits`)."""
     try:
         omni = tasks.Omniglot(cfg.data, rotations=cfg.rotations != "none")
     except (FileNotFoundError, ValueError, TypeError) as e:
-        raise common.UsageError(f"--data {cfg.data}: {e}") from None
-    splits, (train, val, test) = make_splits(omni, cfg)
-    if opts.main:
-        common.take_out(opts, cfg)  # clears an --overwrite'n run's files, then writes config.yaml
-        for name, sampler in (("validation", val), ("test", test)):
-            if sampler is None:
-                skipped = "trains without validation" if name == "validation" else "skips the final test"
-                print(f"note: --split-fractions {_shares(cfg)} gives the {name} split no characters; the run {skipped}.",
-                      file=sys.stderr)  # fmt: skip
+        raise UsageError(f"--data {cfg.data}: {e}") from None
+    return make_splits(omni, cfg)
 
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg.ways, cfg.filters, cfg.network).to(opts.device)
-    learner = maml.MetaLearner(model, loss_function(cfg.loss, cfg.ways), inner_lr=cfg.inner_lr, steps=cfg.steps,
-                               mode=cfg.mode, batching=cfg.batching, learn_inner_lr=cfg.learn_inner_lr,
-                               compile=cfg.compile, adapt=recipes.adapt_set(model, cfg.adapt, meta_only(model)),
-                               inner_optimizer=cfg.inner_optimizer)  # fmt: skip
-    optimizer = recipes.meta_optimizer(learner, cfg.meta_lr, cfg.rate_meta_lr)
-    trained = peers.Learn2LearnMAML(learner) if cfg.engine == "learn2learn" else learner
-    watch = common.DivergenceWatch(trained, optimizer, resumed["iteration"] if resumed else 0, cfg.meta_lr, cfg.inner_lr, opts.out)
-    if val is not None:
-        val_batch = val.sample(cfg.val_tasks, torch.Generator().manual_seed(cfg.seed + 10_000), device=opts.device)
 
-    def validate() -> dict[str, float]:
-        if val is None:
-            return {}  # --split-fractions gave the validation split no characters
-        with torch.no_grad():
-            acc, ci = common.mean_ci95(accuracy(learner.run(val_batch).query_out, val_batch.query_y))
+def notes(cfg: OmniglotConfig, data: tuple[tasks.OmniglotSplits, list[tasks.FewShotSampler | None]]) -> list[str]:
+    """A line for each split that --split-fractions leaves without characters."""
+    _, (_, val, test) = data
+    return [f"note: --split-fractions {_shares(cfg)} gives the {name} split no characters; the run "
+            f"{'trains without validation' if name == 'validation' else 'skips the final test'}."
+            for name, sampler in (("validation", val), ("test", test)) if sampler is None]  # fmt: skip
+
+
+def model(cfg: OmniglotConfig) -> fit.Model:
+    net = build_model(cfg.ways, cfg.filters, cfg.network)
+    return fit.Model(net, loss_function(cfg.loss, cfg.ways), meta_only(net), engine=cfg.engine)
+
+
+def train_tasks(cfg: OmniglotConfig, data: tuple[tasks.OmniglotSplits, list[tasks.FewShotSampler | None]],
+                device: torch.device) -> fit.Tasks:  # fmt: skip
+    """Training tasks of the train characters; ``val_tasks`` fixed tasks of the validation characters, if any."""
+    _, (train, val, _) = data
+    val_batch = None if val is None else val.sample(cfg.val_tasks, torch.Generator().manual_seed(cfg.seed + 10_000), device=device)
+
+    def val_metrics(out: maml.MetaOutput, batch: maml.TaskBatch) -> dict[str, float]:
+        acc, ci = mean_ci95(accuracy(out.query_out, batch.query_y))
         return {"val/accuracy": acc, "val/accuracy_ci95": ci}
 
-    trainer = common.Trainer(
-        learner=trained,
-        optimizer=optimizer,
-        sample=lambda g: train.sample(cfg.meta_batch, g, device=opts.device),
+    return fit.Tasks(
+        sample=lambda g: train.sample(cfg.meta_batch, g, device=device),
         metrics=lambda out, batch: {"train/accuracy": float(accuracy(out.query_out, batch.query_y).mean())},
-        validate=validate,
-        iterations=cfg.iterations,
-        log_every=cfg.log_every,
-        val_every=cfg.val_every,
-        checkpoint_every=cfg.checkpoint_every,
-        seed=cfg.seed,
-        device=opts.device,
-        schedule=recipes.Schedule.of(cfg),
+        val_batch=val_batch,
+        val_metrics=val_metrics,
         select=("val/accuracy", "max"),
     )
-    name = f"omniglot-{cfg.ways}way-{cfg.shots}shot"
-    wandb_run = common.init_wandb(opts, cfg, name, resumed["wandb_id"] if resumed else None) if opts.main else None
-    with watch.guard(wandb_run, opts.main):  # a NaN/Inf: one line naming the loop and the flag, exit code 1
-        trainer.run(opts, cfg, resumed, wandb_run)
-    if not opts.main:
-        return  # rank 0 evaluates and writes the results
-    watch.phase = "the final test"
-    with watch.guard(wandb_run):
-        results = evaluate(learner, test, cfg, opts.device, seed=cfg.seed + 20_000) if test is not None else {}
-    plot(opts.out, learner, test, cfg, trainer.history, opts.device)
+
+
+def test(fitted: fit.Fitted) -> fit.Results:
+    """The test accuracy of the last and of the best-validation parameters on the same tasks, and the plots."""
+    cfg, opts, learner, trainer = fitted.cfg, fitted.opts, fitted.learner, fitted.trainer
+    splits, (_, _, test_tasks) = fitted.data
+    results = evaluate(fitted.run, test_tasks, cfg, opts.device, seed=cfg.seed + 20_000) if test_tasks is not None else {}
+    plot(opts.out, learner, test_tasks, cfg, trainer.history, opts.device)
     # Model selection: the best-validation parameters on the same test tasks (the last's results when they are the last).
     best_results = results
-    if test is not None and trainer.best and trainer.best["iteration"] != trainer.iterations:
-        learner.load_state_dict(torch.load(opts.out / common.BEST_FILE, weights_only=True)["learner"])
-        with watch.guard(wandb_run):
-            best_results = evaluate(learner, test, cfg, opts.device, seed=cfg.seed + 20_000)
+    if test_tasks is not None and trainer.best and trainer.best["iteration"] != trainer.iterations:
+        learner.load_state_dict(torch.load(opts.out / BEST_FILE, weights_only=True)["learner"])
+        best_results = evaluate(fitted.run, test_tasks, cfg, opts.device, seed=cfg.seed + 20_000)
     data = {"characters": [len(p.characters) for p in splits],
             "alphabets": [p.alphabets for p in splits], "batching": learner.resolved_batching}  # fmt: skip
-    skipped = {} if test is not None else {"test_skipped": f"--split-fractions {_shares(cfg)} gives the test split no characters"}
-    common.finish(opts, cfg, wandb_run, trainer, results, "accuracy", data=data, test_best=best_results, **skipped)
-    if test is None:
-        print(f"no final test: --split-fractions {_shares(cfg)} gives the test split no characters "
-              f"(results.json has test: {{}}); the model is in {opts.out / 'checkpoint.pt'}.")  # fmt: skip
-        return
+    if test_tasks is None:
+        why = f"--split-fractions {_shares(cfg)} gives the test split no characters"
+        return fit.Results(results, "accuracy", f"no final test: {why} (results.json has test: {{}}); the model is in "
+                           f"{opts.out / 'checkpoint.pt'}.", {"data": data, "test_best": best_results, "test_skipped": why})  # fmt: skip
     best_at = trainer.best.get("iteration", trainer.iterations)
-    print(f"{cfg.ways}-way {cfg.shots}-shot test accuracy on {cfg.eval_tasks} tasks of held-out characters "
-          f"(last: iteration {trainer.iterations}; best validation: iteration {best_at}):")  # fmt: skip
+    lines = [f"{cfg.ways}-way {cfg.shots}-shot test accuracy on {cfg.eval_tasks} tasks of held-out characters "
+             f"(last: iteration {trainer.iterations}; best validation: iteration {best_at}):"]  # fmt: skip
     for key, r in results.items():
         b = best_results[key]
-        print(f"  {r['steps']} steps: last {100 * r['accuracy']:.2f} % +- {100 * r['ci95']:.2f} %, "
-              f"best {100 * b['accuracy']:.2f} % +- {100 * b['ci95']:.2f} %")
+        lines.append(f"  {r['steps']} steps: last {100 * r['accuracy']:.2f} % +- {100 * r['ci95']:.2f} %, "
+                     f"best {100 * b['accuracy']:.2f} % +- {100 * b['ci95']:.2f} %")  # fmt: skip
+    return fit.Results(results, "accuracy", "\n".join(lines), {"data": data, "test_best": best_results})
+
+
+def run(argv: Sequence[str] | None = None) -> None:
+    fit.fit(fit.Experiment("omniglot", OmniglotConfig, __doc__.split("\n\n")[0], validate_config, model=model,
+                           tasks=train_tasks, test=test, resolve=resolve, load=load, notes=notes,
+                           run_name=lambda cfg: f"omniglot-{cfg.ways}way-{cfg.shots}shot"), argv)  # fmt: skip
 
 
 SPLITS = ("train", "validation", "test")
@@ -413,7 +414,7 @@ def make_splits(omni: tasks.Omniglot, cfg: OmniglotConfig) -> tuple[tasks.Omnigl
         splits = omni.split(by, cfg.split_fractions, seed=cfg.split_seed, rotations=ROTATED[cfg.rotations])
     except ValueError as e:  # too few alphabets or archives for every share > 0
         reason = str(e).split("): ", 1)[-1]  # without the API call, which names no flag
-        raise common.UsageError(f"--split-by {by} --split-fractions {shares}: {reason}") from None
+        raise UsageError(f"--split-by {by} --split-fractions {shares}: {reason}") from None
     samplers: list[tasks.FewShotSampler | None] = []
     for name, part, share in zip(SPLITS, splits, cfg.split_fractions, strict=True):
         if share == 0:
@@ -423,7 +424,7 @@ def make_splits(omni: tasks.Omniglot, cfg: OmniglotConfig) -> tuple[tasks.Omnigl
             alphabets = f"{len(part.alphabets)} alphabet{'s' if len(part.alphabets) != 1 else ''}"
             classes = f"{len(part.characters)} characters of {alphabets}" + (", 4 rotations each" if part.rotations else "")
             finer = " or --split-by character" if by != "character" else ""
-            raise common.UsageError(
+            raise UsageError(
                 f"--ways {cfg.ways}: the {name} split holds only {part.num_classes} classes ({classes}; --split-by {by} "
                 f"--split-fractions {shares}); lower --ways to at most {part.num_classes}, or give the {name} split "
                 f"more characters: a larger share in --split-fractions{finer}."
@@ -431,9 +432,9 @@ def make_splits(omni: tasks.Omniglot, cfg: OmniglotConfig) -> tuple[tasks.Omnigl
         try:
             samplers.append(tasks.FewShotSampler(part.images, part.labels, cfg.ways, cfg.shots, cfg.query))
         except ValueError as e:  # fewer images per class than shots + query
-            raise common.UsageError(f"--shots {cfg.shots} --query {cfg.query}, the {name} split: {e}") from None
+            raise UsageError(f"--shots {cfg.shots} --query {cfg.query}, the {name} split: {e}") from None
     return splits, samplers
 
 
 if __name__ == "__main__":
-    common.main(run)
+    fit.main(run)

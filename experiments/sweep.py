@@ -46,7 +46,9 @@ from typing import Any, NoReturn, TextIO
 import numpy as np
 import yaml
 
-from experiments.common import METRICS_FILE, UsageError, atomic_write
+from experiments.cli import UsageError
+from experiments.files import atomic_write
+from experiments.rundir import METRICS_FILE
 
 with warnings.catch_warnings():  # the engine's pydantic deprecation warnings
     warnings.simplefilter("ignore")
@@ -75,7 +77,7 @@ class Sweep:
     goal: str  # minimize or maximize
     command: list[str]
     program: Path | None  # the ``program`` file, where found
-    ours: bool  # it parses flags with experiments.common: has --threads, takes --inner_lr for --inner-lr
+    ours: bool  # it runs through experiments.fit: has --threads, takes --inner_lr for --inner-lr
 
     @property
     def searched(self) -> list[str]:
@@ -132,7 +134,7 @@ def load_sweep(path: Path) -> Sweep:
     program = next((file.resolve() for file in found if file.is_file()), None)
     if program is None and "${program}" in command:
         raise SweepError(f"{path}: program {config.get('program')!r} not found from {Path.cwd()} or {REPO_ROOT}")
-    ours = program is not None and "common.parse_args(" in program.read_text(errors="replace")
+    ours = program is not None and "fit.fit(" in program.read_text(errors="replace")
     name = re.sub(r"[^\w.-]+", "-", str(config.get("name") or path.stem))
     goal = engine["metric"].get("goal", "minimize")
     return Sweep(path, name, config, engine, config["metric"]["name"], goal, command, program, ours)
