@@ -181,7 +181,8 @@ def parse_args(
     is the experiment's default ``--threads`` (None: PyTorch's).
 
     Raises:
-        UsageError: unknown flag or key (with close matches), wrong type, invalid value.
+        UsageError: unknown flag or key (with close matches), wrong type, invalid value, or a
+            ``$WANDB_MODE`` that is no mode.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     types_ = {**typing.get_type_hints(RunFlags), **typing.get_type_hints(cls)}
@@ -206,10 +207,10 @@ def parse_args(
     except ValueError as e:
         raise UsageError(str(e)) from None
     device = runtime.parse_device(run.device)
+    wandb = tracking.wandb_mode(run.wandb)
     runtime.set_threads(run.threads)
     device, rank, world_size = runtime.join_processes(device)
-    return cfg, RunOptions(experiment, run.out, run.resume, run.overwrite, run.wandb or tracking.default_wandb_mode(), device,
-                           run.config, rank, world_size)  # fmt: skip
+    return cfg, RunOptions(experiment, run.out, run.resume, run.overwrite, wandb, device, run.config, rank, world_size)
 
 
 def load_yaml(path: Path, cls: type) -> dict[str, Any]:

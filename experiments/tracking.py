@@ -1,4 +1,4 @@
-"""wandb: the run's default mode (``$WANDB_MODE``, or whether the user is logged in), starting and finishing it.
+"""wandb: the run's mode (``--wandb``, ``$WANDB_MODE``, or whether the user is logged in), starting and finishing it.
 
 Rank 0 alone logs to wandb; its files go under ``--out``. A run never waits for wandb: without a
 server, a key or a network it logs offline, and says how to upload it later.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import netrc
 import os
 import socket
 import sys
@@ -15,23 +16,54 @@ import urllib.parse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from experiments.cli import UsageError
+
 if TYPE_CHECKING:
     from experiments.config import RunOptions
 
-__all__ = ["default_wandb_mode", "init_wandb", "finish_wandb"]
+__all__ = ["WANDB_MODES", "wandb_mode", "default_wandb_mode", "init_wandb", "finish_wandb"]
+
+WANDB_MODES = ("offline", "online", "disabled")  # --wandb's choices
+_OLD_NAMES = {"dryrun": "offline", "run": "online"}  # what $WANDB_MODE may also say, as wandb accepts
+
+
+def wandb_mode(given: str | None) -> str:
+    """The run's wandb mode: ``--wandb`` (``given``), else :func:`default_wandb_mode`.
+
+    An empty ``$WANDB_MODE`` counts as unset, and is removed from the environment: wandb itself
+    refuses it, whatever mode it is given.
+
+    Raises:
+        UsageError: ``$WANDB_MODE`` holds a value that is not a mode (wandb would refuse it too).
+    """
+    value = os.environ.get("WANDB_MODE")
+    if value == "":
+        del os.environ["WANDB_MODE"]
+    elif value is not None and value not in (*WANDB_MODES, *_OLD_NAMES):
+        raise UsageError(f"WANDB_MODE {value!r} is not one of {', '.join((*WANDB_MODES, *_OLD_NAMES))}; set it to one "
+                         f"of them, or unset it.")  # fmt: skip
+    return given or default_wandb_mode()
 
 
 def default_wandb_mode() -> str:
-    """$WANDB_MODE if set; online if the user is logged in; offline otherwise (never hangs without network)."""
-    if os.environ.get("WANDB_MODE") in ("offline", "online", "disabled", "dryrun", "run"):
-        return {"dryrun": "offline", "run": "online"}.get(os.environ["WANDB_MODE"], os.environ["WANDB_MODE"])
+    """$WANDB_MODE if set; online if the user is logged in; offline otherwise (never hangs without network).
+
+    Logged in: ``$WANDB_API_KEY`` is set, or the netrc file (``$NETRC``, else ``~/.netrc``) holds a
+    key for the host of the W&B server (``$WANDB_BASE_URL``, else https://api.wandb.ai), where
+    ``wandb login`` writes it.
+    """
+    mode = os.environ.get("WANDB_MODE")
+    if mode in (*WANDB_MODES, *_OLD_NAMES):
+        return _OLD_NAMES.get(mode, mode)  # type: ignore[arg-type]
     if os.environ.get("WANDB_API_KEY"):
         return "online"
-    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    host = urllib.parse.urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").netloc
+    path = Path(os.environ.get("NETRC") or Path.home() / ".netrc").expanduser()
     try:
-        return "online" if "api.wandb.ai" in netrc.read_text() else "offline"
-    except OSError:
+        entry = netrc.netrc(path).authenticators(host) if host else None
+    except (OSError, netrc.NetrcParseError):
         return "offline"
+    return "online" if entry and entry[2] else "offline"
 
 
 def init_wandb(opts: RunOptions, cfg: Any, name: str, run_id: str | None) -> Any:

@@ -1,4 +1,4 @@
-"""What the experiment scripts say when a run diverges or its flags are wrong (issue 11).
+"""What the experiment scripts say when a run diverges or its flags (or $WANDB_MODE) are wrong (issue 11).
 
 Each message is checked whole: the flag, the value and the fix, one line, and the exit code
 (2 for a usage error; 1 for a divergence, which is no usage error). The runs are in-process and
@@ -22,6 +22,7 @@ from experiments import omniglot, sine
 from experiments.config import parse_args
 from experiments.divergence import Diverged, DivergenceWatch
 from experiments.fit import main
+from experiments.tracking import default_wandb_mode
 from helpers import omniglot_root
 
 TINY_SINE = ["--compile", "false", "--hidden", "8", "--val-tasks", "4", "--eval-tasks", "4", "--eval-query", "10", "--meta-batch", "4",
@@ -362,3 +363,44 @@ def test_a_zero_validation_share_trains_without_validation(capsys, tmp_path):
     assert results["final_val"] == {} and results["test"] == {} and results["data"]["characters"] == [242, 0, 0]
     history = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["history"]
     assert len(history) == 1 and not any(key.startswith("val/") for key in history[0])
+
+
+# ---------------------------------------------------------------------------- 7. $WANDB_MODE, and who is logged in
+
+
+def test_an_empty_wandb_mode_is_unset(capsys, tmp_path, monkeypatch):
+    # `WANDB_MODE= python -m experiments.sine`: wandb itself refuses "" (a pydantic traceback), whatever mode it is given.
+    monkeypatch.setenv("WANDB_MODE", "")
+    out = tmp_path / "run"
+    main(sine.run, ["--iterations", "2", "--out", str(out), *TINY_SINE])
+    assert "Traceback" not in capsys.readouterr().err
+    assert (out / "results.json").is_file()
+
+
+@pytest.mark.parametrize("flag", [[], ["--wandb", "disabled"]], ids=["default", "--wandb"])
+def test_an_unknown_wandb_mode_is_a_usage_error_before_anything_is_written(capsys, tmp_path, monkeypatch, flag):
+    monkeypatch.setenv("WANDB_MODE", "offlne")
+    out = tmp_path / "run"
+    argv = ["--iterations", "2", "--out", str(out), *TINY_SINE[:-2], *flag]  # TINY_SINE ends with --wandb disabled
+    err = exits(capsys, sine.run, argv, 2)
+    assert err == "error: WANDB_MODE 'offlne' is not one of offline, online, disabled, dryrun, run; set it to one of them, or unset it."
+    assert not out.exists()
+
+
+def test_logged_in_means_a_key_for_the_host_of_the_wandb_server(tmp_path, monkeypatch):
+    netrc = tmp_path / "netrc"
+    netrc.write_text("machine wandb.example.org:8080\n  login user\n  password 0123456789abcdef\n")
+    netrc.chmod(0o600)
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NETRC", str(netrc))
+    assert default_wandb_mode() == "offline"  # a key for another server than api.wandb.ai
+    monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.example.org:8080")  # a self-hosted server
+    assert default_wandb_mode() == "online"
+    netrc.write_text("machine wandb.example.org:8080 login user password 0123456789abcdef\nmachine api.wandb.ai login user password\n")
+    monkeypatch.delenv("WANDB_BASE_URL")
+    assert default_wandb_mode() == "offline"  # an entry without a key is no login
+    netrc.write_text("# api.wandb.ai\nmachine api.wandb.ai login user password 0123456789abcdef\n")
+    assert default_wandb_mode() == "online"
+    monkeypatch.setenv("NETRC", str(tmp_path / "none"))
+    assert default_wandb_mode() == "offline"
