@@ -10,7 +10,8 @@ results.json and print the script's summary. :func:`main` turns a usage error in
 exit code 2::
 
     def run(argv=None):
-        fit.fit(fit.Experiment("sine", SineConfig, "...", validate_config, model=model, tasks=train_tasks, test=test), argv)
+        fit.fit(fit.Experiment("sine", SineConfig, "...", validate_config, model=make_model, tasks=train_tasks,
+                               test=final_test), argv)
 
     if __name__ == "__main__":
         fit.main(run)

@@ -39,6 +39,9 @@ from experiments.files import atomic_write
 from experiments.results import mean_ci95
 from experiments.rundir import BEST_FILE
 
+__all__ = ["PAPER", "NETWORKS", "LOSSES", "SPLITS", "OmniglotConfig", "validate_config", "SameConv2d", "BatchNormOffset",
+           "MeanPool", "META_ONLY", "build_model", "meta_only", "loss_function", "accuracy", "evaluate", "plot", "Data",
+           "resolve", "load", "notes", "make_model", "train_tasks", "final_test", "run", "make_splits"]  # fmt: skip
 
 # The paper's settings by number of ways: (inner steps, inner lr, meta-batch).
 PAPER = {5: (1, 0.4, 32), 20: (5, 0.1, 16)}
@@ -312,6 +315,10 @@ def plot(out: Path, learner: maml.MetaLearner, sampler: tasks.FewShotSampler | N
     plt.close(fig)
 
 
+# What load gives the other hooks: the split characters, and the train, validation and test samplers (None: no characters).
+Data = tuple[tasks.OmniglotSplits, list[tasks.FewShotSampler | None]]
+
+
 def resolve(cfg: OmniglotConfig) -> OmniglotConfig:
     """The config with its per-ways defaults and the data path filled in (:meth:`OmniglotConfig.resolved`)."""
     cfg = cfg.resolved()
@@ -320,7 +327,7 @@ def resolve(cfg: OmniglotConfig) -> OmniglotConfig:
     return cfg
 
 
-def load(cfg: OmniglotConfig) -> tuple[tasks.OmniglotSplits, list[tasks.FewShotSampler | None]]:
+def load(cfg: OmniglotConfig) -> Data:
     """The characters split into train, validation and test, and their task samplers (:func:`make_splits`)."""
     try:
         omni = tasks.Omniglot(cfg.data, rotations=cfg.rotations != "none")
@@ -329,7 +336,7 @@ def load(cfg: OmniglotConfig) -> tuple[tasks.OmniglotSplits, list[tasks.FewShotS
     return make_splits(omni, cfg)
 
 
-def notes(cfg: OmniglotConfig, data: tuple[tasks.OmniglotSplits, list[tasks.FewShotSampler | None]]) -> list[str]:
+def notes(cfg: OmniglotConfig, data: Data) -> list[str]:
     """A line for each split that --split-fractions leaves without characters."""
     _, (_, val, test) = data
     return [f"note: --split-fractions {_shares(cfg)} gives the {name} split no characters; the run "
@@ -337,13 +344,12 @@ def notes(cfg: OmniglotConfig, data: tuple[tasks.OmniglotSplits, list[tasks.FewS
             for name, sampler in (("validation", val), ("test", test)) if sampler is None]  # fmt: skip
 
 
-def model(cfg: OmniglotConfig) -> fit.Model:
+def make_model(cfg: OmniglotConfig) -> fit.Model:
     net = build_model(cfg.ways, cfg.filters, cfg.network)
     return fit.Model(net, loss_function(cfg.loss, cfg.ways), meta_only(net), engine=cfg.engine)
 
 
-def train_tasks(cfg: OmniglotConfig, data: tuple[tasks.OmniglotSplits, list[tasks.FewShotSampler | None]],
-                device: torch.device) -> fit.Tasks:  # fmt: skip
+def train_tasks(cfg: OmniglotConfig, data: Data, device: torch.device) -> fit.Tasks:
     """Training tasks of the train characters; ``val_tasks`` fixed tasks of the validation characters, if any."""
     _, (train, val, _) = data
     val_batch = None if val is None else val.sample(cfg.val_tasks, torch.Generator().manual_seed(cfg.seed + 10_000), device=device)
@@ -361,7 +367,7 @@ def train_tasks(cfg: OmniglotConfig, data: tuple[tasks.OmniglotSplits, list[task
     )
 
 
-def test(fitted: fit.Fitted) -> fit.Results:
+def final_test(fitted: fit.Fitted) -> fit.Results:
     """The test accuracy of the last and of the best-validation parameters on the same tasks, and the plots."""
     cfg, opts, learner, trainer = fitted.cfg, fitted.opts, fitted.learner, fitted.trainer
     splits, (_, _, test_tasks) = fitted.data
@@ -389,8 +395,8 @@ def test(fitted: fit.Fitted) -> fit.Results:
 
 
 def run(argv: Sequence[str] | None = None) -> None:
-    fit.fit(fit.Experiment("omniglot", OmniglotConfig, __doc__.split("\n\n")[0], validate_config, model=model,
-                           tasks=train_tasks, test=test, resolve=resolve, load=load, notes=notes,
+    fit.fit(fit.Experiment("omniglot", OmniglotConfig, __doc__.split("\n\n")[0], validate_config, model=make_model,
+                           tasks=train_tasks, test=final_test, resolve=resolve, load=load, notes=notes,
                            run_name=lambda cfg: f"omniglot-{cfg.ways}way-{cfg.shots}shot"), argv)  # fmt: skip
 
 

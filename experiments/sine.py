@@ -29,6 +29,9 @@ from experiments.config import ExperimentConfig, check_config
 from experiments.files import atomic_write
 from experiments.results import mean_ci95
 
+__all__ = ["SineConfig", "validate_config", "build_model", "evaluate", "plot", "make_model", "train_tasks", "final_test",
+           "run"]  # fmt: skip
+
 
 @dataclasses.dataclass(frozen=True)
 class SineConfig(ExperimentConfig):
@@ -128,7 +131,7 @@ def plot(out: Path, model: nn.Module, learner: maml.MetaLearner, history: list[d
     plt.close(fig)
 
 
-def model(cfg: SineConfig) -> fit.Model:
+def make_model(cfg: SineConfig) -> fit.Model:
     return fit.Model(build_model(cfg.hidden, cfg.init), F.mse_loss)
 
 
@@ -150,7 +153,7 @@ def train_tasks(cfg: SineConfig, data: None, device: torch.device) -> fit.Tasks:
     )
 
 
-def test(fitted: fit.Fitted) -> fit.Results:
+def final_test(fitted: fit.Fitted) -> fit.Results:
     """The evaluation on fresh tasks, the plots, and the table."""
     cfg, opts, learner = fitted.cfg, fitted.opts, fitted.learner
     # Test-time adaptation may take more steps than training did; a task whose inner loop
@@ -164,8 +167,8 @@ def test(fitted: fit.Fitted) -> fit.Results:
 def run(argv: Sequence[str] | None = None) -> None:
     # One thread: the MLP's steps are too small to gain from more, and each parallel region costs
     # more than it saves (compiled step 4.6 ms with 2 threads, 2.7 ms with 1, the same results).
-    fit.fit(fit.Experiment("sine", SineConfig, __doc__.split("\n\n")[0], validate_config, model=model, tasks=train_tasks,
-                           test=test, threads=1), argv)  # fmt: skip
+    fit.fit(fit.Experiment("sine", SineConfig, __doc__.split("\n\n")[0], validate_config, model=make_model, tasks=train_tasks,
+                           test=final_test, threads=1), argv)  # fmt: skip
 
 
 def _table(results: dict[str, Any], cfg: SineConfig) -> str:
