@@ -19,7 +19,7 @@ from typing import Any
 
 import tyro
 
-__all__ = ["UsageError", "REGISTRY", "flag", "show", "suggest", "spec", "read_items", "check_argv", "tyro_cli"]
+__all__ = ["UsageError", "REGISTRY", "flag", "show", "suggest", "spec_of", "read_items", "check_argv", "tyro_cli"]
 
 
 class UsageError(Exception):
@@ -90,7 +90,7 @@ def _read_values(info: tyro.constructors.PrimitiveTypeInfo) -> tyro.constructors
     return None
 
 
-def spec(tp: Any) -> tyro.constructors.PrimitiveConstructorSpec:
+def spec_of(tp: Any) -> tyro.constructors.PrimitiveConstructorSpec:
     """How tyro reads a flag of type ``tp`` (with :data:`REGISTRY`): its number of words, choices and reader."""
     with REGISTRY:
         return tyro.constructors.ConstructorRegistry.get_primitive_spec(tyro.constructors.PrimitiveTypeInfo.make(tp, set()))
@@ -112,7 +112,7 @@ def read_items(items: Sequence[tuple[str, list[str]]], types_: dict[str, Any], n
     values = {}
     for key in (k for k in types_ if k in given):
         try:
-            values[key] = spec(types_[key]).instance_from_str(given[key])
+            values[key] = spec_of(types_[key]).instance_from_str(given[key])
         except (ValueError, TypeError) as e:
             raise UsageError(f"{where}{name(key)} {e}.") from None
     return values
@@ -120,7 +120,7 @@ def read_items(items: Sequence[tuple[str, list[str]]], types_: dict[str, Any], n
 
 def _check_choice(key: str, words: list[str], types_: dict[str, Any], name: Any = flag, where: str = "") -> None:
     """Raises UsageError when ``key``'s flag has choices and ``words`` is not one (as tyro checks them, on reading)."""
-    choices = spec(types_[key]).choices
+    choices = spec_of(types_[key]).choices
     if choices is not None and words and words[0] not in choices:
         allowed = ", ".join(c for c in choices if c != "None")  # null stands for it
         raise UsageError(f"{where}{name(key)} {words[0]!r} is not one of {allowed}.")
@@ -171,7 +171,7 @@ def check_argv(argv: Sequence[str], types_: dict[str, Any], switches: Collection
             continue
         if attached:
             words = [value]
-        elif spec(types_[key]).nargs == "*":
+        elif spec_of(types_[key]).nargs == "*":
             words = []
             while i < len(argv) and not _stops_values(argv[i]):
                 words.append(argv[i])
@@ -188,8 +188,8 @@ def check_argv(argv: Sequence[str], types_: dict[str, Any], switches: Collection
         if not bad.startswith("-"):
             raise UsageError(f"unexpected argument {bad!r}: a value follows its flag (--name value).")
         raise UsageError(f"unknown flag {bad}{suggest(bad.replace('_', '-'), flags)}; see --help for the full list.")
-    switched = [(k, w) for k, w in items if k in switches]
-    return {**read_items([(k, w) for k, w in items if k not in switches], types_), **{k: True for k, _ in switched}}
+    values = read_items([(k, w) for k, w in items if k not in switches], types_)
+    return {**values, **{k: True for k, _ in items if k in switches}}
 
 
 def tyro_cli(tp: Any, args: Sequence[str], default: Any, **kwargs: Any) -> Any:
