@@ -18,7 +18,6 @@ accuracy of both on 600 tasks with 95 % confidence intervals.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -26,9 +25,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import torch
-import torch.nn.functional as F
 import tyro
-from torch import Tensor, nn
 
 import maml
 import tasks
@@ -36,18 +33,16 @@ from experiments import fit, peers
 from experiments.cli import UsageError
 from experiments.config import ExperimentConfig, check_config
 from experiments.files import atomic_write
+from experiments.omniglot_data import Data, load, notes, shares
+from experiments.omniglot_net import LOSSES, NETWORKS, accuracy, build_model, loss_function, meta_only
 from experiments.results import mean_ci95
 from experiments.rundir import BEST_FILE
 
-__all__ = ["PAPER", "NETWORKS", "LOSSES", "SPLITS", "OmniglotConfig", "validate_config", "SameConv2d", "BatchNormOffset",
-           "MeanPool", "META_ONLY", "build_model", "meta_only", "loss_function", "accuracy", "evaluate", "plot", "Data",
-           "resolve", "load", "notes", "make_model", "train_tasks", "final_test", "run", "make_splits"]  # fmt: skip
+__all__ = ["PAPER", "OmniglotConfig", "validate_config", "evaluate", "plot", "resolve", "make_model", "train_tasks",
+           "final_test", "run"]  # fmt: skip
 
 # The paper's settings by number of ways: (inner steps, inner lr, meta-batch).
 PAPER = {5: (1, 0.4, 32), 20: (5, 0.1, 16)}
-NETWORKS = ("strided", "maxpool")
-LOSSES = ("reference", "mean")
-ROTATED = {"all": True, "train": (True, False, False), "none": False}  # --rotations: which of train, val, test
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,122 +123,6 @@ def validate_config(cfg: OmniglotConfig) -> None:
                          f"a train share > 0, e.g. 0.6,0.15,0.25.")  # fmt: skip
 
 
-class SameConv2d(nn.Conv2d):
-    """A convolution with TensorFlow's ``'SAME'`` padding: ``ceil(size / stride)`` outputs per side.
-
-    TensorFlow pads ``(out - 1) * stride + kernel - size`` pixels in all and puts the odd one at
-    the bottom and right; ``nn.Conv2d(padding=1)`` pads both sides, which moves a stride-2 grid
-    by one pixel. The shapes of the reference's Omniglot net: 28 -> 14 -> 7 -> 4 -> 2.
-    """
-
-    def forward(self, x: Tensor) -> Tensor:
-        pad: list[int] = []
-        for size, k, s in reversed(list(zip(x.shape[-2:], self.kernel_size, self.stride))):  # F.pad: last dim first
-            total = max((math.ceil(size / s) - 1) * s + k - size, 0)
-            pad += [total // 2, total - total // 2]
-        return super().forward(F.pad(x, pad))
-
-
-class BatchNormOffset(nn.Module):
-    """``tf.contrib.layers.batch_norm`` as the reference calls it: batch statistics, an offset, no scale.
-
-    Its defaults are ``center=True, scale=False, epsilon=0.001``, and the reference never sets
-    ``is_training=False``, so every pass (support, query, test) normalises by its own batch.
-    ``offset`` ``(C,)`` is meta-learned; the reference keeps it outside ``weights``, so the inner
-    loop does not adapt it (:data:`META_ONLY`).
-    """
-
-    def __init__(self, channels: int, eps: float = 1e-3) -> None:
-        super().__init__()
-        self.eps = eps
-        self.offset = nn.Parameter(torch.zeros(channels))
-
-    def forward(self, x: Tensor) -> Tensor:
-        # The offset added, not passed as batch_norm's bias: its double backward fails for a bias without a
-        # weight (PyTorch 2.15: "Expected a proper Tensor but got None"), which adapting the offset needs.
-        return F.batch_norm(x, None, None, training=True, eps=self.eps) + self.offset[:, None, None]
-
-
-class MeanPool(nn.Module):
-    """``(n, C, H, W) -> (n, C)``: the mean over the spatial positions (the reference's ``reduce_mean(hidden4, [1, 2])``)."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x.mean((-2, -1))
-
-
-META_ONLY = (BatchNormOffset,)  # layers whose parameters the outer loop learns and the inner loop leaves alone
-
-
-def build_model(ways: int, filters: int = 64, network: str = "strided") -> nn.Module:
-    """The Omniglot conv net of Finn et al.'s reference code (``strided``) or the max-pool variant.
-
-    ``strided`` (``maml.py``'s ``forward_conv`` with ``--max_pool False``, what its Omniglot runs
-    use): 4 x [3x3 conv, stride 2, 'SAME' padding; batch norm with an offset and no scale; ReLU],
-    28 -> 14 -> 7 -> 4 -> 2, the mean over the 2x2 positions, a linear layer. Initialised as
-    ``construct_conv_weights``: convolutions Xavier-uniform, the output layer standard normal,
-    biases and offsets 0.
-
-    ``maxpool``: 4 x [3x3 conv, padding 1; batch norm with scale and offset; ReLU; 2x2 max-pool],
-    28 -> 14 -> 7 -> 3 -> 1, a linear layer, PyTorch's default initialisation: the net learn2learn
-    and MAML++ use (the reference's MiniImagenet net), adapted whole by the inner loop.
-    """
-    if network not in NETWORKS:
-        raise ValueError(f"network {network!r} is not one of {', '.join(NETWORKS)}.")
-    blocks: list[nn.Module] = []
-    for i in range(4):
-        channels = 1 if i == 0 else filters
-        if network == "strided":
-            conv = SameConv2d(channels, filters, 3, stride=2)
-            nn.init.xavier_uniform_(conv.weight)
-            nn.init.zeros_(conv.bias)
-            blocks += [conv, BatchNormOffset(filters), nn.ReLU()]
-        else:
-            blocks += [
-                nn.Conv2d(channels, filters, 3, padding=1),
-                nn.BatchNorm2d(filters, track_running_stats=False),  # per-task batch statistics, as in MAML
-                nn.ReLU(),
-                nn.MaxPool2d(2),
-            ]
-    head = nn.Linear(filters, ways)
-    if network == "strided":
-        nn.init.normal_(head.weight)  # tf.random_normal([dim_hidden, dim_output]): std 1
-        nn.init.zeros_(head.bias)
-        return nn.Sequential(*blocks, MeanPool(), head)
-    return nn.Sequential(*blocks, nn.Flatten(), head)
-
-
-def meta_only(model: nn.Module) -> set[str]:
-    """Names of the parameters the inner loop leaves alone (the strided net's batch-norm offsets)."""
-    return {f"{m}.{p}" for m, layer in model.named_modules() if isinstance(layer, META_ONLY)
-            for p, _ in layer.named_parameters(recurse=False)}  # fmt: skip
-
-
-def loss_function(loss: str, ways: int) -> Callable[[Tensor, Tensor], Tensor]:
-    """The per-task classification loss ``(n, ways)`` logits, ``(n,)`` labels -> ``()``.
-
-    ``"reference"``: the reference's ``xent``, ``softmax_cross_entropy_with_logits / K``, is a
-    vector of per-example losses, and ``tf.gradients`` of a vector differentiates its sum: its
-    loss is the cross-entropy summed over the task's ``ways * K`` examples over ``K``, i.e.
-    ``ways`` times the mean, and its ``update_lr`` 0.4 is a step of 2.0 on the mean (5-way).
-    Written as ``ways * mean``, which is that sum for ``K`` images per class, and stays the
-    sum of the per-class means with another number of query images. ``"mean"``: ``F.cross_entropy``.
-    """
-    if loss == "mean":
-        return F.cross_entropy
-    if loss != "reference":
-        raise ValueError(f"loss {loss!r} is not one of {', '.join(LOSSES)}.")
-    return functools.partial(_reference_cross_entropy, ways=ways)
-
-
-def _reference_cross_entropy(logits: Tensor, y: Tensor, ways: int) -> Tensor:
-    return ways * F.cross_entropy(logits, y)
-
-
-def accuracy(logits: Tensor, y: Tensor) -> Tensor:
-    """``(T, n, ways)`` logits, ``(T, n)`` labels -> ``(T,)`` per-task accuracy."""
-    return (logits.argmax(-1) == y).float().mean(-1)
-
-
 @torch.no_grad()
 def evaluate(run: Callable[..., maml.MetaOutput], sampler: tasks.FewShotSampler, cfg: OmniglotConfig,
              device: torch.device, seed: int) -> dict[str, Any]:  # fmt: skip
@@ -315,33 +194,12 @@ def plot(out: Path, learner: maml.MetaLearner, sampler: tasks.FewShotSampler | N
     plt.close(fig)
 
 
-# What load gives the other hooks: the split characters, and the train, validation and test samplers (None: no characters).
-Data = tuple[tasks.OmniglotSplits, list[tasks.FewShotSampler | None]]
-
-
 def resolve(cfg: OmniglotConfig) -> OmniglotConfig:
     """The config with its per-ways defaults and the data path filled in (:meth:`OmniglotConfig.resolved`)."""
     cfg = cfg.resolved()
     if cfg.data is None:
         raise UsageError("no data: pass --data PATH (Omniglot archives or folders) or set $OMNIGLOT_DIR.")
     return cfg
-
-
-def load(cfg: OmniglotConfig) -> Data:
-    """The characters split into train, validation and test, and their task samplers (:func:`make_splits`)."""
-    try:
-        omni = tasks.Omniglot(cfg.data, rotations=cfg.rotations != "none")
-    except (FileNotFoundError, ValueError, TypeError) as e:
-        raise UsageError(f"--data {cfg.data}: {e}") from None
-    return make_splits(omni, cfg)
-
-
-def notes(cfg: OmniglotConfig, data: Data) -> list[str]:
-    """A line for each split that --split-fractions leaves without characters."""
-    _, (_, val, test) = data
-    return [f"note: --split-fractions {_shares(cfg)} gives the {name} split no characters; the run "
-            f"{'trains without validation' if name == 'validation' else 'skips the final test'}."
-            for name, sampler in (("validation", val), ("test", test)) if sampler is None]  # fmt: skip
 
 
 def make_model(cfg: OmniglotConfig) -> fit.Model:
@@ -381,7 +239,7 @@ def final_test(fitted: fit.Fitted) -> fit.Results:
     data = {"characters": [len(p.characters) for p in splits],
             "alphabets": [p.alphabets for p in splits], "batching": learner.resolved_batching}  # fmt: skip
     if test_tasks is None:
-        why = f"--split-fractions {_shares(cfg)} gives the test split no characters"
+        why = f"--split-fractions {shares(cfg)} gives the test split no characters"
         return fit.Results(results, "accuracy", f"no final test: {why} (results.json has test: {{}}); the model is in "
                            f"{opts.out / 'checkpoint.pt'}.", {"data": data, "test_best": best_results, "test_skipped": why})  # fmt: skip
     best_at = trainer.best.get("iteration", trainer.iterations)
@@ -398,48 +256,6 @@ def run(argv: Sequence[str] | None = None) -> None:
     fit.fit(fit.Experiment("omniglot", OmniglotConfig, __doc__.split("\n\n")[0], validate_config, model=make_model,
                            tasks=train_tasks, test=final_test, resolve=resolve, load=load, notes=notes,
                            run_name=lambda cfg: f"omniglot-{cfg.ways}way-{cfg.shots}shot"), argv)  # fmt: skip
-
-
-SPLITS = ("train", "validation", "test")
-
-
-def _shares(cfg: OmniglotConfig) -> str:
-    """--split-fractions as it is written on the command line."""
-    return ",".join(f"{f:g}" for f in cfg.split_fractions)
-
-
-def make_splits(omni: tasks.Omniglot, cfg: OmniglotConfig) -> tuple[tasks.OmniglotSplits, list[tasks.FewShotSampler | None]]:
-    """The train, validation and test parts and their task samplers (None for a part whose share is 0).
-
-    Raises:
-        UsageError: naming the flag, the split and the fix, when a share > 0 gets no character or a
-            split cannot make the tasks that --ways, --shots and --query ask for.
-    """
-    by, shares = cfg.split_by, _shares(cfg)
-    try:
-        splits = omni.split(by, cfg.split_fractions, seed=cfg.split_seed, rotations=ROTATED[cfg.rotations])
-    except ValueError as e:  # too few alphabets or archives for every share > 0
-        reason = str(e).split("): ", 1)[-1]  # without the API call, which names no flag
-        raise UsageError(f"--split-by {by} --split-fractions {shares}: {reason}") from None
-    samplers: list[tasks.FewShotSampler | None] = []
-    for name, part, share in zip(SPLITS, splits, cfg.split_fractions, strict=True):
-        if share == 0:
-            samplers.append(None)
-            continue
-        if part.num_classes < cfg.ways:
-            alphabets = f"{len(part.alphabets)} alphabet{'s' if len(part.alphabets) != 1 else ''}"
-            classes = f"{len(part.characters)} characters of {alphabets}" + (", 4 rotations each" if part.rotations else "")
-            finer = " or --split-by character" if by != "character" else ""
-            raise UsageError(
-                f"--ways {cfg.ways}: the {name} split holds only {part.num_classes} classes ({classes}; --split-by {by} "
-                f"--split-fractions {shares}); lower --ways to at most {part.num_classes}, or give the {name} split "
-                f"more characters: a larger share in --split-fractions{finer}."
-            )
-        try:
-            samplers.append(tasks.FewShotSampler(part.images, part.labels, cfg.ways, cfg.shots, cfg.query))
-        except ValueError as e:  # fewer images per class than shots + query
-            raise UsageError(f"--shots {cfg.shots} --query {cfg.query}, the {name} split: {e}") from None
-    return splits, samplers
 
 
 if __name__ == "__main__":
