@@ -158,9 +158,8 @@ class Trainer:
                 if row["iteration"] >= wandb_from:
                     run.log(row, step=row["iteration"])
 
-        # Ctrl-C and SIGTERM (kill, a cluster's pre-emption) stop the run at the end of the current
-        # iteration, so the checkpoint written then is consistent; a second Ctrl-C stops at once
-        # (the last periodic checkpoint stays valid). torchrun passes the signal on to every process.
+        # Ctrl-C and SIGTERM (kill, a cluster's pre-emption; torchrun passes them on) stop the run after this
+        # iteration, whose checkpoint is then consistent; a second Ctrl-C stops at once (the last one stays valid).
         stop, restore_signals = catch_stop_signals()
         self._began = time.perf_counter()
         bar = tqdm(range(start, self.iterations), initial=start, total=self.iterations, desc="meta-train",
