@@ -18,33 +18,35 @@ accuracy of both on 600 tasks with 95 % confidence intervals.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import os
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import torch
-import torch.nn.functional as F
 import tyro
-from torch import Tensor, nn
 
 import maml
 import tasks
-from experiments import common, peers, recipes
+from experiments import fit, peers
+from experiments.cli import UsageError
+from experiments.config import ExperimentConfig, check_config
+from experiments.files import atomic_write
+from experiments.omniglot_data import Data, load, notes, shares
+from experiments.omniglot_net import LOSSES, NETWORKS, accuracy, build_model, loss_function, meta_only
+from experiments.results import mean_ci95
+from experiments.rundir import BEST_FILE
 
+__all__ = ["PAPER", "OmniglotConfig", "validate_config", "evaluate", "plot", "resolve", "make_model", "train_tasks",
+           "final_test", "run"]  # fmt: skip
 
 # The paper's settings by number of ways: (inner steps, inner lr, meta-batch).
 PAPER = {5: (1, 0.4, 32), 20: (5, 0.1, 16)}
-NETWORKS = ("strided", "maxpool")
-LOSSES = ("reference", "mean")
-ROTATED = {"all": True, "train": (True, False, False), "none": False}  # --rotations: which of train, val, test
 
 
 @dataclasses.dataclass(frozen=True)
-class OmniglotConfig(common.ExperimentConfig):
+class OmniglotConfig(ExperimentConfig):
     """The hyperparameters (each a flag and a --config key): the shared ones, then the data's, the model's and the
     evaluation's."""
 
@@ -106,7 +108,7 @@ class OmniglotConfig(common.ExperimentConfig):
 
 def validate_config(cfg: OmniglotConfig) -> None:
     """Raises ValueError naming the key for an invalid value."""
-    common.check_config(cfg, positive=("ways", "filters", "eval_chunk"))
+    check_config(cfg, positive=("ways", "filters", "eval_chunk"))
     fractions = ",".join(f"{f:g}" for f in cfg.split_fractions)
     if len(cfg.split_fractions) != 3 or not all(math.isfinite(f) and f >= 0 for f in cfg.split_fractions):
         raise ValueError(f"--split-fractions {fractions} must be three shares >= 0 (train, validation, test) "
@@ -121,133 +123,20 @@ def validate_config(cfg: OmniglotConfig) -> None:
                          f"a train share > 0, e.g. 0.6,0.15,0.25.")  # fmt: skip
 
 
-class SameConv2d(nn.Conv2d):
-    """A convolution with TensorFlow's ``'SAME'`` padding: ``ceil(size / stride)`` outputs per side.
-
-    TensorFlow pads ``(out - 1) * stride + kernel - size`` pixels in all and puts the odd one at
-    the bottom and right; ``nn.Conv2d(padding=1)`` pads both sides, which moves a stride-2 grid
-    by one pixel. The shapes of the reference's Omniglot net: 28 -> 14 -> 7 -> 4 -> 2.
-    """
-
-    def forward(self, x: Tensor) -> Tensor:
-        pad: list[int] = []
-        for size, k, s in reversed(list(zip(x.shape[-2:], self.kernel_size, self.stride))):  # F.pad: last dim first
-            total = max((math.ceil(size / s) - 1) * s + k - size, 0)
-            pad += [total // 2, total - total // 2]
-        return super().forward(F.pad(x, pad))
-
-
-class BatchNormOffset(nn.Module):
-    """``tf.contrib.layers.batch_norm`` as the reference calls it: batch statistics, an offset, no scale.
-
-    Its defaults are ``center=True, scale=False, epsilon=0.001``, and the reference never sets
-    ``is_training=False``, so every pass (support, query, test) normalises by its own batch.
-    ``offset`` ``(C,)`` is meta-learned; the reference keeps it outside ``weights``, so the inner
-    loop does not adapt it (:data:`META_ONLY`).
-    """
-
-    def __init__(self, channels: int, eps: float = 1e-3) -> None:
-        super().__init__()
-        self.eps = eps
-        self.offset = nn.Parameter(torch.zeros(channels))
-
-    def forward(self, x: Tensor) -> Tensor:
-        # The offset added, not passed as batch_norm's bias: its double backward fails for a bias without a
-        # weight (PyTorch 2.15: "Expected a proper Tensor but got None"), which adapting the offset needs.
-        return F.batch_norm(x, None, None, training=True, eps=self.eps) + self.offset[:, None, None]
-
-
-class MeanPool(nn.Module):
-    """``(n, C, H, W) -> (n, C)``: the mean over the spatial positions (the reference's ``reduce_mean(hidden4, [1, 2])``)."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x.mean((-2, -1))
-
-
-META_ONLY = (BatchNormOffset,)  # layers whose parameters the outer loop learns and the inner loop leaves alone
-
-
-def build_model(ways: int, filters: int = 64, network: str = "strided") -> nn.Module:
-    """The Omniglot conv net of Finn et al.'s reference code (``strided``) or the max-pool variant.
-
-    ``strided`` (``maml.py``'s ``forward_conv`` with ``--max_pool False``, what its Omniglot runs
-    use): 4 x [3x3 conv, stride 2, 'SAME' padding; batch norm with an offset and no scale; ReLU],
-    28 -> 14 -> 7 -> 4 -> 2, the mean over the 2x2 positions, a linear layer. Initialised as
-    ``construct_conv_weights``: convolutions Xavier-uniform, the output layer standard normal,
-    biases and offsets 0.
-
-    ``maxpool``: 4 x [3x3 conv, padding 1; batch norm with scale and offset; ReLU; 2x2 max-pool],
-    28 -> 14 -> 7 -> 3 -> 1, a linear layer, PyTorch's default initialisation: the net learn2learn
-    and MAML++ use (the reference's MiniImagenet net), adapted whole by the inner loop.
-    """
-    if network not in NETWORKS:
-        raise ValueError(f"network {network!r} is not one of {', '.join(NETWORKS)}.")
-    blocks: list[nn.Module] = []
-    for i in range(4):
-        channels = 1 if i == 0 else filters
-        if network == "strided":
-            conv = SameConv2d(channels, filters, 3, stride=2)
-            nn.init.xavier_uniform_(conv.weight)
-            nn.init.zeros_(conv.bias)
-            blocks += [conv, BatchNormOffset(filters), nn.ReLU()]
-        else:
-            blocks += [
-                nn.Conv2d(channels, filters, 3, padding=1),
-                nn.BatchNorm2d(filters, track_running_stats=False),  # per-task batch statistics, as in MAML
-                nn.ReLU(),
-                nn.MaxPool2d(2),
-            ]
-    head = nn.Linear(filters, ways)
-    if network == "strided":
-        nn.init.normal_(head.weight)  # tf.random_normal([dim_hidden, dim_output]): std 1
-        nn.init.zeros_(head.bias)
-        return nn.Sequential(*blocks, MeanPool(), head)
-    return nn.Sequential(*blocks, nn.Flatten(), head)
-
-
-def meta_only(model: nn.Module) -> set[str]:
-    """Names of the parameters the inner loop leaves alone (the strided net's batch-norm offsets)."""
-    return {f"{m}.{p}" for m, layer in model.named_modules() if isinstance(layer, META_ONLY)
-            for p, _ in layer.named_parameters(recurse=False)}  # fmt: skip
-
-
-def loss_function(loss: str, ways: int) -> Callable[[Tensor, Tensor], Tensor]:
-    """The per-task classification loss ``(n, ways)`` logits, ``(n,)`` labels -> ``()``.
-
-    ``"reference"``: the reference's ``xent``, ``softmax_cross_entropy_with_logits / K``, is a
-    vector of per-example losses, and ``tf.gradients`` of a vector differentiates its sum: its
-    loss is the cross-entropy summed over the task's ``ways * K`` examples over ``K``, i.e.
-    ``ways`` times the mean, and its ``update_lr`` 0.4 is a step of 2.0 on the mean (5-way).
-    Written as ``ways * mean``, which is that sum for ``K`` images per class, and stays the
-    sum of the per-class means with another number of query images. ``"mean"``: ``F.cross_entropy``.
-    """
-    if loss == "mean":
-        return F.cross_entropy
-    if loss != "reference":
-        raise ValueError(f"loss {loss!r} is not one of {', '.join(LOSSES)}.")
-    return functools.partial(_reference_cross_entropy, ways=ways)
-
-
-def _reference_cross_entropy(logits: Tensor, y: Tensor, ways: int) -> Tensor:
-    return ways * F.cross_entropy(logits, y)
-
-
-def accuracy(logits: Tensor, y: Tensor) -> Tensor:
-    """``(T, n, ways)`` logits, ``(T, n)`` labels -> ``(T,)`` per-task accuracy."""
-    return (logits.argmax(-1) == y).float().mean(-1)
-
-
 @torch.no_grad()
-def evaluate(learner: maml.MetaLearner, sampler: tasks.FewShotSampler, cfg: OmniglotConfig,
+def evaluate(run: Callable[..., maml.MetaOutput], sampler: tasks.FewShotSampler, cfg: OmniglotConfig,
              device: torch.device, seed: int) -> dict[str, Any]:  # fmt: skip
-    """Test accuracy on ``eval_tasks`` tasks for each number of steps, with 95 % CIs (same tasks for every column)."""
+    """Test accuracy on ``eval_tasks`` tasks for each number of steps, with 95 % CIs (same tasks for every column).
+
+    ``run``: ``learner.run``, or what calls it (``fit.Fitted.run`` explains a NaN/Inf).
+    """
     g = torch.Generator().manual_seed(seed)
     chunks = [sampler.sample(min(cfg.eval_chunk, cfg.eval_tasks - i), g, device=device)
               for i in range(0, cfg.eval_tasks, cfg.eval_chunk)]  # fmt: skip
     results = {}
     for steps in cfg.eval_steps:
-        acc = torch.cat([accuracy(learner.run(b, steps=steps).query_out, b.query_y) for b in chunks])
-        mean, ci = common.mean_ci95(acc)
+        acc = torch.cat([accuracy(run(b, steps=steps).query_out, b.query_y) for b in chunks])
+        mean, ci = mean_ci95(acc)
         results[f"{steps}step"] = {"accuracy": mean, "ci95": ci, "steps": steps, "tasks": acc.numel()}
     return results
 
@@ -272,7 +161,7 @@ def plot(out: Path, learner: maml.MetaLearner, sampler: tasks.FewShotSampler | N
     for ax in axes:
         ax.legend()
     fig.tight_layout()
-    common.atomic_write(out / "learning_curves.png", lambda p: fig.savefig(p, format="png", dpi=120))
+    atomic_write(out / "learning_curves.png", lambda p: fig.savefig(p, format="png", dpi=120))
     plt.close(fig)
 
     if sampler is None:
@@ -301,139 +190,73 @@ def plot(out: Path, learner: maml.MetaLearner, sampler: tasks.FewShotSampler | N
             ax.set_title(f"pred {int(pred[i])}", fontsize=5, color="green" if ok else "red")
     fig.suptitle(f"one test task after {steps} steps: support (left), query with predictions", fontsize=8)
     fig.tight_layout()
-    common.atomic_write(out / "task_grid.png", lambda p: fig.savefig(p, format="png", dpi=120))
+    atomic_write(out / "task_grid.png", lambda p: fig.savefig(p, format="png", dpi=120))
     plt.close(fig)
 
 
-def run(argv: Sequence[str] | None = None) -> None:
-    cfg, opts = common.parse_args("omniglot", OmniglotConfig, argv, __doc__.split("\n\n")[0], validate_config)
+def resolve(cfg: OmniglotConfig) -> OmniglotConfig:
+    """The config with its per-ways defaults and the data path filled in (:meth:`OmniglotConfig.resolved`)."""
     cfg = cfg.resolved()
     if cfg.data is None:
-        raise common.UsageError("no data: pass --data PATH (Omniglot archives or folders) or set $OMNIGLOT_DIR.")
-    assert cfg.meta_batch is not None  # resolved() fills it in
-    common.check_shards(cfg.meta_batch, opts)
-    resumed = common.prepare_out(opts, cfg)
-    try:
-        omni = tasks.Omniglot(cfg.data, rotations=cfg.rotations != "none")
-    except (FileNotFoundError, ValueError, TypeError) as e:
-        raise common.UsageError(f"--data {cfg.data}: {e}") from None
-    splits, (train, val, test) = make_splits(omni, cfg)
-    if opts.main:
-        common.take_out(opts, cfg)  # clears an --overwrite'n run's files, then writes config.yaml
-        for name, sampler in (("validation", val), ("test", test)):
-            if sampler is None:
-                skipped = "trains without validation" if name == "validation" else "skips the final test"
-                print(f"note: --split-fractions {_shares(cfg)} gives the {name} split no characters; the run {skipped}.",
-                      file=sys.stderr)  # fmt: skip
+        raise UsageError("no data: pass --data PATH (Omniglot archives or folders) or set $OMNIGLOT_DIR.")
+    return cfg
 
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg.ways, cfg.filters, cfg.network).to(opts.device)
-    learner = maml.MetaLearner(model, loss_function(cfg.loss, cfg.ways), inner_lr=cfg.inner_lr, steps=cfg.steps,
-                               mode=cfg.mode, batching=cfg.batching, learn_inner_lr=cfg.learn_inner_lr,
-                               compile=cfg.compile, adapt=recipes.adapt_set(model, cfg.adapt, meta_only(model)),
-                               inner_optimizer=cfg.inner_optimizer)  # fmt: skip
-    optimizer = recipes.meta_optimizer(learner, cfg.meta_lr, cfg.rate_meta_lr)
-    trained = peers.Learn2LearnMAML(learner) if cfg.engine == "learn2learn" else learner
-    watch = common.DivergenceWatch(trained, optimizer, resumed["iteration"] if resumed else 0, cfg.meta_lr, cfg.inner_lr, opts.out)
-    if val is not None:
-        val_batch = val.sample(cfg.val_tasks, torch.Generator().manual_seed(cfg.seed + 10_000), device=opts.device)
 
-    def validate() -> dict[str, float]:
-        if val is None:
-            return {}  # --split-fractions gave the validation split no characters
-        with torch.no_grad():
-            acc, ci = common.mean_ci95(accuracy(learner.run(val_batch).query_out, val_batch.query_y))
+def make_model(cfg: OmniglotConfig) -> fit.Model:
+    net = build_model(cfg.ways, cfg.filters, cfg.network)
+    return fit.Model(net, loss_function(cfg.loss, cfg.ways), meta_only(net), engine=cfg.engine)
+
+
+def train_tasks(cfg: OmniglotConfig, data: Data, device: torch.device) -> fit.Tasks:
+    """Training tasks of the train characters; ``val_tasks`` fixed tasks of the validation characters, if any."""
+    _, (train, val, _) = data
+    val_batch = None if val is None else val.sample(cfg.val_tasks, torch.Generator().manual_seed(cfg.seed + 10_000), device=device)
+
+    def val_metrics(out: maml.MetaOutput, batch: maml.TaskBatch) -> dict[str, float]:
+        acc, ci = mean_ci95(accuracy(out.query_out, batch.query_y))
         return {"val/accuracy": acc, "val/accuracy_ci95": ci}
 
-    trainer = common.Trainer(
-        learner=trained,
-        optimizer=optimizer,
-        sample=lambda g: train.sample(cfg.meta_batch, g, device=opts.device),
+    return fit.Tasks(
+        sample=lambda g: train.sample(cfg.meta_batch, g, device=device),
         metrics=lambda out, batch: {"train/accuracy": float(accuracy(out.query_out, batch.query_y).mean())},
-        validate=validate,
-        iterations=cfg.iterations,
-        log_every=cfg.log_every,
-        val_every=cfg.val_every,
-        checkpoint_every=cfg.checkpoint_every,
-        seed=cfg.seed,
-        device=opts.device,
-        schedule=recipes.Schedule.of(cfg),
+        val_batch=val_batch,
+        val_metrics=val_metrics,
         select=("val/accuracy", "max"),
     )
-    name = f"omniglot-{cfg.ways}way-{cfg.shots}shot"
-    wandb_run = common.init_wandb(opts, cfg, name, resumed["wandb_id"] if resumed else None) if opts.main else None
-    with watch.guard(wandb_run, opts.main):  # a NaN/Inf: one line naming the loop and the flag, exit code 1
-        trainer.run(opts, cfg, resumed, wandb_run)
-    if not opts.main:
-        return  # rank 0 evaluates and writes the results
-    watch.phase = "the final test"
-    with watch.guard(wandb_run):
-        results = evaluate(learner, test, cfg, opts.device, seed=cfg.seed + 20_000) if test is not None else {}
-    plot(opts.out, learner, test, cfg, trainer.history, opts.device)
+
+
+def final_test(fitted: fit.Fitted) -> fit.Results:
+    """The test accuracy of the last and of the best-validation parameters on the same tasks, and the plots."""
+    cfg, opts, learner, trainer = fitted.cfg, fitted.opts, fitted.learner, fitted.trainer
+    splits, (_, _, test_tasks) = fitted.data
+    results = evaluate(fitted.run, test_tasks, cfg, opts.device, seed=cfg.seed + 20_000) if test_tasks is not None else {}
+    plot(opts.out, learner, test_tasks, cfg, trainer.history, opts.device)
     # Model selection: the best-validation parameters on the same test tasks (the last's results when they are the last).
     best_results = results
-    if test is not None and trainer.best and trainer.best["iteration"] != trainer.iterations:
-        learner.load_state_dict(torch.load(opts.out / common.BEST_FILE, weights_only=True)["learner"])
-        with watch.guard(wandb_run):
-            best_results = evaluate(learner, test, cfg, opts.device, seed=cfg.seed + 20_000)
+    if test_tasks is not None and trainer.best and trainer.best["iteration"] != trainer.iterations:
+        learner.load_state_dict(torch.load(opts.out / BEST_FILE, weights_only=True)["learner"])
+        best_results = evaluate(fitted.run, test_tasks, cfg, opts.device, seed=cfg.seed + 20_000)
     data = {"characters": [len(p.characters) for p in splits],
             "alphabets": [p.alphabets for p in splits], "batching": learner.resolved_batching}  # fmt: skip
-    skipped = {} if test is not None else {"test_skipped": f"--split-fractions {_shares(cfg)} gives the test split no characters"}
-    common.finish(opts, cfg, wandb_run, trainer, results, "accuracy", data=data, test_best=best_results, **skipped)
-    if test is None:
-        print(f"no final test: --split-fractions {_shares(cfg)} gives the test split no characters "
-              f"(results.json has test: {{}}); the model is in {opts.out / 'checkpoint.pt'}.")  # fmt: skip
-        return
+    if test_tasks is None:
+        why = f"--split-fractions {shares(cfg)} gives the test split no characters"
+        return fit.Results(results, "accuracy", f"no final test: {why} (results.json has test: {{}}); the model is in "
+                           f"{opts.out / 'checkpoint.pt'}.", {"data": data, "test_best": best_results, "test_skipped": why})  # fmt: skip
     best_at = trainer.best.get("iteration", trainer.iterations)
-    print(f"{cfg.ways}-way {cfg.shots}-shot test accuracy on {cfg.eval_tasks} tasks of held-out characters "
-          f"(last: iteration {trainer.iterations}; best validation: iteration {best_at}):")  # fmt: skip
+    lines = [f"{cfg.ways}-way {cfg.shots}-shot test accuracy on {cfg.eval_tasks} tasks of held-out characters "
+             f"(last: iteration {trainer.iterations}; best validation: iteration {best_at}):"]  # fmt: skip
     for key, r in results.items():
         b = best_results[key]
-        print(f"  {r['steps']} steps: last {100 * r['accuracy']:.2f} % +- {100 * r['ci95']:.2f} %, "
-              f"best {100 * b['accuracy']:.2f} % +- {100 * b['ci95']:.2f} %")
+        lines.append(f"  {r['steps']} steps: last {100 * r['accuracy']:.2f} % +- {100 * r['ci95']:.2f} %, "
+                     f"best {100 * b['accuracy']:.2f} % +- {100 * b['ci95']:.2f} %")  # fmt: skip
+    return fit.Results(results, "accuracy", "\n".join(lines), {"data": data, "test_best": best_results})
 
 
-SPLITS = ("train", "validation", "test")
-
-
-def _shares(cfg: OmniglotConfig) -> str:
-    """--split-fractions as it is written on the command line."""
-    return ",".join(f"{f:g}" for f in cfg.split_fractions)
-
-
-def make_splits(omni: tasks.Omniglot, cfg: OmniglotConfig) -> tuple[tasks.OmniglotSplits, list[tasks.FewShotSampler | None]]:
-    """The train, validation and test parts and their task samplers (None for a part whose share is 0).
-
-    Raises:
-        UsageError: naming the flag, the split and the fix, when a share > 0 gets no character or a
-            split cannot make the tasks that --ways, --shots and --query ask for.
-    """
-    by, shares = cfg.split_by, _shares(cfg)
-    try:
-        splits = omni.split(by, cfg.split_fractions, seed=cfg.split_seed, rotations=ROTATED[cfg.rotations])
-    except ValueError as e:  # too few alphabets or archives for every share > 0
-        reason = str(e).split("): ", 1)[-1]  # without the API call, which names no flag
-        raise common.UsageError(f"--split-by {by} --split-fractions {shares}: {reason}") from None
-    samplers: list[tasks.FewShotSampler | None] = []
-    for name, part, share in zip(SPLITS, splits, cfg.split_fractions, strict=True):
-        if share == 0:
-            samplers.append(None)
-            continue
-        if part.num_classes < cfg.ways:
-            alphabets = f"{len(part.alphabets)} alphabet{'s' if len(part.alphabets) != 1 else ''}"
-            classes = f"{len(part.characters)} characters of {alphabets}" + (", 4 rotations each" if part.rotations else "")
-            finer = " or --split-by character" if by != "character" else ""
-            raise common.UsageError(
-                f"--ways {cfg.ways}: the {name} split holds only {part.num_classes} classes ({classes}; --split-by {by} "
-                f"--split-fractions {shares}); lower --ways to at most {part.num_classes}, or give the {name} split "
-                f"more characters: a larger share in --split-fractions{finer}."
-            )
-        try:
-            samplers.append(tasks.FewShotSampler(part.images, part.labels, cfg.ways, cfg.shots, cfg.query))
-        except ValueError as e:  # fewer images per class than shots + query
-            raise common.UsageError(f"--shots {cfg.shots} --query {cfg.query}, the {name} split: {e}") from None
-    return splits, samplers
+def run(argv: Sequence[str] | None = None) -> None:
+    fit.fit(fit.Experiment("omniglot", OmniglotConfig, __doc__.split("\n\n")[0], validate_config, model=make_model,
+                           tasks=train_tasks, test=final_test, resolve=resolve, load=load, notes=notes,
+                           run_name=lambda cfg: f"omniglot-{cfg.ways}way-{cfg.shots}shot"), argv)  # fmt: skip
 
 
 if __name__ == "__main__":
-    common.main(run)
+    fit.main(run)

@@ -24,11 +24,17 @@ from torch.func import functional_call
 
 import maml
 import tasks
-from experiments import common, recipes
+from experiments import fit
+from experiments.config import ExperimentConfig, check_config
+from experiments.files import atomic_write
+from experiments.results import mean_ci95
+
+__all__ = ["SineConfig", "validate_config", "build_model", "evaluate", "plot", "make_model", "train_tasks", "final_test",
+           "run"]  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
-class SineConfig(common.ExperimentConfig):
+class SineConfig(ExperimentConfig):
     """The hyperparameters (each a flag and a --config key): the shared ones, then the model's and the evaluation's."""
 
     hidden: int = 40
@@ -43,7 +49,7 @@ class SineConfig(common.ExperimentConfig):
 
 def validate_config(cfg: SineConfig) -> None:
     """Raises ValueError naming the key for an invalid value."""
-    common.check_config(cfg, positive=("hidden", "eval_query", "eval_shots"))
+    check_config(cfg, positive=("hidden", "eval_query", "eval_shots"))
 
 
 def build_model(hidden: int, init: str = "paper") -> nn.Module:
@@ -71,7 +77,7 @@ def evaluate(learner: maml.MetaLearner, cfg: SineConfig, device: torch.device, s
         batch = sine.sample(cfg.eval_tasks, shots=shots, query=cfg.eval_query, generator=g).to(device)
         for steps in cfg.eval_steps:
             losses = learner.run(batch, steps=steps).query_losses
-            mse, ci = common.mean_ci95(losses)
+            mse, ci = mean_ci95(losses)
             results[f"{shots}shot_{steps}step"] = {
                 "mse": mse,
                 "ci95": ci,
@@ -103,7 +109,7 @@ def plot(out: Path, model: nn.Module, learner: maml.MetaLearner, history: list[d
     axes[1].set(xlabel="meta-iteration", ylabel="MSE", yscale="log", title="inner loss")
     axes[1].legend()
     fig.tight_layout()
-    common.atomic_write(out / "learning_curves.png", lambda p: fig.savefig(p, format="png", dpi=120))
+    atomic_write(out / "learning_curves.png", lambda p: fig.savefig(p, format="png", dpi=120))
     plt.close(fig)
 
     g = torch.Generator().manual_seed(12345)
@@ -121,61 +127,48 @@ def plot(out: Path, model: nn.Module, learner: maml.MetaLearner, history: list[d
     ax.set(xlabel="x", ylabel="y", title="one test task, K = 5")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    common.atomic_write(out / "sine_fit.png", lambda p: fig.savefig(p, format="png", dpi=120))
+    atomic_write(out / "sine_fit.png", lambda p: fig.savefig(p, format="png", dpi=120))
     plt.close(fig)
+
+
+def make_model(cfg: SineConfig) -> fit.Model:
+    return fit.Model(build_model(cfg.hidden, cfg.init), F.mse_loss)
+
+
+def train_tasks(cfg: SineConfig, data: None, device: torch.device) -> fit.Tasks:
+    """Fresh tasks every meta-batch, and ``val_tasks`` fixed validation tasks (the training K and steps)."""
+    sine = tasks.Sine()
+    val_batch = sine.sample(cfg.val_tasks, shots=cfg.shots, query=cfg.query,
+                            generator=torch.Generator().manual_seed(cfg.seed + 10_000)).to(device)  # fmt: skip
+
+    def val_metrics(out: maml.MetaOutput, batch: maml.TaskBatch) -> dict[str, float]:
+        mse, ci = mean_ci95(out.query_losses)
+        return {"val/mse": mse, "val/mse_ci95": ci}
+
+    return fit.Tasks(
+        sample=lambda g: sine.sample(cfg.meta_batch, shots=cfg.shots, query=cfg.query, generator=g),
+        metrics=lambda out, batch: {"train/mse": float(out.query_losses.mean())},
+        val_batch=val_batch,
+        val_metrics=val_metrics,
+    )
+
+
+def final_test(fitted: fit.Fitted) -> fit.Results:
+    """The evaluation on fresh tasks, the plots, and the table."""
+    cfg, opts, learner = fitted.cfg, fitted.opts, fitted.learner
+    # Test-time adaptation may take more steps than training did; a task whose inner loop
+    # diverges there is reported (as an infinite MSE and in diverged_tasks), not fatal.
+    learner.check_finite = False
+    results = evaluate(learner, cfg, opts.device, seed=cfg.seed + 20_000)
+    plot(opts.out, fitted.model, learner, fitted.trainer.history, opts.device)
+    return fit.Results(results, "mse", _table(results, cfg))
 
 
 def run(argv: Sequence[str] | None = None) -> None:
     # One thread: the MLP's steps are too small to gain from more, and each parallel region costs
     # more than it saves (compiled step 4.6 ms with 2 threads, 2.7 ms with 1, the same results).
-    cfg, opts = common.parse_args("sine", SineConfig, argv, __doc__.split("\n\n")[0], validate_config, threads=1)
-    common.check_shards(cfg.meta_batch, opts)
-    resumed = common.prepare_out(opts, cfg)  # before writing anything
-    if opts.main:
-        common.take_out(opts, cfg)  # clears an --overwrite'n run's files, then writes config.yaml
-
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg.hidden, cfg.init).to(opts.device)
-    learner = maml.MetaLearner(model, F.mse_loss, inner_lr=cfg.inner_lr, steps=cfg.steps, mode=cfg.mode,
-                               batching=cfg.batching, learn_inner_lr=cfg.learn_inner_lr, compile=cfg.compile,
-                               adapt=recipes.adapt_set(model, cfg.adapt), inner_optimizer=cfg.inner_optimizer)  # fmt: skip
-    optimizer = recipes.meta_optimizer(learner, cfg.meta_lr, cfg.rate_meta_lr)
-    watch = common.DivergenceWatch(learner, optimizer, resumed["iteration"] if resumed else 0, cfg.meta_lr, cfg.inner_lr, opts.out)
-    sine = tasks.Sine()
-    val_batch = sine.sample(cfg.val_tasks, shots=cfg.shots, query=cfg.query,
-                            generator=torch.Generator().manual_seed(cfg.seed + 10_000)).to(opts.device)  # fmt: skip
-
-    def validate() -> dict[str, float]:
-        with torch.no_grad():
-            mse, ci = common.mean_ci95(learner.run(val_batch).query_losses)
-        return {"val/mse": mse, "val/mse_ci95": ci}
-
-    trainer = common.Trainer(
-        learner=learner,
-        optimizer=optimizer,
-        sample=lambda g: sine.sample(cfg.meta_batch, shots=cfg.shots, query=cfg.query, generator=g),
-        metrics=lambda out, batch: {"train/mse": float(out.query_losses.mean())},
-        validate=validate,
-        iterations=cfg.iterations,
-        log_every=cfg.log_every,
-        val_every=cfg.val_every,
-        checkpoint_every=cfg.checkpoint_every,
-        seed=cfg.seed,
-        device=opts.device,
-        schedule=recipes.Schedule.of(cfg),
-    )
-    wandb_run = common.init_wandb(opts, cfg, "sine", resumed["wandb_id"] if resumed else None) if opts.main else None
-    with watch.guard(wandb_run, opts.main):  # a NaN/Inf: one line naming the loop and the flag, exit code 1
-        trainer.run(opts, cfg, resumed, wandb_run)
-    if not opts.main:
-        return  # rank 0 evaluates and writes the results
-    # Test-time adaptation may take more steps than training did; a task whose inner loop
-    # diverges there is reported (as an infinite MSE and in diverged_tasks), not fatal.
-    learner.check_finite = False
-    results = evaluate(learner, cfg, opts.device, seed=cfg.seed + 20_000)
-    plot(opts.out, model, learner, trainer.history, opts.device)
-    common.finish(opts, cfg, wandb_run, trainer, results, "mse")
-    print(_table(results, cfg))
+    fit.fit(fit.Experiment("sine", SineConfig, __doc__.split("\n\n")[0], validate_config, model=make_model, tasks=train_tasks,
+                           test=final_test, threads=1), argv)  # fmt: skip
 
 
 def _table(results: dict[str, Any], cfg: SineConfig) -> str:
@@ -200,4 +193,4 @@ def _number(x: float) -> str:
 
 
 if __name__ == "__main__":
-    common.main(run)
+    fit.main(run)

@@ -22,202 +22,28 @@ Exit codes: 0 when the sweep ran (failed trials included), 1 when every trial fa
 input (one ``error:`` line), 130 when interrupted (Ctrl-C or SIGTERM: trials stopped, resumable).
 """
 
+
 from __future__ import annotations
 
 import argparse
-import difflib
 import functools
 import json
 import math
-import os
 import random
-import re
 import signal
-import subprocess
 import sys
-import time
-import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
-from datetime import datetime
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
 import numpy as np
-import yaml
 
-from experiments.common import METRICS_FILE, UsageError, atomic_write
+from experiments.cli import UsageError
+from experiments.files import atomic_write
+from experiments.sweep_file import Sweep, SweepError, Trial, build_command, check_parameters, load_sweep, next_trial
+from experiments.sweep_runner import best_metric, open_out, run_sweep, write_report
 
-with warnings.catch_warnings():  # the engine's pydantic deprecation warnings
-    warnings.simplefilter("ignore")
-    import sweeps
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-MACROS = ("${env}", "${interpreter}", "${program}", "${args}")  # wandb's default command; the only forms built
-DONE = ("finished", "failed")  # trials that ran to their end: --resume keeps them
-SAME_TRIALS = ("method", "parameters", "command", "program")  # what --resume needs unchanged (a grid may add values)
-STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM)  # our scripts' exit codes when stopped with a checkpoint
-
-
-class SweepError(Exception):
-    """Bad input: the message says what to fix (one ``error:`` line, exit code 2)."""
-
-
-@dataclass
-class Sweep:
-    """A checked sweep file, and what the runner takes from it."""
-
-    path: Path
-    name: str  # also the trials' wandb group
-    config: dict[str, Any]  # the YAML as written
-    engine: dict[str, Any]  # the config as the engine fills it in
-    metric: str
-    goal: str  # minimize or maximize
-    command: list[str]
-    program: Path | None  # the ``program`` file, where found
-    ours: bool  # it parses flags with experiments.common: has --threads, takes --inner_lr for --inner-lr
-
-    @property
-    def searched(self) -> list[str]:
-        """The parameters the search varies (not fixed with ``value:``)."""
-        return [name for name, spec in self.config["parameters"].items() if "value" not in spec]
-
-
-@dataclass
-class Trial:
-    """One trial; ``state``: pending, running, finished (exit 0), failed, or killed (by a signal: re-run on resume)."""
-
-    index: int
-    name: str
-    params: dict[str, Any]
-    state: str = "pending"
-    metric: float | None = None
-    exit_code: int | None = None
-    wall_time: float | None = None
-    error: str | None = None
-    command: list[str] = field(default_factory=list)
-
-
-def load_sweep(path: Path) -> Sweep:
-    """Reads and checks a sweep file in wandb's format.
-
-    Raises:
-        SweepError: An unreadable or invalid file, no metric, a file the engine rejects, an
-            unsupported command macro or a missing program.
-    """
-    try:
-        config = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as error:
-        raise SweepError(f"sweep file {path} not found or not valid YAML: {' '.join(str(error).split())}") from None
-    if not isinstance(config, dict) or not isinstance(config.get("metric"), dict) or not config["metric"].get("name"):
-        raise SweepError(f"{path} needs a metric to rank its trials, e.g. metric: {{name: val/mse, goal: minimize}}")
-    if type(config.get("run_cap", 1)) is not int or config.get("run_cap", 1) < 1:
-        raise SweepError(f"{path}: run_cap must be a positive integer (got {config['run_cap']!r})")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        engine_input = {key: value for key, value in config.items() if key != "run_cap"}  # not in the engine's schema
-        problems = sweeps.schema_violations_from_proposed_config(engine_input)
-        if problems:
-            raise SweepError(f"{path} is not a valid sweep config: {'; '.join(problems)}")
-        engine = dict(sweeps.SweepConfig(engine_input))
-        try:  # what the schema lets through, e.g. a grid over a continuous range
-            sweeps.next_run(engine, [])
-        except (ValueError, TypeError, KeyError) as error:
-            raise SweepError(f"{path}: the {config['method']} search cannot use these parameters: {error}") from None
-    command = [str(part) for part in config.get("command") or MACROS]
-    for macro in re.findall(r"\$\{[^}]*\}", " ".join(command)):
-        if macro not in MACROS or macro not in command:
-            raise SweepError(f"{path}: command macro {macro} is not supported offline, only {' '.join(MACROS)}")
-    found = [base / config["program"] for base in (Path.cwd(), REPO_ROOT, path.parent) if config.get("program")]
-    program = next((file.resolve() for file in found if file.is_file()), None)
-    if program is None and "${program}" in command:
-        raise SweepError(f"{path}: program {config.get('program')!r} not found from {Path.cwd()} or {REPO_ROOT}")
-    ours = program is not None and "common.parse_args(" in program.read_text(errors="replace")
-    name = re.sub(r"[^\w.-]+", "-", str(config.get("name") or path.stem))
-    goal = engine["metric"].get("goal", "minimize")
-    return Sweep(path, name, config, engine, config["metric"]["name"], goal, command, program, ours)
-
-
-def next_trial(sweep: Sweep, trials: list[Trial], limit: int | None) -> Trial | None:
-    """The first pending trial, else a new one from the engine (appended); None at the limit or the grid's end.
-
-    The engine hears of every trial: ended ones with their state and score (bayes learns from
-    them), the others as running (a grid does not repeat them).
-    """
-    if pending := [trial for trial in trials if trial.state == "pending"]:
-        return pending[0]
-    if limit is not None and len(trials) >= limit:
-        return None
-    runs = [sweeps.SweepRun(name=trial.name, state=trial.state if trial.state in (*DONE, "killed") else "running",
-                            config={key: {"value": value} for key, value in trial.params.items()},
-                            summaryMetrics={} if trial.metric is None else {sweep.metric: trial.metric})
-            for trial in trials]  # fmt: skip
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # scikit-learn's, fitting bayes search
-        run = sweeps.next_run(sweep.engine, runs)
-    if run is None:
-        return None
-    params = {key: spec["value"].item() if hasattr(spec["value"], "item") else spec["value"]  # numpy scalars
-              for key, spec in run.config.items()}  # fmt: skip
-    trials.append(Trial(len(trials) + 1, f"trial-{len(trials) + 1:03d}", params))
-    return trials[-1]
-
-
-def build_command(sweep: Sweep, params: dict[str, Any], trial_dir: Path) -> list[str]:
-    """A trial's command as ``wandb agent`` builds it, plus ``--out TRIAL_DIR --wandb offline``."""
-    args = [f"--{name}={value}" for name, value in params.items()]
-    macros = {"${env}": [], "${interpreter}": [sys.executable], "${program}": [str(sweep.program)], "${args}": args}
-    command = [arg for part in sweep.command for arg in macros.get(part, [part])]
-    return [*command, "--out", str(trial_dir), "--wandb", "offline"]
-
-
-def trial_env(sweep: Sweep, trial_dir: Path, threads: int | None) -> dict[str, str]:
-    """A trial's environment: offline wandb with the sweep as group, this repository importable, its threads."""
-    env = {key: value for key, value in os.environ.items() if key not in ("WANDB_SWEEP_ID", "WANDB_RUN_ID")}
-    path = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    env |= {"WANDB_MODE": "offline", "WANDB_RUN_GROUP": sweep.name, "WANDB_NAME": f"{sweep.name}-{trial_dir.name}",
-            "WANDB_DIR": str(trial_dir), "PYTHONPATH": path}  # fmt: skip
-    return env | ({"OMP_NUM_THREADS": str(threads)} if threads else {})
-
-
-def check_parameters(sweep: Sweep) -> None:
-    """Checks that a Python program's ``--help`` lists a flag for each parameter; others are not checked.
-
-    Raises:
-        SweepError: A parameter that is no flag of the program (every trial would fail on it), with close matches.
-    """
-    source = sweep.program.read_text(errors="replace") if sweep.program and sweep.program.suffix == ".py" else ""
-    if "${args}" not in sweep.command or not (sweep.ours or "argparse" in source):
-        return
-    command = build_command(sweep, {}, Path("<out>"))[:-4] + ["--help"]  # without --out <out> --wandb offline
-    try:
-        shown = subprocess.run(command, env=trial_env(sweep, Path("help"), None), stdin=subprocess.DEVNULL,
-                               capture_output=True, text=True, timeout=120)  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        return
-    flags = sorted(set(re.findall(r"(?<![\w-])--[A-Za-z0-9][\w-]*", shown.stdout))) if shown.returncode == 0 else []
-    for name in sweep.config["parameters"] if flags else ():
-        if f"--{name}" not in flags and not (sweep.ours and f"--{name.replace('_', '-')}" in flags):
-            matches = difflib.get_close_matches(f"--{name}", flags, n=3, cutoff=0.5)
-            hint = f" (did you mean {', '.join(matches)}?)" if matches else ""
-            raise SweepError(f"{sweep.path}: the parameter {name!r} is not a flag of {sweep.config['program']}{hint}; "
-                             f"every trial would fail on it. Rename it under parameters (the program's --help lists "
-                             f"its flags).")  # fmt: skip
-
-
-def best_metric(rows: Sequence[dict[str, Any]], metric: str, goal: str) -> float | None:
-    """The metric's best finite value in the rows (max for ``goal: maximize``, else min); None if it has none."""
-    values = [row[metric] for row in rows if type(row.get(metric)) in (int, float) and math.isfinite(row[metric])]
-    return float((max if goal == "maximize" else min)(values)) if values else None
-
-
-def score(sweep: Sweep, trial_dir: Path) -> float | None:
-    """The metric's best value in the ``metrics.jsonl`` the trial wrote; None if it logged none."""
-    try:  # whole lines only: a line a kill cut short has no newline
-        rows = [json.loads(line) for line in (trial_dir / METRICS_FILE).read_text().split("\n")[:-1] if line]
-    except (OSError, ValueError):
-        return None
-    return best_metric(rows, sweep.metric, sweep.goal)
+__all__ = ["format_table", "summarize", "dry_run", "main", "load_sweep", "best_metric"]
 
 
 def _show(value: Any, digits: int = 6) -> str:
@@ -237,90 +63,6 @@ def format_table(trials: Sequence[Trial], sweep: Sweep) -> str:
         rows.append([str(place), trial.name, params, _show(trial.metric), trial.state, wall])
     widths = [max(map(len, column)) for column in zip(*rows)]
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
-
-
-def start_trial(sweep: Sweep, trial: Trial, out: Path, threads: int | None) -> subprocess.Popen[bytes]:
-    """Starts a trial's process, its output in ``output.log``; a cut trial's again with --resume or --overwrite."""
-    folder = out / trial.name
-    again = (("checkpoint.pt", "--resume"), ("config.yaml", "--overwrite"))  # a cut trial's folder, by what it holds
-    cut = [flag for file, flag in again if (folder / file).exists()]
-    share = ["--threads", str(threads)] if threads and sweep.ours and "threads" not in trial.params else []
-    trial.command = build_command(sweep, trial.params, folder) + cut[:1] + share
-    trial.state, trial.exit_code, trial.error = "running", None, None
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / "output.log", "ab") as log:
-        return subprocess.Popen(trial.command, env=trial_env(sweep, folder, threads), stdin=subprocess.DEVNULL,
-                                stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
-
-
-def end_trial(sweep: Sweep, trial: Trial, out: Path, code: int, note: Callable[[str], None]) -> bool:
-    """Records how a trial's process ended and says so; returns whether it reached the metric's target."""
-    trial.exit_code, trial.metric = code, score(sweep, out / trial.name)
-    stopped = code < 0 or code in STOPPED
-    trial.state = "finished" if code == 0 else "killed" if stopped else "failed"
-    trial.error = None if code == 0 else f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-    scored = f"{sweep.metric}={trial.metric:.6g}" if trial.metric is not None else f"no {sweep.metric} logged"
-    why = f" ({trial.error}; its output: {out / trial.name / 'output.log'})" if trial.error else ""
-    note(f"{trial.name} {trial.state}{why} in {trial.wall_time:.1f}s: {scored}")
-    target = sweep.config["metric"].get("target")
-    if code != 0 or target is None or trial.metric is None:
-        return False
-    return trial.metric >= target if sweep.goal == "maximize" else trial.metric <= target
-
-
-def run_sweep(sweep: Sweep, out: Path, trials: list[Trial], limit: int | None, jobs: int, save: Callable[[], None],
-              progress: TextIO) -> None:  # fmt: skip
-    """Runs ``jobs`` trials at a time, the pending ones of ``trials`` first, until the limit, grid or target.
-
-    ``trials`` grows as they start, in the engine's order whatever ``jobs`` is; ``save`` runs
-    whenever one starts or ends.
-
-    Raises:
-        KeyboardInterrupt: After stopping the running trials (recorded as killed, to run again on --resume).
-    """
-    threads = max(1, len(os.sched_getaffinity(0)) // jobs) if jobs > 1 else None
-    running: dict[subprocess.Popen[bytes], tuple[Trial, float]] = {}
-    stop = False
-
-    def note(text: str) -> None:
-        print(f"[sweep] {text}", file=progress, flush=True)
-
-    try:
-        while True:
-            while len(running) < jobs and not stop and (trial := next_trial(sweep, trials, limit)):
-                note(f"{trial.name} ({trial.index}{f'/{limit}' if limit else ''}): "
-                     + " ".join(f"{key}={value}" for key, value in trial.params.items()))  # fmt: skip
-                try:
-                    running[start_trial(sweep, trial, out, threads)] = (trial, time.monotonic())
-                except OSError as error:
-                    trial.state, trial.error = "failed", f"could not start: {error}"
-                save()
-            if not running:
-                return
-            time.sleep(0.02)
-            for process, (trial, started) in list(running.items()):
-                if process.poll() is not None:
-                    del running[process]
-                    trial.wall_time = time.monotonic() - started
-                    if end_trial(sweep, trial, out, process.returncode, note):
-                        note(f"{trial.name} reached the target {sweep.metric}; starting no more trials")
-                        stop = True
-                    save()
-    except KeyboardInterrupt:  # Ctrl-C reaches the trials too (they stop with a checkpoint); kill may not have
-        grace = time.monotonic() + 5
-        for process in running:
-            try:
-                process.wait(timeout=max(0.0, grace - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                process.terminate()  # one signal: a second one stops our scripts at once
-        for process, (trial, started) in running.items():
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-            trial.state, trial.error, trial.wall_time = "killed", "interrupted", time.monotonic() - started
-        save()
-        raise
 
 
 def _mean(values: Sequence[float]) -> float | None:
@@ -367,69 +109,6 @@ def summarize(out: Path) -> tuple[dict[str, Any], str]:
                          if m else "-")  # fmt: skip
         lines.append(f"| {' | '.join(cells)} | {_show(group['train_seconds'], 4)} |")
     return {"groups": list(groups.values())}, "\n".join(lines) + "\n"
-
-
-def open_out(out: Path | None, sweep: Sweep, resume: bool) -> tuple[Path, list[Trial], int | None]:
-    """The sweep's folder, created; on ``--resume`` also its trials (cut ones pending again) and its seed."""
-    out = (out or Path("runs") / "sweeps" / f"{sweep.name}-{datetime.now():%Y%m%d-%H%M%S}").resolve()
-    if not resume:
-        if (out / "sweep.json").exists() or any(out.glob("trial-*")):
-            raise SweepError(f"{out} already holds a sweep; pass --resume to continue it, or a new --out folder")
-        out.mkdir(parents=True, exist_ok=True)
-        return out, [], None
-    try:
-        report = json.loads((out / "sweep.json").read_text())
-    except (OSError, ValueError):
-        raise SweepError(f"--resume: no sweep in {out} (no readable sweep.json)") from None
-    recorded = report["sweep"]["config"]
-    changed = [key for key in SAME_TRIALS if key != "parameters" and recorded.get(key) != sweep.config.get(key)]
-    if changed or not _extends(recorded, sweep.config):
-        raise SweepError(f"--resume: {out} holds another sweep than {sweep.path} ({', '.join(SAME_TRIALS)} differ, "
-                         f"beyond values added to a grid's parameters)")  # fmt: skip
-    trials = [Trial(**trial) for trial in report["trials"]]
-    for trial in trials:
-        if trial.state not in DONE or trial.exit_code in STOPPED:  # cut, or it ended before the sweep recorded it
-            ended = (out / trial.name / "results.json").is_file()
-            trial.state, trial.metric = ("finished", score(sweep, out / trial.name)) if ended else ("pending", None)
-    return out, trials, report["sweep"]["seed"]
-
-
-def _extends(old: dict[str, Any], new: dict[str, Any]) -> bool:
-    """Whether ``new``'s parameters are ``old``'s, or a grid's with values added (more seeds): then the new points run."""
-    before, after = old.get("parameters", {}), new.get("parameters", {})
-    if before == after:
-        return True
-    if new.get("method") != "grid" or set(before) != set(after):
-        return False
-
-    def values(spec: dict[str, Any]) -> list[Any] | None:
-        """A grid parameter's values; None for a spec with more than ``value``/``values``."""
-        return None if set(spec) - {"value", "values"} else spec.get("values", [spec.get("value")])
-
-    for key in before:
-        was, now = values(before[key]), values(after[key])
-        if was is None or now is None or any(v not in now for v in was):
-            return False
-    return True
-
-
-def write_report(out: Path, sweep: Sweep, trials: Sequence[Trial], seed: int) -> None:
-    """Writes ``OUT/sweep.json``: the sweep's file, name, config and seed, and every trial."""
-    settings = {"name": sweep.name, "file": _portable(str(sweep.path)), "seed": seed, "config": sweep.config}
-    report = {"sweep": settings, "trials": [asdict(trial) | {"command": list(map(_portable, trial.command))}
-                                            for trial in trials]}  # fmt: skip
-    atomic_write(out / "sweep.json", lambda tmp: tmp.write_text(json.dumps(report, indent=2) + "\n"))
-
-
-def _portable(arg: str) -> str:
-    """A command word as it reads on any machine: ``python`` for this interpreter, paths inside the repository
-    relative to its root (a sweep's folder is then committable and resumes from another clone)."""
-    if arg == sys.executable:
-        return "python"
-    path = Path(arg)
-    if path.is_absolute() and path.is_relative_to(REPO_ROOT):
-        return path.relative_to(REPO_ROOT).as_posix()
-    return arg
 
 
 def dry_run(sweep: Sweep, limit: int | None, seed: int, stdout: TextIO) -> None:

@@ -15,7 +15,9 @@ import pytest
 import torch
 
 import maml
-from experiments import common
+from experiments.cli import UsageError
+from experiments.config import RunOptions
+from experiments.runtime import check_shards
 from test_experiments import SMALL_SINE, assert_logged, checkpoint, env, finished, script
 
 PROCESSES = 2
@@ -117,10 +119,10 @@ def test_shard_errors_say_how_to_fix_them():
 
 
 def test_the_scripts_check_the_meta_batch_against_the_number_of_processes(tmp_path):
-    opts = common.RunOptions("sine", tmp_path, False, False, "disabled", torch.device("cpu"), None, rank=0, world_size=3)
-    common.check_shards(24, opts)
-    with pytest.raises(common.UsageError, match=re.escape("--meta-batch 25 cannot be split evenly across 3 processes")) as error:
-        common.check_shards(25, opts)
+    opts = RunOptions("sine", tmp_path, False, False, "disabled", torch.device("cpu"), None, rank=0, world_size=3)
+    check_shards(24, opts)
+    with pytest.raises(UsageError, match=re.escape("--meta-batch 25 cannot be split evenly across 3 processes")) as error:
+        check_shards(25, opts)
     assert "divides 25: 1, 5, 25" in str(error.value)
 
 

@@ -13,7 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from experiments import common, omniglot, sine
+from experiments import omniglot, sine
+from experiments.config import parse_args
+from experiments.fit import main
+from experiments.rundir import fingerprint
 from helpers import REPO, omniglot_root
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -103,7 +106,7 @@ def test_omniglot_end_to_end(tmp_path):
     # No path of this machine in the result file: the data relative to the working directory, and its fingerprint.
     assert "/tmp" not in json.dumps(results) and str(tmp_path) not in json.dumps(results)
     assert results["config"]["data"] == os.path.relpath(omniglot_root(), REPO)
-    assert results["data_files"]["data"]["fingerprint"] == common.fingerprint(str(omniglot_root()))
+    assert results["data_files"]["data"]["fingerprint"] == fingerprint(str(omniglot_root()))
     chars = results["data"]["characters"]
     assert sum(chars) == 242 and min(chars) > 0
     train, val, test = map(set, results["data"]["alphabets"])
@@ -151,7 +154,7 @@ def test_interrupted_then_resumed_run_is_bit_identical(tmp_path, how):
 
 def fails(capsys, run, argv: list[str], message: str) -> None:
     with pytest.raises(SystemExit) as exit_:
-        common.main(run, argv)
+        main(run, argv)
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert message in err, err
@@ -180,11 +183,11 @@ def test_unknown_config_key_and_wrong_types(capsys, tmp_path):
 def test_config_file_and_flags_combine(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text("inner-lr: 0.05\niterations: 7\neval_shots: [5]\n")
-    cfg, opts = common.parse_args("sine", sine.SineConfig, ["--config", str(config), "--iterations=9", "--out", str(tmp_path)],
+    cfg, opts = parse_args("sine", sine.SineConfig, ["--config", str(config), "--iterations=9", "--out", str(tmp_path)],
                                   "", sine.validate_config)  # fmt: skip
     assert (cfg.inner_lr, cfg.iterations, cfg.eval_shots, cfg.meta_batch) == (0.05, 9, (5,), 25)
     assert opts.out == tmp_path and opts.config_file == config
-    _, opts = common.parse_args("sine", sine.SineConfig, [], "", sine.validate_config)
+    _, opts = parse_args("sine", sine.SineConfig, [], "", sine.validate_config)
     assert opts.out == Path("runs") / "sine"
 
 
@@ -198,7 +201,7 @@ def test_an_algorithm_sets_its_recipe_under_config_files_and_flags(capsys, tmp_p
     defaults = vars(cls())
 
     def parse(*argv: str):
-        return common.parse_args(module.__name__.rsplit(".", 1)[1], cls, list(argv), "", module.validate_config)[0]
+        return parse_args(module.__name__.rsplit(".", 1)[1], cls, list(argv), "", module.validate_config)[0]
 
     mamlpp = {**MAMLPP, **({"inner_lr": 0.1, "meta_batch": 8, "loss": "mean"} if module is omniglot else {"rate_meta_lr": 1e-4})}
     cfg = vars(parse("--algorithm", "mamlpp"))
@@ -220,7 +223,7 @@ def test_an_algorithm_sets_its_recipe_under_config_files_and_flags(capsys, tmp_p
     for argv, where in ((["--algorithm", "nope"], "--algorithm"), (["--config", str(config)], f"--config {config}: algorithm")):
         capsys.readouterr()
         with pytest.raises(SystemExit) as exit_:
-            common.main(module.run, argv)
+            main(module.run, argv)
         assert exit_.value.code == 2  # one line that names the choices
         assert capsys.readouterr().err == f"error: {where} 'nope' is not one of maml, fomaml, metasgd, anil, mamlpp.\n"
 

@@ -1,4 +1,4 @@
-"""What the experiment scripts say when a run diverges or its flags are wrong (issue 11).
+"""What the experiment scripts say when a run diverges or its flags (or $WANDB_MODE) are wrong (issue 11).
 
 Each message is checked whole: the flag, the value and the fix, one line, and the exit code
 (2 for a usage error; 1 for a divergence, which is no usage error). The runs are in-process and
@@ -18,7 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import maml
-from experiments import common, omniglot, sine
+from experiments import omniglot, sine
+from experiments.config import parse_args
+from experiments.divergence import Diverged, DivergenceWatch
+from experiments.fit import main
+from experiments.tracking import default_wandb_mode
 from helpers import omniglot_root
 
 TINY_SINE = ["--compile", "false", "--hidden", "8", "--val-tasks", "4", "--eval-tasks", "4", "--eval-query", "10", "--meta-batch", "4",
@@ -40,7 +44,7 @@ def _quiet(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, cache: Path) -> None
 def exits(capsys: pytest.CaptureFixture[str], run, argv: list[str], code: int) -> str:
     """Runs a script in-process; returns its stderr, which must be one line, after checking the exit code."""
     with pytest.raises(SystemExit) as exit_:
-        common.main(run, argv)
+        main(run, argv)
     err = capsys.readouterr().err
     assert exit_.value.code == code, err
     assert err.count("\n") == 1 and err.startswith("error: "), err
@@ -84,10 +88,17 @@ def tiny_learner(steps: int, inner_lr: float) -> tuple[nn.Module, maml.MetaLearn
     return model, learner, torch.optim.Adam(learner.parameters(), lr=0.001), maml.TaskBatch(*(torch.randn(3, 5, 1, generator=g) for _ in range(4)))
 
 
-def meta_step(learner: maml.MetaLearner, optimizer: torch.optim.Optimizer, batch: maml.TaskBatch) -> None:
+def meta_step(watch: DivergenceWatch, learner: maml.MetaLearner, optimizer: torch.optim.Optimizer, batch: maml.TaskBatch) -> None:
+    """A training iteration as the trainer runs it, with the watch's checks."""
     optimizer.zero_grad()
-    learner.run(batch).loss.backward()
+    try:
+        out = learner.run(batch)
+    except FloatingPointError:  # the engine's check
+        raise watch.diverged(batch) from None
+    watch.record(out)
+    out.loss.backward()
     optimizer.step()
+    watch.check_step(optimizer)
 
 
 @pytest.mark.parametrize("steps", [1, 2], ids=["query-loss", "support-loss"])
@@ -95,13 +106,13 @@ def test_meta_parameters_that_ran_away_blame_the_outer_loop_though_an_inner_loss
     # Meta-parameters 1e5 times too large (what too high a --meta-lr does over many iterations) have a
     # finite loss of their own, and one inner step on it overflows: the outer loop is the cause.
     model, learner, optimizer, batch = tiny_learner(steps, inner_lr=0.01)
-    watch = common.DivergenceWatch(learner, optimizer, 0, 0.001, 0.01, tmp_path)
-    meta_step(learner, optimizer, batch)  # a good iteration: the own loss the run started from
+    watch = DivergenceWatch(learner, 0, 0.001, 0.01)
+    meta_step(watch, learner, optimizer, batch)  # a good iteration: the own loss the run started from
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(1e5)
-    with pytest.raises(common.Diverged) as diverged:  # steps=2: the engine's check; steps=1: the step after
-        meta_step(learner, optimizer, batch)
+    with pytest.raises(Diverged) as diverged:  # steps=2: the engine's check; steps=1: the step after
+        meta_step(watch, learner, optimizer, batch)
     loss = "query" if steps == 1 else "support"
     assert str(diverged.value) == (
         "the outer loop diverged by meta-iteration 2: its updates raised the meta-parameters' own loss (before any "
@@ -113,9 +124,9 @@ def test_meta_parameters_that_ran_away_blame_the_outer_loop_though_an_inner_loss
 
 def test_the_same_overflow_from_meta_parameters_that_did_not_run_away_blames_the_inner_lr(tmp_path):
     _, learner, optimizer, batch = tiny_learner(3, inner_lr=1e4)
-    common.DivergenceWatch(learner, optimizer, 4, 0.001, 1e4, tmp_path)
-    with pytest.raises(common.Diverged) as diverged:
-        meta_step(learner, optimizer, batch)
+    watch = DivergenceWatch(learner, 4, 0.001, 1e4)
+    with pytest.raises(Diverged) as diverged:
+        meta_step(watch, learner, optimizer, batch)
     assert str(diverged.value) == (
         "the inner loop diverged at meta-iteration 5: the support loss of task 0 is inf after 2 inner steps, from a "
         "support loss of 0.8193 at the meta-parameters; lower --inner-lr 10000"
@@ -134,11 +145,7 @@ def test_inner_divergence_names_the_inner_lr(capsys, tmp_path):
 
 
 class Blowup(torch.optim.Optimizer):
-    """SGD whose step leaves the first weight infinite (a finite gradient), or, with ``nan_grad``, is given a NaN gradient.
-
-    It subclasses Optimizer, not SGD: calling SGD.step from here would run the step hooks twice
-    once any SGD in the process has had its step patched for hooks (test-order dependent).
-    """
+    """SGD whose step leaves the first weight infinite (a finite gradient), or, with ``nan_grad``, is given a NaN gradient."""
 
     nan_grad = False
 
@@ -163,11 +170,10 @@ def test_an_optimizer_step_that_makes_a_weight_nan_is_caught_before_the_checkpoi
     learner = maml.MetaLearner(model, F.mse_loss, inner_lr=0.01)
     optimizer = Blowup(learner.parameters(), lr=0.1)
     optimizer.nan_grad = nan_grad
-    watch = common.DivergenceWatch(learner, optimizer, 7, 0.1, 0.01, tmp_path)
+    watch = DivergenceWatch(learner, 7, 0.1, 0.01)
     batch = maml.TaskBatch(*(torch.randn(2, 5, 1, generator=torch.Generator().manual_seed(i)) for i in range(4)))
-    learner.run(batch).loss.backward()
-    with pytest.raises(common.Diverged) as diverged:
-        optimizer.step()
+    with pytest.raises(Diverged) as diverged:
+        meta_step(watch, learner, optimizer, batch)
     if nan_grad:  # finite losses, a NaN meta-gradient, meta-parameters that have not run away: the inner loop
         assert str(diverged.value) == (
             "the inner loop diverged at meta-iteration 8: the meta-gradient through its inner steps is NaN/Inf though "
@@ -238,7 +244,7 @@ def test_a_bad_rate_from_a_config_file_names_it_too(capsys, tmp_path):
 def help_text(capsys, monkeypatch, cls, experiment) -> str:
     monkeypatch.setenv("COLUMNS", "100")  # one column of boxes, whatever the terminal
     with pytest.raises(SystemExit) as exit_:
-        common.parse_args(experiment, cls, ["--help"], "", lambda cfg: None)
+        parse_args(experiment, cls, ["--help"], "", lambda cfg: None)
     assert exit_.value.code == 0
     return capsys.readouterr().out
 
@@ -282,7 +288,7 @@ def test_help_shows_each_default_once_and_no_alias(capsys, monkeypatch, experime
 def test_flags_take_the_agents_underscores_and_kebab_case(capsys, tmp_path):
     argv = ["--inner_lr=0.05", "--meta_batch", "3", "--eval-shots=5,10", "--log_every=7", "--iterations", "9",
             "--out", str(tmp_path)]  # fmt: skip
-    cfg, _ = common.parse_args("sine", sine.SineConfig, argv, "", sine.validate_config)
+    cfg, _ = parse_args("sine", sine.SineConfig, argv, "", sine.validate_config)
     assert (cfg.inner_lr, cfg.meta_batch, cfg.eval_shots, cfg.log_every, cfg.iterations) == (0.05, 3, (5, 10), 7, 9)
     err = exits(capsys, sine.run, ["--iterations-", "5"], 2)
     assert err.startswith("error: unknown flag --iterations- (did you mean --iterations, ")  # no longer an alias
@@ -333,7 +339,7 @@ def notes(err: str) -> list[str]:
 
 
 def test_a_zero_test_share_trains_validates_and_skips_the_test(capsys, tmp_path):
-    common.main(omniglot.run, omniglot_args(tmp_path, "--split-fractions", "0.75,0.25,0"))
+    main(omniglot.run, omniglot_args(tmp_path, "--split-fractions", "0.75,0.25,0"))
     captured = capsys.readouterr()
     assert notes(captured.err) == ["note: --split-fractions 0.75,0.25,0 gives the test split no characters; the run "
                                    "skips the final test."]  # fmt: skip
@@ -347,7 +353,7 @@ def test_a_zero_test_share_trains_validates_and_skips_the_test(capsys, tmp_path)
 
 
 def test_a_zero_validation_share_trains_without_validation(capsys, tmp_path):
-    common.main(omniglot.run, omniglot_args(tmp_path, "--split-fractions", "1,0,0"))
+    main(omniglot.run, omniglot_args(tmp_path, "--split-fractions", "1,0,0"))
     captured = capsys.readouterr()
     assert notes(captured.err) == [
         "note: --split-fractions 1,0,0 gives the validation split no characters; the run trains without validation.",
@@ -357,3 +363,44 @@ def test_a_zero_validation_share_trains_without_validation(capsys, tmp_path):
     assert results["final_val"] == {} and results["test"] == {} and results["data"]["characters"] == [242, 0, 0]
     history = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["history"]
     assert len(history) == 1 and not any(key.startswith("val/") for key in history[0])
+
+
+# ---------------------------------------------------------------------------- 7. $WANDB_MODE, and who is logged in
+
+
+def test_an_empty_wandb_mode_is_unset(capsys, tmp_path, monkeypatch):
+    # `WANDB_MODE= python -m experiments.sine`: wandb itself refuses "" (a pydantic traceback), whatever mode it is given.
+    monkeypatch.setenv("WANDB_MODE", "")
+    out = tmp_path / "run"
+    main(sine.run, ["--iterations", "2", "--out", str(out), *TINY_SINE])
+    assert "Traceback" not in capsys.readouterr().err
+    assert (out / "results.json").is_file()
+
+
+@pytest.mark.parametrize("flag", [[], ["--wandb", "disabled"]], ids=["default", "--wandb"])
+def test_an_unknown_wandb_mode_is_a_usage_error_before_anything_is_written(capsys, tmp_path, monkeypatch, flag):
+    monkeypatch.setenv("WANDB_MODE", "offlne")
+    out = tmp_path / "run"
+    argv = ["--iterations", "2", "--out", str(out), *TINY_SINE[:-2], *flag]  # TINY_SINE ends with --wandb disabled
+    err = exits(capsys, sine.run, argv, 2)
+    assert err == "error: WANDB_MODE 'offlne' is not one of offline, online, disabled, dryrun, run; set it to one of them, or unset it."
+    assert not out.exists()
+
+
+def test_logged_in_means_a_key_for_the_host_of_the_wandb_server(tmp_path, monkeypatch):
+    netrc = tmp_path / "netrc"
+    netrc.write_text("machine wandb.example.org:8080\n  login user\n  password 0123456789abcdef\n")
+    netrc.chmod(0o600)
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NETRC", str(netrc))
+    assert default_wandb_mode() == "offline"  # a key for another server than api.wandb.ai
+    monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.example.org:8080")  # a self-hosted server
+    assert default_wandb_mode() == "online"
+    netrc.write_text("machine wandb.example.org:8080 login user password 0123456789abcdef\nmachine api.wandb.ai login user password\n")
+    monkeypatch.delenv("WANDB_BASE_URL")
+    assert default_wandb_mode() == "offline"  # an entry without a key is no login
+    netrc.write_text("# api.wandb.ai\nmachine api.wandb.ai login user password 0123456789abcdef\n")
+    assert default_wandb_mode() == "online"
+    monkeypatch.setenv("NETRC", str(tmp_path / "none"))
+    assert default_wandb_mode() == "offline"

@@ -28,7 +28,11 @@ from typing import Any
 import pytest
 import torch
 
-from experiments import common, omniglot, sine
+from experiments import omniglot, sine
+from experiments.config import parse_args
+from experiments.fit import main
+from experiments.rundir import prepare_out
+from experiments.trainer import Trainer
 from helpers import REPO, omniglot_root
 from test_experiments import checkpoint, env, script
 
@@ -43,7 +47,7 @@ NO_PID = 4194305  # above Linux's largest pid_max (2**22): no process can hold i
 def run_sine(capsys: pytest.CaptureFixture[str], args: list[str], code: int = 0, module: Any = sine) -> str:
     """Runs an experiment script in this process (wandb disabled unless ``args`` say otherwise); returns its stderr."""
     try:
-        common.main(module.run, [*(TINY if module is sine else []), "--wandb", "disabled", *args])
+        main(module.run, [*(TINY if module is sine else []), "--wandb", "disabled", *args])
         rc: int | str | None = 0
     except SystemExit as e:
         rc = e.code
@@ -98,12 +102,12 @@ def test_overwrite_clears_the_old_runs_files_before_writing(capsys, tmp_path, mo
         raise KeyboardInterrupt  # as a second Ctrl-C does: at once
 
     if stopped == "before the first checkpoint":
-        monkeypatch.setattr(common.Trainer, "run", interrupt)
+        monkeypatch.setattr(Trainer, "run", interrupt)
     else:
         monkeypatch.setattr(sine, "evaluate", interrupt)
     args = [*TINY, "--iterations", "3", "--out", str(out), "--wandb", "disabled"]
     with pytest.raises(KeyboardInterrupt):
-        common.main(sine.run, [*args, "--overwrite"])
+        main(sine.run, [*args, "--overwrite"])
     capsys.readouterr()
 
     # The new run's files only; the user's file kept.
@@ -350,9 +354,9 @@ def test_resume_accepts_the_same_data_under_another_path_and_refuses_other_data(
     run_sine(capsys, ["--data", str(root), *args], module=omniglot)
 
     def resume(data: str) -> dict[str, Any] | None:
-        cfg, opts = common.parse_args("omniglot", omniglot.OmniglotConfig, ["--data", data, *args, "--resume"], "",
+        cfg, opts = parse_args("omniglot", omniglot.OmniglotConfig, ["--data", data, *args, "--resume"], "",
                                       omniglot.validate_config)  # fmt: skip
-        return common.prepare_out(opts, cfg.resolved())
+        return prepare_out(opts, cfg.resolved())
 
     monkeypatch.chdir(tmp_path)
     for spelling in (f"{root}/", os.path.relpath(root, tmp_path), f"{root}/../{root.name}"):
@@ -424,7 +428,7 @@ def test_without_a_terminal_progress_is_one_plain_line_per_log_window(capsys, tm
 
 def test_threads(capsys, tmp_path):
     before = torch.get_num_threads()  # the conftest fixture restores it after the test
-    common.parse_args("sine", sine.SineConfig, ["--threads", "1"], "", sine.validate_config)
+    parse_args("sine", sine.SineConfig, ["--threads", "1"], "", sine.validate_config)
     assert torch.get_num_threads() == 1
     torch.set_num_threads(2)
     run_sine(capsys, ["--iterations", "1", "--out", str(tmp_path / "one")])

@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from experiments import sweep as sweep_cli
+from experiments import sweep_file
 
 REPO = Path(__file__).resolve().parents[1]
 PROGRAM = "tests/sweep_program.py"
@@ -289,13 +290,13 @@ def test_bayes_sweep_feeds_every_result_back_to_the_engine(tmp_path: Path, monke
     parameters = {"x": {"distribution": "uniform", "min": 0.0, "max": 2.0}, "y": {"values": [1, 2]}}
     path = write_sweep(tmp_path, "bayes-test", method="bayes", parameters=parameters, run_cap=3)
     seen: list[list[float]] = []
-    next_run = sweep_cli.sweeps.next_run
+    next_run = sweep_file.sweeps.next_run
 
     def spy(config: dict[str, Any], runs: list[Any]) -> Any:
         seen.append([run.summary_metrics["val/score"] for run in runs if run.state == "finished"])
         return next_run(config, runs)
 
-    monkeypatch.setattr(sweep_cli.sweeps, "next_run", spy)
+    monkeypatch.setattr(sweep_file.sweeps, "next_run", spy)
     for key, value in quiet_env(tmp_path).items():
         monkeypatch.setenv(key, value)
     stdout, stderr = io.StringIO(), io.StringIO()
@@ -367,7 +368,7 @@ def test_seed_summary_shows_a_diverged_run_as_nan(tmp_path: Path) -> None:
 @pytest.mark.parametrize("path", SWEEP_FILES, ids=[path.name for path in SWEEP_FILES])
 def test_sweep_files_are_valid_and_plan_their_grids(path: Path) -> None:
     config = yaml.safe_load(path.read_text())
-    assert sweep_cli.sweeps.schema_violations_from_proposed_config(config) == []  # as wandb sweep's schema
+    assert sweep_file.sweeps.schema_violations_from_proposed_config(config) == []  # as wandb sweep's schema
     sweep = sweep_cli.load_sweep(path)
     assert sweep.config["program"] == f"experiments/{path.stem.split('-')[0]}.py"
     fixed = {name: spec["value"] for name, spec in config["parameters"].items() if "value" in spec}

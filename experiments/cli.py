@@ -1,0 +1,198 @@
+"""The command line of the experiment scripts: how a flag's words become a value, and the one-line errors.
+
+The flags come from the config dataclasses through tyro (``config.parse_args``): each field is a
+kebab-case flag (``--inner-lr``; ``--inner_lr`` too, as ``wandb agent`` passes it) and a YAML key,
+and its attribute docstring is its ``--help`` text. Before tyro parses a command line,
+:func:`check_argv` reads it with the same value readers (tyro's constructor registry,
+:data:`REGISTRY`) and turns anything tyro would reject into a :class:`UsageError` of one line that
+names the flag, the value and the fix; tyro then only ever sees input it accepts. ``--config``
+files are read by the same readers (:func:`read_items`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+from collections.abc import Collection, Sequence
+from typing import Any
+
+import tyro
+
+__all__ = ["UsageError", "REGISTRY", "flag", "show", "suggest", "spec_of", "read_items", "check_argv", "tyro_cli"]
+
+
+class UsageError(Exception):
+    """Bad input from the user: the script prints the message and exits with code 2."""
+
+
+def flag(name: str) -> str:
+    """The flag of a config key: ``inner_lr`` -> ``--inner-lr``."""
+    return "--" + name.replace("_", "-")
+
+
+def show(value: Any) -> str:
+    """A value as it is written on the command line: ``null``, ``true``, ``5,10,20``."""
+    if isinstance(value, (tuple, list)):
+        return ",".join(map(show, value))
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    return str(value)
+
+
+def suggest(word: str, choices: Sequence[str]) -> str:
+    """`` (did you mean a, b?)`` for the close matches of ``word`` among ``choices``; '' for none."""
+    matches = difflib.get_close_matches(word, choices, n=3, cutoff=0.5)
+    return f" (did you mean {', '.join(matches)}?)" if matches else ""
+
+
+# How tyro reads a value: a bool as true or false (True, False), None as null (or None), a tuple from
+# values separated by commas or spaces (5,10,20); a bad value raises ValueError naming it.
+REGISTRY = tyro.constructors.ConstructorRegistry()
+
+
+@REGISTRY.primitive_rule
+def _read_values(info: tyro.constructors.PrimitiveTypeInfo) -> tyro.constructors.PrimitiveConstructorSpec | None:
+    spec, args = tyro.constructors.PrimitiveConstructorSpec, typing.get_args(info.type)
+
+    def inner(tp: Any) -> Any:
+        return tyro.constructors.ConstructorRegistry.get_primitive_spec(tyro.constructors.PrimitiveTypeInfo.make(tp, info.markers))
+
+    if info.type in (bool, int, float):
+        kind, tp = {bool: "true or false", int: "an integer", float: "a number"}[info.type], info.type
+
+        def read(words: list[str]) -> Any:
+            try:
+                return {"true": True, "false": False}[words[0].lower()] if tp is bool else tp(words[0])
+            except (KeyError, ValueError):
+                raise ValueError(f"{words[0]!r} is not {kind}") from None
+
+        return spec(nargs=1, metavar={bool: "{true,false}", int: "INT", float: "FLOAT"}[tp], instance_from_str=read,
+                    is_instance=lambda x: isinstance(x, tp), str_from_instance=lambda x: [show(x)])  # fmt: skip
+    if info.type_origin is tuple and args[1:] == (...,):
+        item = inner(args[0])
+
+        def read_all(words: list[str]) -> tuple[Any, ...]:
+            values = [v for word in words for v in word.split(",") if v]
+            if not values:
+                raise ValueError("needs at least one value")
+            return tuple(item.instance_from_str([v]) for v in values)
+
+        return spec(nargs="*", metavar=f"{item.metavar},...", instance_from_str=read_all,
+                    is_instance=lambda x: isinstance(x, tuple), str_from_instance=lambda x: [show(x)])  # fmt: skip
+    if info.type_origin in (typing.Union, types.UnionType) and len(args) == 2 and type(None) in args:
+        some = inner(next(a for a in args if a is not type(None)))
+        return spec(nargs=some.nargs, metavar=f"{some.metavar}|null",
+                    instance_from_str=lambda words: None if words in (["null"], ["None"]) else some.instance_from_str(words),
+                    is_instance=lambda x: x is None or some.is_instance(x),
+                    str_from_instance=lambda x: ["null"] if x is None else some.str_from_instance(x),
+                    choices=None if some.choices is None else (*some.choices, "null", "None"))  # fmt: skip
+    return None
+
+
+def spec_of(tp: Any) -> tyro.constructors.PrimitiveConstructorSpec:
+    """How tyro reads a flag of type ``tp`` (with :data:`REGISTRY`): its number of words, choices and reader."""
+    with REGISTRY:
+        return tyro.constructors.ConstructorRegistry.get_primitive_spec(tyro.constructors.PrimitiveTypeInfo.make(tp, set()))
+
+
+def read_items(items: Sequence[tuple[str, list[str]]], types_: dict[str, Any], name: Any = flag, where: str = "") -> dict[str, Any]:
+    """The values of ``(key, words)`` pairs, each read as tyro reads its flag; a later pair of a key wins.
+
+    Checked as tyro checks them: the choices in the order given, then each value in the order of
+    ``types_`` (the dataclass fields). ``name(key)`` names a key in the messages (its flag, or the
+    key itself for a config file) after the prefix ``where``.
+
+    Raises:
+        UsageError: a value not among its choices, or one its reader refuses.
+    """
+    given = dict(items)
+    for key, words in items:
+        _check_choice(key, words, types_, name, where)
+    values = {}
+    for key in (k for k in types_ if k in given):
+        try:
+            values[key] = spec_of(types_[key]).instance_from_str(given[key])
+        except (ValueError, TypeError) as e:
+            raise UsageError(f"{where}{name(key)} {e}.") from None
+    return values
+
+
+def _check_choice(key: str, words: list[str], types_: dict[str, Any], name: Any = flag, where: str = "") -> None:
+    """Raises UsageError when ``key``'s flag has choices and ``words`` is not one (as tyro checks them, on reading)."""
+    choices = spec_of(types_[key]).choices
+    if choices is not None and words and words[0] not in choices:
+        allowed = ", ".join(c for c in choices if c != "None")  # null stands for it
+        raise UsageError(f"{where}{name(key)} {words[0]!r} is not one of {allowed}.")
+
+
+def _negative_number(token: str) -> bool:
+    """``-5``, ``-.5``, ``-inf``: a value, not a flag (tyro's rule)."""
+    rest = token[1:]
+    return token.startswith("-") and rest[:1] != "-" and bool(rest) and (rest[0] in "0123456789." or rest.lower() in ("inf", "nan", "infinity"))
+
+
+def _stops_values(token: str) -> bool:
+    """Whether ``token`` ends the words of the flag before it: ``--``, or a flag (a dash and a letter)."""
+    return token == "--" or (token.startswith("-") and token.lstrip("-")[:1].isalpha() and not _negative_number(token))
+
+
+def check_argv(argv: Sequence[str], types_: dict[str, Any], switches: Collection[str] = ()) -> dict[str, Any] | None:
+    """The values of the flags in ``argv``, read as tyro will read them; None when it asks for ``--help``.
+
+    ``types_``: each key's type, by key (``inner_lr``); ``switches``: the keys whose flag takes no
+    value (``--resume``). Words are split among the flags as tyro splits them: a flag's value
+    follows it, or ``=`` attaches it; a tuple takes the words up to the next flag.
+
+    Raises:
+        UsageError: an unknown flag (with close matches) or a stray word; a flag without its value;
+            a value not among its flag's choices, or one its reader refuses.
+    """
+    flags = [flag(k) for k in types_] + ["--help"]
+    items: list[tuple[str, list[str]]] = []
+    unknown: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        i += 1
+        if token in ("-h", "--help"):
+            return None  # tyro prints the help
+        if token == "--":
+            unknown += argv[i:]  # after --, only positional arguments, and there are none
+            break
+        name, attached, value = token.partition("=")
+        key = name[2:].replace("-", "_") if name.startswith("--") else None
+        if key not in types_:
+            unknown.append(token)
+            continue
+        if key in switches:
+            unknown += [value] if attached else []
+            items.append((key, ["true"]))
+            continue
+        if attached:
+            words = [value]
+        elif spec_of(types_[key]).nargs == "*":
+            words = []
+            while i < len(argv) and not _stops_values(argv[i]):
+                words.append(argv[i])
+                i += 1
+        elif i == len(argv) or _stops_values(argv[i]):
+            raise UsageError(f"{flag(key)} needs a value.")
+        else:
+            words = [argv[i]]
+            i += 1
+        _check_choice(key, words, types_)
+        items.append((key, words))
+    if unknown:
+        bad = unknown[0].split("=", 1)[0]
+        if not bad.startswith("-"):
+            raise UsageError(f"unexpected argument {bad!r}: a value follows its flag (--name value).")
+        raise UsageError(f"unknown flag {bad}{suggest(bad.replace('_', '-'), flags)}; see --help for the full list.")
+    values = read_items([(k, w) for k, w in items if k not in switches], types_)
+    return {**values, **{k: True for k, _ in items if k in switches}}
+
+
+def tyro_cli(tp: Any, args: Sequence[str], default: Any, **kwargs: Any) -> Any:
+    """``tyro.cli`` with this package's readers and flag names (no prefixes, no ``--no-`` pairs)."""
+    return tyro.cli(tp, args=list(args), default=default, registry=REGISTRY,
+                    config=(tyro.conf.OmitArgPrefixes, tyro.conf.FlagCreatePairsOff), **kwargs)  # fmt: skip

@@ -1,0 +1,253 @@
+"""What a run is given: the hyperparameters (:class:`ExperimentConfig`), how to run (:class:`RunFlags`,
+:class:`RunOptions`), and :func:`parse_args`, which reads them from the command line and ``--config`` YAML.
+
+Each field of the config dataclasses is a flag and a YAML key, and its attribute docstring is its
+``--help`` text (``experiments.cli`` reads the words). Precedence: the dataclass defaults, then
+the recipe of ``--algorithm`` (``experiments.recipes``), then ``--config FILE``, then flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import typing
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import torch
+import tyro
+import yaml
+
+import maml
+from experiments import cli, recipes, runtime, tracking
+from experiments.cli import UsageError
+from experiments.files import atomic_write
+
+__all__ = ["RunOptions", "RunFlags", "ExperimentConfig", "check_config", "parse_args", "load_yaml", "load_config",
+           "save_config"]  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """How to run, as opposed to what to train (the experiment's config dataclass).
+
+    Under ``torchrun``, ``rank`` and ``world_size`` place this process among the ones that
+    share each meta-batch, and ``device`` is its own (``cuda:LOCAL_RANK`` for ``--device cuda``).
+    """
+
+    experiment: str
+    out: Path
+    resume: bool
+    overwrite: bool
+    wandb: str
+    device: torch.device
+    config_file: Path | None
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def main(self) -> bool:
+        """Whether this process is rank 0, the one that logs and writes under ``--out``."""
+        return self.rank == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class RunFlags:
+    """Where the run's files go, whether it continues one, wandb and the device."""
+
+    config: Path | None = None
+    """YAML file of config keys (flags override it)"""
+    out: Path = Path("runs")
+    """output folder"""
+    resume: bool = False
+    """continue the run in --out from its checkpoint"""
+    overwrite: bool = False
+    """replace the run already in --out"""
+    wandb: Annotated[Literal["offline", "online", "disabled"] | None,
+                     tyro.conf.arg(help_behavior_hint="(default: $WANDB_MODE, else online if logged in, else offline)")] = None  # fmt: skip
+    """wandb mode"""
+    device: str = "cpu"
+    """torch device, e.g. cpu or cuda"""
+    threads: int | None = None
+    """CPU threads of this process (null: PyTorch's, one per core)"""
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+    """The hyperparameters every experiment has (each is a flag and a YAML key).
+
+    The defaults are the sine experiment's (Finn et al.'s regression protocol); an experiment's
+    subclass overrides those that differ and adds its own fields after these.
+    """
+
+    iterations: int = 70_000
+    """meta-iterations"""
+    meta_batch: int = 25
+    """tasks per meta-batch"""
+    shots: int = 10
+    """support points per training task (K)"""
+    query: int = 10
+    """query points per training task"""
+    # 0.001 is what Finn et al.'s released code runs for sine (its --update_lr default; the paper's
+    # text says 0.01): it reproduces their table, while 0.01 overshoots at 5 and 10 test steps (README).
+    inner_lr: float = 0.001
+    """inner SGD learning rate (initial value if learned)"""
+    steps: int = 1
+    """inner steps in training"""
+    meta_lr: float = 0.001
+    """Adam learning rate of the outer loop"""
+    rate_meta_lr: float | None = None
+    """Adam learning rate of learned inner rates (null: --meta-lr); a schedule scales it alike"""
+    mode: Literal[maml.MODES] = "second_order"  # type: ignore[valid-type]
+    """the meta-gradient: exact (second_order), without second derivatives (first_order), or exact in less memory (checkpointed)"""
+    batching: Literal[maml.BATCHINGS] = "auto"  # type: ignore[valid-type]
+    """how the tasks of a meta-batch run: auto (the faster of the two, timed on the first batch), vmap or loop"""
+    learn_inner_lr: Literal["scalar", "per_parameter", "per_layer_per_step"] | None = None
+    """learned inner rates: scalar, per_parameter (Meta-SGD) or per_layer_per_step (MAML++); null: fixed"""
+    compile: bool | None = None
+    """compile the meta-step with torch.compile (exact; a one-off compile, then faster steps); null: where a C++ compiler is found, for second or first order"""
+    algorithm: Literal[recipes.ALGORITHMS] = "maml"  # type: ignore[valid-type]
+    """the recipe (sets its paper's values for the keys below; a flag or YAML key overrides it)"""
+    adapt: Literal[recipes.ADAPT] = "all"  # type: ignore[valid-type]
+    """what the inner loop adapts: all, head (ANIL) or body (BOIL)"""
+    inner_optimizer: Literal[maml.INNER_OPTIMIZERS] = "sgd"  # type: ignore[valid-type]
+    """inner update rule"""
+    msl_fraction: float = 0.0
+    """share of training with MAML++'s annealed multi-step loss (0: only the last step's loss)"""
+    first_order_fraction: float = 0.0
+    """share of training in first order before --mode (derivative-order annealing)"""
+    meta_lr_schedule: Literal["constant", "cosine"] = "constant"
+    """constant, or cosine (annealed to --min-meta-lr)"""
+    min_meta_lr: float = 1e-5
+    """the cosine schedule's final meta-lr"""
+    seed: int = 0
+    """seeds the initialisation and the task sampler"""
+    log_every: int = 100
+    """iterations between training logs"""
+    val_every: int = 1000
+    """iterations between validations"""
+    val_tasks: int = 100
+    """fixed validation tasks (K = shots, steps = steps)"""
+    checkpoint_every: int = 1000
+    """iterations between checkpoints"""
+    eval_tasks: int = 600
+    """fresh test tasks in the final evaluation"""
+    eval_steps: tuple[int, ...] = (1, 5, 10)
+    """inner steps of the final evaluation"""
+
+
+def check_config(cfg: Any, positive: Sequence[str] = ()) -> None:
+    """Raises ValueError naming the flag and the value of the first invalid key of :class:`ExperimentConfig`.
+
+    ``positive``: the experiment's own integer keys (or lists of them) that must be >= 1. A
+    None value (a field whose default is filled in later) passes; the choice fields are checked
+    as they are parsed.
+    """
+    flag = cli.flag
+    for key in ("msl_fraction", "first_order_fraction"):
+        if not 0 <= getattr(cfg, key) <= 1:  # NaN fails too
+            raise ValueError(f"{flag(key)} {getattr(cfg, key):g} must be a share of training in [0, 1].")
+    positive = ("iterations", "meta_batch", "shots", "query", "log_every", "val_every", "val_tasks", "checkpoint_every",
+                "eval_tasks", *positive)  # fmt: skip
+    for keys, low in ((positive, 1), (("steps", "eval_steps"), 0)):
+        for key in keys:
+            value = getattr(cfg, key)
+            if isinstance(value, tuple) and any(v < low for v in value):
+                raise ValueError(f"{flag(key)} {','.join(map(str, value))}: each must be an integer >= {low}.")
+            if isinstance(value, int) and value < low:
+                raise ValueError(f"{flag(key)} {value} must be an integer >= {low}.")
+    for key in ("inner_lr", "meta_lr", "rate_meta_lr", "min_meta_lr"):
+        value = getattr(cfg, key)
+        if value is not None and not 0 < value <= torch.finfo(torch.float32).max:  # NaN fails; inf overflows float32
+            default = next(f.default for f in dataclasses.fields(cfg) if f.name == key)
+            fix = f", e.g. {default:g} (the default)" if isinstance(default, float) else "; leave it out for the default"
+            big = " (in float32, the parameters' precision)" if math.isfinite(value) and value > 0 else ""
+            raise ValueError(f"{flag(key)} {value:g} must be a finite number > 0{big}{fix}.")
+    if cfg.compile and cfg.mode == "checkpointed":
+        raise ValueError("compile applies to mode second_order or first_order, not checkpointed; drop --compile or "
+                         "pick another --mode.")  # fmt: skip
+
+
+def parse_args(
+    experiment: str, cls: type, argv: Sequence[str] | None, description: str, validate: Callable[[Any], None],
+    threads: int | None = None,
+) -> tuple[Any, RunOptions]:
+    """Parses the command line into the experiment's config dataclass and the run options.
+
+    Precedence: the dataclass defaults, then the recipe of ``--algorithm``, then ``--config FILE``
+    (YAML), then flags: tyro parses the flags over the config that the others make. ``threads``
+    is the experiment's default ``--threads`` (None: PyTorch's).
+
+    Raises:
+        UsageError: unknown flag or key (with close matches), wrong type, invalid value, or a
+            ``$WANDB_MODE`` that is no mode.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    types_ = {**typing.get_type_hints(RunFlags), **typing.get_type_hints(cls)}
+    flagged = cli.check_argv(argv, types_, switches=("resume", "overwrite"))
+    base = cls()
+    if flagged is not None:  # (for --help, the defaults of the dataclass)
+        from_yaml = load_yaml(flagged["config"], cls) if flagged.get("config") is not None else {}
+        algorithm = {**vars(cls()), **from_yaml, **flagged}["algorithm"]
+        base = cls(**{**vars(cls()), **recipes.recipe(experiment, algorithm), **from_yaml})
+    args_cls = dataclasses.make_dataclass("Args", [("run", RunFlags), (experiment, Annotated[cls, tyro.conf.FlagConversionOff])])
+    argv = [a for a in argv if a != "--"]  # the end of the flags, with nothing after it (check_argv saw to that)
+    args = cli.tyro_cli(args_cls, argv, args_cls(RunFlags(out=Path("runs") / experiment, threads=threads), base),
+                        prog=f"python -m experiments.{experiment}", description=description)  # fmt: skip
+    run, cfg = args.run, getattr(args, experiment)
+    if cfg.compile is None:  # auto: the compiled step where it applies and a C++ compiler is found
+        cfg = dataclasses.replace(cfg, compile=cfg.mode != "checkpointed" and runtime.cxx() is not None)
+        if not cfg.compile and cfg.mode != "checkpointed":
+            print("note: no C++ compiler found (g++, c++ or $CXX), so the meta-step runs eager, 2-4x slower on "
+                  "small models; install one, or pass --compile false to silence this", file=sys.stderr)  # fmt: skip
+    try:
+        validate(cfg)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    device = runtime.parse_device(run.device)
+    wandb = tracking.wandb_mode(run.wandb)
+    runtime.set_threads(run.threads)
+    device, rank, world_size = runtime.join_processes(device)
+    return cfg, RunOptions(experiment, run.out, run.resume, run.overwrite, wandb, device, run.config, rank, world_size)
+
+
+def load_yaml(path: Path, cls: type) -> dict[str, Any]:
+    """The keys of a ``--config`` file, read as their flags are.
+
+    Raises:
+        UsageError: no such file, not YAML, not a mapping, an unknown key (with close matches),
+            a list for a single value or the reverse, or a value its flag would refuse.
+    """
+    if not path.is_file():
+        raise UsageError(f"--config {path}: no such file.")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise UsageError(f"--config {path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"--config {path}: must be a mapping of config keys to values, got {type(data).__name__}.")
+    types_ = typing.get_type_hints(cls)
+    items = []
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in types_:
+            raise UsageError(f"--config {path}: unknown key {key!r}{cli.suggest(name, list(types_))}. Known keys: {', '.join(types_)}.")
+        listed = typing.get_origin(types_[name]) is tuple
+        if isinstance(value, dict) or isinstance(value, list) != listed:
+            should = f"a list (e.g. [{cli.show(value)}])" if listed else "a single value"
+            raise UsageError(f"--config {path}: {name} must be {should}, got {value!r}.")
+        items.append((name, [cli.show(value)]))
+    return cli.read_items(items, types_, name=str, where=f"--config {path}: ")
+
+
+def save_config(out: Path, cfg: Any) -> None:
+    """Writes ``cfg`` to ``out/config.yaml``, which ``--config`` reads back."""
+    atomic_write(out / "config.yaml", lambda p: p.write_text(yaml.safe_dump(
+        {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(cfg).items()}, sort_keys=False)))  # fmt: skip
+
+
+def load_config(cls: type, path: Path) -> Any:
+    """The config dataclass saved in a run's config.yaml."""
+    return cls(**load_yaml(path, cls))

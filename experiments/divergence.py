@@ -1,0 +1,185 @@
+"""Why a run diverged (NaN/Inf): the outer loop (lower ``--meta-lr``) or the inner loop (lower ``--inner-lr``).
+
+The trainer asks :class:`DivergenceWatch` at two points of each iteration: when the engine's
+check stops ``learner.run`` (a FloatingPointError: an inner loss is NaN/Inf), and after the
+optimizer step, which :meth:`DivergenceWatch.check_step` checks. Either way the run ends with
+:class:`Diverged`, whose message names the meta-iteration, the loop and the flag to lower, and
+:func:`stop_on_divergence` turns that into one line on stderr and exit code 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+import maml
+from experiments.tracking import finish_wandb
+
+__all__ = ["Diverged", "DivergenceWatch", "stop_on_divergence"]
+
+
+class Diverged(Exception):
+    """Training produced NaN/Inf; the message names the meta-iteration, the loop that diverged and the flag."""
+
+
+class DivergenceWatch:
+    """Tells an outer-loop divergence from an inner-loop one and stops the run before it is checkpointed.
+
+    Outer (lower ``--meta-lr``): an optimizer step made a meta-parameter (a weight or a learnable
+    rate) NaN/Inf from a finite meta-gradient; or the meta-parameters' own loss, before any inner
+    step, is NaN/Inf; or the outer updates raised that own loss ``GROWTH``-fold since the first
+    iteration this process ran, and the inner steps on it overflowed. Inner (lower ``--inner-lr``):
+    a loss after inner steps, or the meta-gradient through them, is NaN/Inf while the
+    meta-parameters and their own loss are finite and have not run away.
+
+    The trainer hands it each training iteration's output (:meth:`record`), asks it to explain
+    the engine's NaN/Inf check (:meth:`diverged`, which runs the batch again to find the step and
+    the task), and has it check the meta-parameters after every optimizer step
+    (:meth:`check_step`): a NaN/Inf loss or meta-gradient makes them NaN/Inf too, so this one
+    check, one synchronisation per iteration, stops the run before the trainer checkpoints it;
+    only then are the losses and gradients looked at.
+
+    Args:
+        learner: the one the trainer runs.
+        iteration: meta-iterations already done (the resumed checkpoint's, else 0).
+        meta_lr, inner_lr: the values to name in the messages.
+    """
+
+    GROWTH = 100.0
+
+    def __init__(self, learner: maml.MetaLearner, iteration: int, meta_lr: float, inner_lr: float) -> None:
+        self.learner, self.iteration, self.meta_lr, self.inner_lr = learner, iteration, meta_lr, inner_lr
+        self._names = {id(p): n for n, p in learner.model.named_parameters()}
+        self._names.update({id(p): f"the inner rate {n}" for n, p in learner.rate_parameters.items()})
+        self._first: float | None = None  # the mean own loss at this process's first training iteration
+        # The latest training iteration's meta-loss, support losses (steps, T) and query losses (T,), detached.
+        self._losses: tuple[Tensor, Tensor, Tensor] | None = None
+
+    def record(self, out: maml.MetaOutput) -> None:
+        """Keeps the losses of a training iteration's ``learner.run``, for :meth:`check_step`."""
+        self._losses = (out.loss.detach(), out.support_losses.detach(), out.query_losses.detach())
+        if self._first is None:  # one synchronisation, at the first iteration only
+            self._first = float(self._own(out.support_losses, out.query_losses).mean())
+
+    def diverged(self, batch: maml.TaskBatch, phase: str | None = None, steps: int | None = None) -> Diverged:
+        """Why ``learner.run(batch, steps=steps)`` stopped at the engine's NaN/Inf check (a FloatingPointError).
+
+        ``phase``: None for a training iteration; else what ran after the iteration (``"the
+        validation"``, ``"the final test"``), as the message names it.
+        """
+        where = f"meta-iteration {self.iteration + 1}" if phase is None else f"{phase} after meta-iteration {self.iteration}"
+        return Diverged(self._explain(where, batch, steps))
+
+    @staticmethod
+    def _own(support: Tensor, query: Tensor) -> Tensor:
+        """Each task's own loss: at the meta-parameters, before any inner step."""
+        return support[0] if support.shape[0] else query
+
+    def _explain(self, where: str, batch: maml.TaskBatch, steps: int | None) -> str:
+        """Runs ``batch`` again, one more inner step at a time, to find the loss, the step and the task that diverged.
+
+        The support loss before inner step ``k`` is the query loss, after ``k`` steps, of a batch
+        whose query set is the support set; runs that stop before the first NaN/Inf one pass the
+        engine's check, whatever ``check_finite`` is.
+        """
+        steps = self.learner.steps if steps is None else steps
+        on_support = maml.TaskBatch(batch.support_x, batch.support_y, batch.support_x, batch.support_y)
+        losses: list[Tensor] = []
+        with torch.no_grad():
+            for k in range(steps):
+                losses.append(self.learner.run(on_support, steps=k).query_losses)
+                if not bool(torch.isfinite(losses[-1]).all()):
+                    break
+            else:
+                losses.append(self.learner.run(batch, steps=steps).query_losses)
+        return self._describe(where, losses, steps)
+
+    def _describe(self, where: str, losses: Sequence[Tensor], steps: int) -> str:
+        """Which loss is NaN/Inf first, of which task, and why: ``losses[k]`` is the support loss before inner
+        step ``k`` for ``k < steps``, ``losses[steps]`` (if there) the query loss after the inner steps."""
+        own = float(losses[0].mean())
+        step = next((k for k, row in enumerate(losses) if not bool(torch.isfinite(row).all())), None)
+        if step is None:  # finite losses: the backward pass overflowed
+            return self._gradient(where, own)
+        task = int((~torch.isfinite(losses[step])).nonzero()[0, 0])
+        value, before = float(losses[step][task]), float(losses[0][task])
+        what = "query loss" if step == steps else "support loss"
+        if step == 0:
+            return (f"the outer loop diverged by {where}: the meta-parameters are finite, but their own {what} "
+                    f"(before any inner step) is {value} for task {task}; lower --meta-lr {self.meta_lr:g}")  # fmt: skip
+        after = f"the {what} of task {task} is {value} after {step} inner step{'s' if step != 1 else ''}"
+        if self._ran_away(own):
+            return (f"the outer loop diverged by {where}: {self._ran_away(own)}, and from there {after}; "
+                    f"lower --meta-lr {self.meta_lr:g}")  # fmt: skip
+        return (f"the inner loop diverged at {where}: {after}, from a support loss of {before:.4g} at the "
+                f"meta-parameters; lower --inner-lr {self.inner_lr:g}{self._rates()}")  # fmt: skip
+
+    def _gradient(self, where: str, own: float) -> str:
+        """The message for a NaN/Inf meta-gradient of finite losses."""
+        if self._ran_away(own):
+            return (f"the outer loop diverged by {where}: {self._ran_away(own)}, and the meta-gradient there is "
+                    f"NaN/Inf; lower --meta-lr {self.meta_lr:g}")  # fmt: skip
+        return (f"the inner loop diverged at {where}: the meta-gradient through its inner steps is NaN/Inf though "
+                f"its losses are finite (the second-order terms overflowed); lower --inner-lr {self.inner_lr:g}"
+                f"{self._rates()}")  # fmt: skip
+
+    def _ran_away(self, own: float) -> str:
+        """How the outer updates raised the meta-parameters' own loss, if they did ``GROWTH``-fold; else ''."""
+        if self._first is None or not math.isfinite(own) or not own > self.GROWTH * self._first:
+            return ""
+        return f"its updates raised the meta-parameters' own loss (before any inner step) from {self._first:.4g} to {own:.4g}"
+
+    def _rates(self) -> str:
+        if not self.learner.rate_parameters:
+            return ""
+        top = max(float(r.detach().abs().max()) for r in self.learner.rate_parameters.values())
+        return f" (the learned inner rates, which --meta-lr moves, reach {top:.3g})"
+
+    def check_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """After ``optimizer.step()``: counts the iteration, or raises Diverged if a meta-parameter is NaN/Inf."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        with torch.no_grad():  # NaN/Inf if any parameter is (or if their sum overflows: they ran away)
+            total = torch.stack([p.sum() for p in params]).sum()
+        if bool(torch.isfinite(total)):  # the one synchronisation per iteration
+            self.iteration += 1
+            return
+        where = f"meta-iteration {self.iteration + 1}"
+        if self._losses is not None:
+            loss, support, query = self._losses
+            if not bool(torch.isfinite(loss)):  # a NaN/Inf meta-loss: which task's loss, after which step
+                raise Diverged(self._describe(where, [*support, query], support.shape[0]))
+            if any(p.grad is not None and not bool(torch.isfinite(p.grad).all()) for p in params):
+                raise Diverged(self._gradient(where, float(self._own(support, query).mean())))
+        bad = [p for p in params if not bool(torch.isfinite(p).all())]
+        what = f"made {self._names.get(id(bad[0]), 'a meta-parameter')} NaN/Inf" if bad else "overflowed the meta-parameters"
+        raise Diverged(f"the outer loop diverged at {where}: its optimizer step with --meta-lr {self.meta_lr:g} "
+                       f"{what} from a finite meta-gradient; lower --meta-lr")  # fmt: skip
+
+
+@contextlib.contextmanager
+def stop_on_divergence(out: Path, run: Any, main: bool = True) -> Iterator[None]:
+    """Turns a divergence inside the block into one line on stderr and exit code 1 (not a usage error).
+
+    The trainer checkpoints only finite meta-parameters, so ``out/checkpoint.pt`` keeps the last
+    one written before the divergence; the wandb ``run`` (None on ranks > 0) is marked failed.
+    """
+    try:
+        yield
+    except Diverged as e:
+        if run is not None:
+            finish_wandb(run, exit_code=1)
+        if main:
+            path = out / "checkpoint.pt"
+            try:  # this run's (--overwrite removed an earlier run's before it started)
+                kept = f"{path} keeps meta-iteration {torch.load(path, weights_only=False)['iteration']}"
+            except Exception:  # none, or unreadable: say no more than that
+                kept = "no checkpoint was written"
+            print(f"error: {e}. The run stopped; {kept}.", file=sys.stderr)
+        raise SystemExit(1) from None

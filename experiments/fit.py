@@ -1,0 +1,197 @@
+"""One run of an experiment script, from the command line to results.json: :func:`fit`.
+
+An experiment script says what is its own in an :class:`Experiment`: its config dataclass, its
+data, its network and loss (:class:`Model`), its training and validation tasks (:class:`Tasks`)
+and its final test (which returns :class:`Results`). :func:`fit` does the rest, in this order:
+parse the flags, check the folder (and the checkpoint to resume), read the data, write
+config.yaml, seed, build the meta-learner and its optimizer, start wandb, meta-train (a NaN/Inf
+ends the run with one line saying which loop diverged), run the script's test, write
+results.json and print the script's summary. :func:`main` turns a usage error into one line and
+exit code 2::
+
+    def run(argv=None):
+        fit.fit(fit.Experiment("sine", SineConfig, "...", validate_config, model=make_model, tasks=train_tasks,
+                               test=final_test), argv)
+
+    if __name__ == "__main__":
+        fit.main(run)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable, Collection, Sequence
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+import maml
+from experiments import peers, recipes
+from experiments.cli import UsageError
+from experiments.config import RunOptions, parse_args
+from experiments.divergence import DivergenceWatch, stop_on_divergence
+from experiments.results import finish
+from experiments.rundir import prepare_out, take_out
+from experiments.runtime import check_shards
+from experiments.tracking import init_wandb
+from experiments.trainer import Trainer
+
+__all__ = ["Model", "Tasks", "Results", "Fitted", "Experiment", "fit", "main"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """The network an experiment meta-trains, its per-task loss, and what the inner loop leaves alone."""
+
+    module: nn.Module
+    loss: Callable[[Tensor, Tensor], Tensor]  # (outputs, targets) of one task -> a scalar
+    meta_only: Collection[str] = ()  # names of parameters that only the outer loop learns
+    engine: Literal[peers.ENGINES] = "maml"  # type: ignore[valid-type]  # learn2learn: the peer computes the training steps
+
+
+@dataclasses.dataclass(frozen=True)
+class Tasks:
+    """The training and validation tasks, and what the log rows say about them."""
+
+    sample: Callable[[torch.Generator], maml.TaskBatch]  # one meta-batch of training tasks
+    metrics: Callable[[maml.MetaOutput, maml.TaskBatch], dict[str, float]]  # extra training metrics ("train/...")
+    val_batch: maml.TaskBatch | None  # the fixed validation tasks (None: no validation)
+    val_metrics: Callable[[maml.MetaOutput, maml.TaskBatch], dict[str, float]]  # validation metrics ("val/...")
+    select: tuple[str, Literal["max", "min"]] | None = None  # model selection: best.pt holds the best validation's
+
+
+@dataclasses.dataclass(frozen=True)
+class Results:
+    """What the final test gives results.json and the terminal."""
+
+    test: dict[str, dict[str, Any]]  # results.json's "test": each entry holds ``metric`` and its "ci95"
+    metric: str  # the entries' metric, e.g. "mse" (wandb's summary gets it)
+    summary: str  # printed on stdout once results.json is written
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # more keys of results.json, before "test"
+
+
+@dataclasses.dataclass(frozen=True)
+class Fitted:
+    """A run after meta-training (rank 0), as the experiment's test gets it."""
+
+    cfg: Any
+    opts: RunOptions
+    data: Any  # what the experiment's load returned
+    model: nn.Module
+    learner: maml.MetaLearner  # this toolkit's, whatever computed the training steps
+    trainer: Trainer  # its history, best validation and iterations
+
+    def run(self, batch: maml.TaskBatch, **kwargs: Any) -> maml.MetaOutput:
+        """``learner.run(batch, **kwargs)``; a NaN/Inf inner loss ends the run with "the final test" diverging."""
+        return self.trainer.run_batch(batch, "the final test", **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+    """An experiment script's own parts; :func:`fit` runs the rest. Each hook is given the parsed config ``cfg``."""
+
+    name: str  # python -m experiments.NAME; runs/NAME is the default --out, NAME the recipes' key
+    config: type  # the config dataclass (a subclass of experiments.config.ExperimentConfig)
+    description: str  # the first paragraph of --help
+    check: Callable[[Any], None]  # raises ValueError naming the flag and value of an invalid key
+    model: Callable[[Any], Model]  # the network, on the CPU, initialised (the global RNG is seeded with --seed)
+    tasks: Callable[[Any, Any, torch.device], Tasks]  # tasks(cfg, data, device)
+    test: Callable[[Fitted], Results]  # the final test, the plots and the summary
+    threads: int | None = None  # the default --threads (None: PyTorch's)
+    resolve: Callable[[Any], Any] | None = None  # cfg -> cfg with the defaults that depend on others filled in
+    load: Callable[[Any], Any] | None = None  # reads the data (UsageError if it cannot), before anything is written
+    notes: Callable[[Any, Any], Sequence[str]] | None = None  # notes(cfg, data): lines for stderr once the run starts
+    run_name: Callable[[Any], str] | None = None  # the wandb run's name (default: NAME)
+
+
+def fit(experiment: Experiment, argv: Sequence[str] | None = None) -> None:
+    """Runs ``experiment`` with the command line ``argv`` (default: ``sys.argv[1:]``), from parsing to results.json.
+
+    Under ``torchrun`` every process trains its share of each meta-batch; rank 0 alone writes
+    under ``--out``, logs, tests and writes the results.
+
+    Raises:
+        UsageError: bad flags, config file, device, data or ``--out`` (nothing is written then).
+        SystemExit: 1 when training diverged (after one line on stderr); 130 or 143 when stopped by
+            a signal (after a checkpoint).
+    """
+    cfg, opts = parse_args(experiment.name, experiment.config, argv, experiment.description, experiment.check,
+                           threads=experiment.threads)  # fmt: skip
+    if experiment.resolve is not None:
+        cfg = experiment.resolve(cfg)
+    check_shards(cfg.meta_batch, opts)
+    resumed = prepare_out(opts, cfg)  # before writing anything
+    data = experiment.load(cfg) if experiment.load is not None else None
+    if opts.main:
+        take_out(opts, cfg)  # clears an --overwrite'n run's files, then writes config.yaml
+        for note in experiment.notes(cfg, data) if experiment.notes is not None else ():
+            print(note, file=sys.stderr)
+
+    torch.manual_seed(cfg.seed)
+    model = experiment.model(cfg)
+    net = model.module.to(opts.device)
+    learner = maml.MetaLearner(net, model.loss, inner_lr=cfg.inner_lr, steps=cfg.steps, mode=cfg.mode,
+                               batching=cfg.batching, learn_inner_lr=cfg.learn_inner_lr, compile=cfg.compile,
+                               adapt=recipes.adapt_set(net, cfg.adapt, model.meta_only),
+                               inner_optimizer=cfg.inner_optimizer)  # fmt: skip
+    optimizer = recipes.meta_optimizer(learner, cfg.meta_lr, cfg.rate_meta_lr)
+    trained = peers.Learn2LearnMAML(learner) if model.engine == "learn2learn" else learner
+    watch = DivergenceWatch(trained, resumed["iteration"] if resumed else 0, cfg.meta_lr, cfg.inner_lr)
+    tasks = experiment.tasks(cfg, data, opts.device)
+    trainer = Trainer(
+        learner=trained,
+        optimizer=optimizer,
+        sample=tasks.sample,
+        metrics=tasks.metrics,
+        val_batch=tasks.val_batch,
+        val_metrics=tasks.val_metrics,
+        watch=watch,
+        iterations=cfg.iterations,
+        log_every=cfg.log_every,
+        val_every=cfg.val_every,
+        checkpoint_every=cfg.checkpoint_every,
+        seed=cfg.seed,
+        device=opts.device,
+        schedule=recipes.Schedule.of(cfg),
+        select=tasks.select,
+    )
+    name = experiment.run_name(cfg) if experiment.run_name is not None else experiment.name
+    wandb_run = init_wandb(opts, cfg, name, resumed["wandb_id"] if resumed else None) if opts.main else None
+    with stop_on_divergence(opts.out, wandb_run, opts.main):  # a NaN/Inf: one line naming the loop and the flag, exit code 1
+        trainer.run(opts, cfg, resumed, wandb_run)
+    if not opts.main:
+        return  # rank 0 tests and writes the results
+    with stop_on_divergence(opts.out, wandb_run):
+        results = experiment.test(Fitted(cfg, opts, data, net, learner, trainer))
+    finish(opts, cfg, wandb_run, trainer, results.test, results.metric, **results.extra)
+    print(results.summary)
+
+
+def main(run: Callable[[Sequence[str] | None], None], argv: Sequence[str] | None = None) -> None:
+    """Runs an experiment's entry point, turning UsageError into a message and exit code 2.
+
+    Leaves the process group that ``parse_args`` joined under torchrun, however the run ends.
+    """
+    together = False  # whether every rank ends here at the same point of the run
+    try:
+        run(argv)
+        together = True
+    except UsageError as e:
+        # Under torchrun every rank may print it; the rank says which process did.
+        where = f" (rank {dist.get_rank()})" if dist.is_available() and dist.is_initialized() else ""
+        print(f"error{where}: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except SystemExit as e:
+        together = e.code in (130, 143)  # the stop that every rank voted for after one iteration
+        raise
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            if together:
+                # Ranks > 0 finish before rank 0 (which evaluates and writes); a rank that tore down
+                # its gloo connections while rank 0 still held them has died of SIGABRT at exit.
+                # Leaving together is the shutdown that gloo and NCCL expect.
+                dist.barrier()
+            dist.destroy_process_group()

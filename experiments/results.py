@@ -1,0 +1,96 @@
+"""What a run reports: the test metrics with their 95 % confidence intervals, in ``results.json`` with its provenance."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from experiments.files import atomic_write
+from experiments.rundir import DATA_KEYS
+from experiments.tracking import finish_wandb
+
+if TYPE_CHECKING:
+    from experiments.config import RunOptions
+    from experiments.trainer import Trainer
+
+__all__ = ["mean_ci95", "provenance", "finish"]
+
+
+def mean_ci95(values: Tensor) -> tuple[float, float]:
+    """Mean and the half-width of its 95 % confidence interval (normal approximation)."""
+    values = values.double().flatten()
+    n = values.numel()
+    half = 1.96 * float(values.std(unbiased=True)) / math.sqrt(n) if n > 1 else float("nan")
+    return float(values.mean()), half
+
+
+def provenance() -> dict[str, Any]:
+    """Package versions and the git commit of the code that ran."""
+    versions = {"python": platform.python_version()}
+    for pkg in ("maml-toolkit", "torch", "numpy", "wandb", "learn2learn", "higher"):
+        try:
+            versions[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str | None:
+        try:
+            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    commit = git("rev-parse", "HEAD")
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no")) if commit else None
+    return {"versions": versions, "git_commit": commit, "git_dirty": dirty, "host": platform.node(), "cpu": _cpu(),
+            "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d")}
+
+
+def _cpu() -> str:
+    """The processor's model name (Linux), else the platform's word for it."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def finish(opts: RunOptions, cfg: Any, run: Any, trainer: Trainer, test: dict[str, dict[str, Any]], metric: str,
+           **extra: Any) -> None:  # fmt: skip
+    """Puts the test metric in the wandb summary, writes results.json, and closes the wandb run."""
+    for key, r in test.items():
+        run.summary[f"test/{metric}_{key}"] = r[metric]
+        run.summary[f"test/{metric}_{key}_ci95"] = r["ci95"]
+    config = dataclasses.asdict(cfg)
+    # No path of this machine in a result file: the data as a path relative to the working directory, and its fingerprint.
+    data = {k: {"path": os.path.relpath(v), "fingerprint": trainer.data_files.get(k, {}).get("fingerprint")}
+            for k in DATA_KEYS if isinstance(v := config.get(k), str)}  # fmt: skip
+    config.update({k: d["path"] for k, d in data.items()})
+    results = {
+        "experiment": opts.experiment,
+        "config": config,
+        **({"data_files": data} if data else {}),
+        **extra,
+        "test": test,
+        "final_val": trainer.final_val,
+        "best_val": trainer.best,
+        "iterations": trainer.iterations,
+        "train_seconds": round(trainer.train_seconds, 1),
+        "device": str(opts.device),
+        "processes": opts.world_size,
+        **provenance(),
+    }
+    atomic_write(opts.out / "results.json", lambda p: p.write_text(json.dumps(results, indent=2) + "\n"))
+    finish_wandb(run)

@@ -1,0 +1,250 @@
+"""The run's folder (``--out``): the checks before anything is written, resuming, and making it the run's.
+
+:func:`prepare_out` checks the device and the folder and, with ``--resume``, the checkpoint's
+config against this run's (the data by its files, wherever they now are); :func:`take_out`
+then clears an ``--overwrite``'n run's files and writes ``config.yaml``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from experiments import recipes
+from experiments.cli import UsageError, flag
+from experiments.config import RunOptions, save_config
+from experiments.files import atomic_write, writing
+from experiments.runtime import broadcast, check_device
+
+__all__ = ["BEST_FILE", "RUN_FILES", "METRICS_FILE", "PLOTS", "RESUMABLE", "DATA_KEYS", "prepare_out", "take_out",
+           "fingerprint", "data_identity", "write_state"]  # fmt: skip
+
+BEST_FILE = "best.pt"  # the meta-parameters of the best validation so far (Trainer.select)
+RUN_FILES = ("config.yaml", "checkpoint.pt", BEST_FILE, "results.json")
+METRICS_FILE = "metrics.jsonl"  # every logged row, one JSON object a line, as the checkpoint's history
+PLOTS = ("learning_curves.png", "sine_fit.png", "task_grid.png")  # the PNG plots the scripts write
+# Config keys that --resume may change: how long the run goes and how often it logs, validates and
+# checkpoints. None of them changes the trajectory, except the length for a run whose schedule is a
+# share of it (--algorithm mamlpp: refused on resume), so a lengthened run ends with the parameters of
+# a run that was that long from the start.
+RESUMABLE = ("iterations", "log_every", "val_every", "checkpoint_every")
+# Config keys naming data on disk: on --resume, another spelling of the path (a trailing slash, a
+# relative path) is the same data, and so is another folder holding the same files (the data moved).
+DATA_KEYS = ("data",)
+_TEMPORARY = re.compile(r"\..+\.tmp(\d+)")  # atomic_write's temporary files, .NAME.tmpPID
+_WANDB_FILES = re.compile(r"(offline-)?run-\d{8}_\d{6}-\w+|latest-run|debug(-internal)?\.log")  # under --out/wandb
+
+
+def prepare_out(opts: RunOptions, cfg: Any) -> dict[str, Any] | None:
+    """Checks the device and the output folder before anything is written; returns the checkpoint when resuming.
+
+    With several processes, rank 0 alone reads ``--out`` (the others may run on machines
+    that do not see it) and sends every rank the checkpoint or the error, so that all ranks
+    resume from the same state or stop together.
+
+    Raises:
+        UsageError: the device is not available; ``--out`` is a file, sits under a file or
+            cannot be written; it holds another run (without ``--resume``/``--overwrite``); or
+            the checkpoint to resume is missing, unreadable, or from a config that differs in
+            more than :data:`RESUMABLE`.
+    """
+    check_device(opts.device)
+    outcome: dict[str, Any] | UsageError | None = None
+    if opts.main:
+        try:
+            outcome = _check_out(opts, cfg)
+        except UsageError as e:
+            if opts.world_size == 1:
+                raise
+            outcome = e
+    outcome = broadcast(outcome, opts)
+    if isinstance(outcome, UsageError):
+        raise outcome
+    return outcome
+
+
+def _check_out(opts: RunOptions, cfg: Any) -> dict[str, Any] | None:
+    out = opts.out
+    if opts.resume and opts.overwrite:
+        raise UsageError("--resume and --overwrite contradict each other; pick one.")
+    _check_writable(out)
+    if opts.resume:
+        path = out / "checkpoint.pt"
+        if not path.is_file():
+            raise UsageError(f"--resume: no checkpoint at {path}; start the run without --resume.")
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=False)
+            saved = state["config"]
+        except Exception as e:  # a truncated or foreign file: say so, keep it
+            raise UsageError(f"--resume: the checkpoint {path} is corrupt or not from this script ({type(e).__name__}: {e}).") from None
+        mine = dataclasses.asdict(cfg)
+        diff = []
+        for key in [*mine, *(k for k in saved if k not in mine)]:
+            old, new = saved.get(key), mine.get(key)
+            if old == new or (key in RESUMABLE and not (key == "iterations" and _length_scheduled(saved))):
+                continue
+            if key in DATA_KEYS and isinstance(old, str) and isinstance(new, str):
+                problem = _same_data(old, new, state.get("data", {}).get(key))
+                if problem is None:
+                    continue
+                diff.append(f"{key}={new!r} (run has {old!r}; {problem})")
+            else:
+                diff.append(f"{key}={new!r} (run has {old!r})")
+        if diff and _length_scheduled(saved) and any(d.startswith("iterations=") for d in diff):
+            raise UsageError(
+                f"--resume: --iterations {cfg.iterations} differs from the run's {saved['iterations']}, and its "
+                f"schedule (meta_lr_schedule, first_order_fraction or msl_fraction, as --algorithm sets them) is a "
+                f"share of --iterations; resume with --iterations {saved['iterations']}."
+            )
+        if diff:
+            allowed = ", ".join(flag(k) for k in RESUMABLE[:-1]) + f" and {flag(RESUMABLE[-1])}"
+            raise UsageError(
+                f"--resume: the config differs from the run in {out}: {', '.join(diff)}. Resume with the same "
+                f"flags (only {allowed} may change), or --config {out / 'config.yaml'}."
+            )
+        return state
+    taken = [f for f in RUN_FILES if (out / f).exists()]
+    if taken and not opts.overwrite:
+        raise UsageError(
+            f"--out {out} already holds a run ({', '.join(taken)}); pass --resume to continue it, "
+            f"--overwrite to replace it, or another --out."
+        )
+    return None
+
+
+def _length_scheduled(config: dict[str, Any]) -> bool:
+    """Whether a saved config's schedule is a share of its --iterations (keys it lacks take their defaults)."""
+    keys = {f.name for f in dataclasses.fields(recipes.Schedule)}
+    return recipes.Schedule(**{k: v for k, v in config.items() if k in keys}).depends_on_length
+
+
+def _check_writable(out: Path) -> None:
+    """Raises UsageError unless ``out`` is, or can be made, a folder this process can write in; writes nothing."""
+    here = out
+    try:
+        if out.exists() and not out.is_dir():
+            raise UsageError(f"--out {out} is a file, not a folder; pass a folder (it is created if missing).")
+        here = next(p for p in (out, *out.parents) if p.exists())
+        if not here.is_dir():
+            raise UsageError(f"--out {out}: {here} is a file, so no folder can be made there; pass another --out.")
+        # Creating a file asks what the permissions, a read-only mount and `chattr +i` say, even to root.
+        with tempfile.TemporaryFile(dir=here):
+            pass
+    except OSError as e:
+        raise UsageError(f"--out {out}: cannot write in {here} ({e.strerror or e}); make it writable or pass "
+                         f"another --out.") from None  # fmt: skip
+
+
+def fingerprint(path: str) -> str | None:
+    """A digest of the names and sizes of the files at ``path`` (a file, or a folder's non-hidden files), None if missing.
+
+    Names and sizes tell data apart without reading it (the cache folders a loader writes
+    beside the data, hidden, are left out); the digest is the same wherever the files are.
+    """
+    root = Path(path)
+    if root.is_file():
+        entries = [(root.name, root.stat().st_size)]
+    elif root.is_dir():
+        entries = []
+        for folder, dirs, files in os.walk(root, followlinks=True):
+            dirs[:] = [d for d in dirs if not d.startswith(".")]
+            rel = Path(folder).relative_to(root)
+            entries += [((rel / f).as_posix(), os.path.getsize(Path(folder) / f)) for f in files if not f.startswith(".")]
+    else:
+        return None
+    return hashlib.sha256(json.dumps(sorted(entries)).encode()).hexdigest()
+
+
+def data_identity(path: str) -> dict[str, str | None]:
+    """What a checkpoint keeps of a data path: the resolved path and the files' fingerprint."""
+    resolved = str(Path(path).expanduser().resolve())
+    return {"path": resolved, "fingerprint": fingerprint(resolved)}
+
+
+def _same_data(old: str, new: str, kept: dict[str, str | None] | None) -> str | None:
+    """None when ``new`` names the data the run began with (``old``, ``kept`` by its checkpoint); else why not."""
+    # A checkpoint from before data identities were kept: its path, resolved from here.
+    before = kept["path"] if kept else str(Path(old).expanduser().resolve())
+    now = data_identity(new)
+    if now["path"] == before:
+        return None
+    if kept is None or kept["fingerprint"] is None:
+        return "its checkpoint keeps no record of the files to compare; pass the path the run began with"
+    if now["fingerprint"] != kept["fingerprint"]:
+        return "not the same files: their names or sizes differ" if now["fingerprint"] else f"{new} does not exist"
+    print(f"resuming with --data {new}: the same files as {before}, where the run began", file=sys.stderr)
+    return None
+
+
+def take_out(opts: RunOptions, cfg: Any) -> None:
+    """Makes ``--out`` this run's, once every check has passed (rank 0): clears, then writes config.yaml.
+
+    With ``--overwrite``, first removes everything the run there wrote (:data:`RUN_FILES`, the
+    metrics, the plots, its wandb runs), so the folder never shows the old run's results or
+    checkpoint beside the new run's files, even if the new run is stopped at once; other files
+    stay. On every start it removes the temporary files of writers that were killed mid-write.
+
+    Raises:
+        UsageError: the folder cannot be written (full, read-only); nothing is left half-written.
+    """
+    out = opts.out
+    made = not out.exists()
+    with writing(out):
+        out.mkdir(parents=True, exist_ok=True)
+        if opts.overwrite:
+            for name in (*RUN_FILES, METRICS_FILE, *PLOTS):
+                (out / name).unlink(missing_ok=True)
+            runs = out / "wandb"
+            for path in runs.iterdir() if runs.is_dir() else ():
+                if _WANDB_FILES.fullmatch(path.name):
+                    shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+            with contextlib.suppress(OSError):
+                runs.rmdir()  # when nothing but the old run's files was there
+        for path in out.glob(".*.tmp*"):
+            match = _TEMPORARY.fullmatch(path.name)
+            if match and not _alive(int(match.group(1))):
+                path.unlink(missing_ok=True)
+    try:
+        save_config(out, cfg)
+    except UsageError:
+        if made:
+            with contextlib.suppress(OSError):
+                out.rmdir()
+        raise
+
+
+def write_state(path: Path, state: dict[str, Any]) -> None:
+    """Saves ``state`` (``torch.save``) to ``path`` (a checkpoint, ``best.pt``) atomically.
+
+    Serialised in memory and written with Python's file I/O, where a full disk is an OSError
+    (ENOSPC) that atomic_write reports; torch.save to a path makes it a bare RuntimeError.
+    """
+    data = io.BytesIO()
+    torch.save(state, data)
+    atomic_write(path, lambda p: p.write_bytes(data.getbuffer()))
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    except (OverflowError, ValueError):
+        return False
+    return True

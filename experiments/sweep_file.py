@@ -1,0 +1,177 @@
+"""A W&B sweep file, read and checked offline, and its trials: the engine's next parameters, each trial's command.
+
+The file is wandb's format (``method``, ``metric``, ``parameters``, ``command``, ``program``,
+``run_cap``); W&B's own search engine (the ``sweeps`` package) picks each trial's parameters,
+and a trial runs as ``wandb agent`` would run it (see ``experiments.sweep``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import subprocess
+import sys
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+with warnings.catch_warnings():  # the engine's pydantic deprecation warnings
+    warnings.simplefilter("ignore")
+    import sweeps
+
+__all__ = ["REPO_ROOT", "MACROS", "DONE", "SweepError", "Sweep", "Trial", "load_sweep", "next_trial", "build_command",
+           "trial_env", "check_parameters"]  # fmt: skip
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MACROS = ("${env}", "${interpreter}", "${program}", "${args}")  # wandb's default command; the only forms built
+DONE = ("finished", "failed")  # trials that ran to their end: --resume keeps them
+
+
+class SweepError(Exception):
+    """Bad input: the message says what to fix (one ``error:`` line, exit code 2)."""
+
+
+@dataclass
+class Sweep:
+    """A checked sweep file, and what the runner takes from it."""
+
+    path: Path
+    name: str  # also the trials' wandb group
+    config: dict[str, Any]  # the YAML as written
+    engine: dict[str, Any]  # the config as the engine fills it in
+    metric: str
+    goal: str  # minimize or maximize
+    command: list[str]
+    program: Path | None  # the ``program`` file, where found
+    ours: bool  # it runs through experiments.fit: has --threads, takes --inner_lr for --inner-lr
+
+    @property
+    def searched(self) -> list[str]:
+        """The parameters the search varies (not fixed with ``value:``)."""
+        return [name for name, spec in self.config["parameters"].items() if "value" not in spec]
+
+
+@dataclass
+class Trial:
+    """One trial; ``state``: pending, running, finished (exit 0), failed, or killed (by a signal: re-run on resume)."""
+
+    index: int
+    name: str
+    params: dict[str, Any]
+    state: str = "pending"
+    metric: float | None = None
+    exit_code: int | None = None
+    wall_time: float | None = None
+    error: str | None = None
+    command: list[str] = field(default_factory=list)
+
+
+def load_sweep(path: Path) -> Sweep:
+    """Reads and checks a sweep file in wandb's format.
+
+    Raises:
+        SweepError: An unreadable or invalid file, no metric, a file the engine rejects, an
+            unsupported command macro or a missing program.
+    """
+    try:
+        config = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as error:
+        raise SweepError(f"sweep file {path} not found or not valid YAML: {' '.join(str(error).split())}") from None
+    if not isinstance(config, dict) or not isinstance(config.get("metric"), dict) or not config["metric"].get("name"):
+        raise SweepError(f"{path} needs a metric to rank its trials, e.g. metric: {{name: val/mse, goal: minimize}}")
+    if type(config.get("run_cap", 1)) is not int or config.get("run_cap", 1) < 1:
+        raise SweepError(f"{path}: run_cap must be a positive integer (got {config['run_cap']!r})")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine_input = {key: value for key, value in config.items() if key != "run_cap"}  # not in the engine's schema
+        problems = sweeps.schema_violations_from_proposed_config(engine_input)
+        if problems:
+            raise SweepError(f"{path} is not a valid sweep config: {'; '.join(problems)}")
+        engine = dict(sweeps.SweepConfig(engine_input))
+        try:  # what the schema lets through, e.g. a grid over a continuous range
+            sweeps.next_run(engine, [])
+        except (ValueError, TypeError, KeyError) as error:
+            raise SweepError(f"{path}: the {config['method']} search cannot use these parameters: {error}") from None
+    command = [str(part) for part in config.get("command") or MACROS]
+    for macro in re.findall(r"\$\{[^}]*\}", " ".join(command)):
+        if macro not in MACROS or macro not in command:
+            raise SweepError(f"{path}: command macro {macro} is not supported offline, only {' '.join(MACROS)}")
+    found = [base / config["program"] for base in (Path.cwd(), REPO_ROOT, path.parent) if config.get("program")]
+    program = next((file.resolve() for file in found if file.is_file()), None)
+    if program is None and "${program}" in command:
+        raise SweepError(f"{path}: program {config.get('program')!r} not found from {Path.cwd()} or {REPO_ROOT}")
+    ours = program is not None and "fit.fit(" in program.read_text(errors="replace")
+    name = re.sub(r"[^\w.-]+", "-", str(config.get("name") or path.stem))
+    goal = engine["metric"].get("goal", "minimize")
+    return Sweep(path, name, config, engine, config["metric"]["name"], goal, command, program, ours)
+
+
+def next_trial(sweep: Sweep, trials: list[Trial], limit: int | None) -> Trial | None:
+    """The first pending trial, else a new one from the engine (appended); None at the limit or the grid's end.
+
+    The engine hears of every trial: ended ones with their state and score (bayes learns from
+    them), the others as running (a grid does not repeat them).
+    """
+    if pending := [trial for trial in trials if trial.state == "pending"]:
+        return pending[0]
+    if limit is not None and len(trials) >= limit:
+        return None
+    runs = [sweeps.SweepRun(name=trial.name, state=trial.state if trial.state in (*DONE, "killed") else "running",
+                            config={key: {"value": value} for key, value in trial.params.items()},
+                            summaryMetrics={} if trial.metric is None else {sweep.metric: trial.metric})
+            for trial in trials]  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # scikit-learn's, fitting bayes search
+        run = sweeps.next_run(sweep.engine, runs)
+    if run is None:
+        return None
+    params = {key: spec["value"].item() if hasattr(spec["value"], "item") else spec["value"]  # numpy scalars
+              for key, spec in run.config.items()}  # fmt: skip
+    trials.append(Trial(len(trials) + 1, f"trial-{len(trials) + 1:03d}", params))
+    return trials[-1]
+
+
+def build_command(sweep: Sweep, params: dict[str, Any], trial_dir: Path) -> list[str]:
+    """A trial's command as ``wandb agent`` builds it, plus ``--out TRIAL_DIR --wandb offline``."""
+    args = [f"--{name}={value}" for name, value in params.items()]
+    macros = {"${env}": [], "${interpreter}": [sys.executable], "${program}": [str(sweep.program)], "${args}": args}
+    command = [arg for part in sweep.command for arg in macros.get(part, [part])]
+    return [*command, "--out", str(trial_dir), "--wandb", "offline"]
+
+
+def trial_env(sweep: Sweep, trial_dir: Path, threads: int | None) -> dict[str, str]:
+    """A trial's environment: offline wandb with the sweep as group, this repository importable, its threads."""
+    env = {key: value for key, value in os.environ.items() if key not in ("WANDB_SWEEP_ID", "WANDB_RUN_ID")}
+    path = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env |= {"WANDB_MODE": "offline", "WANDB_RUN_GROUP": sweep.name, "WANDB_NAME": f"{sweep.name}-{trial_dir.name}",
+            "WANDB_DIR": str(trial_dir), "PYTHONPATH": path}  # fmt: skip
+    return env | ({"OMP_NUM_THREADS": str(threads)} if threads else {})
+
+
+def check_parameters(sweep: Sweep) -> None:
+    """Checks that a Python program's ``--help`` lists a flag for each parameter; others are not checked.
+
+    Raises:
+        SweepError: A parameter that is no flag of the program (every trial would fail on it), with close matches.
+    """
+    source = sweep.program.read_text(errors="replace") if sweep.program and sweep.program.suffix == ".py" else ""
+    if "${args}" not in sweep.command or not (sweep.ours or "argparse" in source):
+        return
+    command = build_command(sweep, {}, Path("<out>"))[:-4] + ["--help"]  # without --out <out> --wandb offline
+    try:
+        shown = subprocess.run(command, env=trial_env(sweep, Path("help"), None), stdin=subprocess.DEVNULL,
+                               capture_output=True, text=True, timeout=120)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return
+    flags = sorted(set(re.findall(r"(?<![\w-])--[A-Za-z0-9][\w-]*", shown.stdout))) if shown.returncode == 0 else []
+    for name in sweep.config["parameters"] if flags else ():
+        if f"--{name}" not in flags and not (sweep.ours and f"--{name.replace('_', '-')}" in flags):
+            matches = difflib.get_close_matches(f"--{name}", flags, n=3, cutoff=0.5)
+            hint = f" (did you mean {', '.join(matches)}?)" if matches else ""
+            raise SweepError(f"{sweep.path}: the parameter {name!r} is not a flag of {sweep.config['program']}{hint}; "
+                             f"every trial would fail on it. Rename it under parameters (the program's --help lists "
+                             f"its flags).")  # fmt: skip

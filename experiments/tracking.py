@@ -1,0 +1,128 @@
+"""wandb: the run's mode (``--wandb``, ``$WANDB_MODE``, or whether the user is logged in), starting and finishing it.
+
+Rank 0 alone logs to wandb; its files go under ``--out``. A run never waits for wandb: without a
+server, a key or a network it logs offline, and says how to upload it later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import netrc
+import os
+import socket
+import sys
+import urllib.parse
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from experiments.cli import UsageError
+
+if TYPE_CHECKING:
+    from experiments.config import RunOptions
+
+__all__ = ["WANDB_MODES", "wandb_mode", "default_wandb_mode", "init_wandb", "finish_wandb"]
+
+WANDB_MODES = ("offline", "online", "disabled")  # --wandb's choices
+_OLD_NAMES = {"dryrun": "offline", "run": "online"}  # what $WANDB_MODE may also say, as wandb accepts
+
+
+def wandb_mode(given: str | None) -> str:
+    """The run's wandb mode: ``--wandb`` (``given``), else :func:`default_wandb_mode`.
+
+    An empty ``$WANDB_MODE`` counts as unset, and is removed from the environment: wandb itself
+    refuses it, whatever mode it is given.
+
+    Raises:
+        UsageError: ``$WANDB_MODE`` holds a value that is not a mode (wandb would refuse it too).
+    """
+    value = os.environ.get("WANDB_MODE")
+    if value == "":
+        del os.environ["WANDB_MODE"]
+    elif value is not None and value not in (*WANDB_MODES, *_OLD_NAMES):
+        raise UsageError(f"WANDB_MODE {value!r} is not one of {', '.join((*WANDB_MODES, *_OLD_NAMES))}; set it to one "
+                         f"of them, or unset it.")  # fmt: skip
+    return given or default_wandb_mode()
+
+
+def default_wandb_mode() -> str:
+    """$WANDB_MODE if set; online if the user is logged in; offline otherwise (never hangs without network).
+
+    Logged in: ``$WANDB_API_KEY`` is set, or the netrc file (``$NETRC``, else ``~/.netrc``) holds a
+    key for the host of the W&B server (``$WANDB_BASE_URL``, else https://api.wandb.ai), where
+    ``wandb login`` writes it.
+    """
+    mode = os.environ.get("WANDB_MODE")
+    if mode in (*WANDB_MODES, *_OLD_NAMES):
+        return _OLD_NAMES.get(mode, mode)  # type: ignore[arg-type]
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    host = urllib.parse.urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").netloc
+    path = Path(os.environ.get("NETRC") or Path.home() / ".netrc").expanduser()
+    try:
+        entry = netrc.netrc(path).authenticators(host) if host else None
+    except (OSError, netrc.NetrcParseError):
+        return "offline"
+    return "online" if entry and entry[2] else "offline"
+
+
+def init_wandb(opts: RunOptions, cfg: Any, name: str, run_id: str | None) -> Any:
+    """Starts (or resumes) the wandb run, its files under ``--out``; never blocks without a network.
+
+    A long run does not die at its start for its logging backend: ``--wandb online`` with no
+    server to reach (a TCP connection tried for at most 5 s), no API key, or a server that
+    refuses the key logs offline instead, with a warning that gives the ``wandb sync`` command
+    that uploads the run later.
+    """
+    import wandb
+
+    os.environ.setdefault("WANDB_DIR", str(opts.out))
+    start = functools.partial(
+        wandb.init,
+        project=os.environ.get("WANDB_PROJECT", "maml-toolkit"),
+        name=os.environ.get("WANDB_NAME", name),
+        group=os.environ.get("WANDB_RUN_GROUP"),
+        dir=str(opts.out),
+        id=run_id,
+        resume="allow" if run_id else None,
+        config=dataclasses.asdict(cfg),
+    )
+    if opts.wandb != "online":
+        return start(mode=opts.wandb)
+    url = wandb.setup().settings.base_url
+    problem, login = _unreachable(url), False
+    if problem is None:
+        try:
+            return start(mode="online")
+        except wandb.errors.Error as e:  # wandb's own retries have run out (init_timeout), or no usable key
+            detail = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            login = isinstance(e, (wandb.errors.UsageError, wandb.errors.AuthenticationError))
+            problem = (f"no W&B API key ({detail})" if isinstance(e, wandb.errors.UsageError) else
+                       f"the W&B server at {url} refused the API key ({detail})" if login else
+                       f"cannot reach the W&B server at {url} ({detail})")  # fmt: skip
+            wandb.teardown()
+    run = start(mode="offline")
+    print(f"warning: --wandb online: {problem}; logging offline instead. To upload the run later: "
+          f"{'wandb login, then ' if login else ''}wandb sync {run.settings.sync_dir}", file=sys.stderr)  # fmt: skip
+    return run
+
+
+def _unreachable(url: str) -> str | None:
+    """Why nothing answers at ``url`` (one TCP connection, at most 5 s); None if something does, or a proxy decides."""
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")):
+        return None  # the proxy connects, not this machine: leave it to wandb
+    parts = urllib.parse.urlsplit(url)
+    try:
+        socket.create_connection((parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)), timeout=5).close()
+    except OSError as e:
+        return f"cannot reach the W&B server at {url} ({e.strerror or e})"  # e.g. Connection refused, timed out
+    return None
+
+
+def finish_wandb(run: Any, exit_code: int | None = None) -> None:
+    """Finishes the wandb run (marked failed for an ``exit_code`` other than 0 and None)."""
+    import wandb
+
+    run.finish(exit_code=exit_code)
+    # finish() can return before the offline .wandb file is complete; teardown waits for it.
+    wandb.teardown()

@@ -1,0 +1,300 @@
+"""The meta-training loop (:class:`Trainer`): resumable bit for bit, sharded under torchrun, stopped cleanly by signals."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+import maml
+from experiments.config import RunOptions
+from experiments.divergence import DivergenceWatch
+from experiments.files import atomic_write, writing
+from experiments.recipes import Schedule
+from experiments.rundir import BEST_FILE, DATA_KEYS, METRICS_FILE, data_identity, write_state
+from experiments.runtime import catch_stop_signals
+from experiments.tracking import finish_wandb
+
+__all__ = ["Trainer"]
+
+
+@dataclasses.dataclass
+class Trainer:
+    """The meta-training loop shared by the experiments: resumable, bit for bit.
+
+    Everything a step depends on (model, optimizer, learnable rates, the task sampler's
+    generator, the global RNG, the iteration) is in the checkpoint, and the checkpoint is
+    written atomically, so a run killed at any point and resumed with ``--resume`` ends with
+    exactly the parameters of an uninterrupted run.
+
+    Under ``torchrun`` every process samples the full meta-batch from the same generator,
+    adapts its share (``maml.shard``), and the meta-gradients are averaged in one all-reduce
+    before the same optimizer step everywhere: the trajectory does not depend on the number
+    of processes (to float rounding), and a run may resume with another number. Rank 0 alone
+    validates, logs and writes checkpoints.
+
+    Attributes:
+        learner: the meta-learner (its model is trained).
+        optimizer: the outer optimizer over ``learner.parameters()``.
+        sample: ``sample(generator) -> TaskBatch``, one meta-batch of training tasks.
+        metrics: ``metrics(output, batch) -> dict`` of extra training metrics (e.g. accuracy),
+            each a mean over the tasks of ``batch`` (with several processes, of this rank's
+            share; the logged value is the mean over the ranks, the full meta-batch's).
+        val_batch: the fixed validation tasks (None: no validation); validated on rank 0 only.
+        val_metrics: ``val_metrics(output, val_batch) -> dict`` of validation metrics.
+        watch: explains a NaN/Inf (``maml``'s check in ``learner.run``, or meta-parameters after a step).
+        iterations: total meta-iterations.
+        log_every, val_every, checkpoint_every: in iterations.
+        seed: seeds the sampler's generator.
+        device: where the meta-batches go.
+        select: ``(metric, "max" | "min")``: model selection. Each validation that beats every
+            earlier one on ``metric`` writes the learner's state to ``best.pt`` (with its iteration
+            and metrics), so a run ends with its last and its best-validation parameters.
+        final_val: after ``run``, the validation metrics at the last iteration (rank 0).
+        best: the best validation so far: ``{"iteration": i, **metrics}`` (empty before the first).
+    """
+
+    learner: maml.MetaLearner
+    optimizer: torch.optim.Optimizer
+    sample: Callable[[torch.Generator], maml.TaskBatch]
+    metrics: Callable[[maml.MetaOutput, maml.TaskBatch], dict[str, float]]
+    val_batch: maml.TaskBatch | None
+    val_metrics: Callable[[maml.MetaOutput, maml.TaskBatch], dict[str, float]]
+    watch: DivergenceWatch
+    iterations: int
+    log_every: int
+    val_every: int
+    checkpoint_every: int
+    seed: int
+    device: torch.device
+    schedule: Schedule | None = None  # per-iteration meta-lr, derivative order and step weights (recipes)
+    select: tuple[str, Literal["max", "min"]] | None = None
+    best: dict[str, float] = dataclasses.field(default_factory=dict)
+    history: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    # Meta-losses and step time since the last log row: checkpointed, so a resumed run logs the same rows.
+    window: list[float] = dataclasses.field(default_factory=list)
+    step_time: float = 0.0
+    train_seconds: float = 0.0  # wall time of the training loop, summed over resumed runs
+    final_val: dict[str, float] = dataclasses.field(default_factory=dict)  # validation at the last iteration
+    _began: float = dataclasses.field(default=0.0, repr=False)
+    data_files: dict[str, dict[str, str | None]] = dataclasses.field(default_factory=dict, repr=False)  # DATA_KEYS' identities
+
+    def state(self, iteration: int, generator: torch.Generator, cfg: Any, wandb_id: str | None) -> dict[str, Any]:
+        return {
+            "iteration": iteration,
+            "config": dataclasses.asdict(cfg),
+            "learner": self.learner.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "generator": generator.get_state(),
+            "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "history": self.history,
+            "window": (self.window, self.step_time),
+            "train_seconds": self.train_seconds + time.perf_counter() - self._began,
+            "wandb_id": wandb_id,
+            "data": self.data_files,
+            "best": self.best,
+        }
+
+    def run(self, opts: RunOptions, cfg: Any, resumed: dict[str, Any] | None, run: Any) -> None:
+        """Trains from iteration 0 or from ``resumed`` up to ``iterations``, then sets ``final_val``.
+
+        The last iteration is always logged and validated, however short the run. A checkpoint
+        at or past ``iterations`` (a run shortened on ``--resume``) trains nothing: the run
+        evaluates the checkpoint's parameters, and ``iterations`` becomes the checkpoint's.
+
+        Rank 0 writes every logged row to ``metrics.jsonl`` as well as to wandb: on a start the
+        file is rewritten with the checkpoint's history, so after a kill it holds each logged
+        iteration once, up to the checkpoint, and no rows of iterations that are then redone.
+        A resumed wandb run gets those rows again, from wandb's own next step on (0 offline,
+        where the killed run's file may hold nothing; after the server's last row online). When
+        stderr is not a terminal (a batch job, ``nohup``), tqdm stays silent and a plain
+        progress line per log window goes to stderr instead.
+        """
+        from tqdm import tqdm
+
+        generator = torch.Generator().manual_seed(self.seed)
+        start = 0
+        if resumed is not None:
+            self.learner.load_state_dict(resumed["learner"])
+            self.optimizer.load_state_dict(resumed["optimizer"])
+            generator.set_state(resumed["generator"])
+            torch.set_rng_state(resumed["torch_rng"])
+            if resumed["cuda_rng"] is not None and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(resumed["cuda_rng"])
+            self.history = resumed["history"]
+            self.window, self.step_time = resumed["window"]
+            self.train_seconds = resumed["train_seconds"]
+            self.best = resumed.get("best", {})
+            start = resumed["iteration"]
+        wandb_id = getattr(run, "id", None)
+        main, sharded = opts.main, opts.world_size > 1
+        if start >= self.iterations:
+            if main:
+                print(f"the checkpoint is at iteration {start}, at or past --iterations {self.iterations}: no "
+                      f"training; evaluating its parameters", file=sys.stderr)  # fmt: skip
+            self.iterations = start
+        metrics_path = opts.out / METRICS_FILE
+        metrics_file, wandb_from = None, 0
+        if main:
+            # Where the data is and what files it holds, for the checkpoints: --resume then accepts the
+            # same files under another path (computed once: a folder of images has thousands of files).
+            self.data_files = {k: data_identity(v) for k in DATA_KEYS if isinstance(v := getattr(cfg, k, None), str)}
+            atomic_write(metrics_path, lambda p: p.write_text("".join(json.dumps(row) + "\n" for row in self.history)))
+            with writing(metrics_path):
+                metrics_file = metrics_path.open("a")
+            # wandb's next step: 0 offline; online, past the last row its server holds. It drops (with a
+            # warning) a row of an earlier step, which it has from the run before: the same row.
+            wandb_from = run.starting_step
+            for row in self.history:
+                if row["iteration"] >= wandb_from:
+                    run.log(row, step=row["iteration"])
+
+        # Ctrl-C and SIGTERM (kill, a cluster's pre-emption; torchrun passes them on) stop the run after this
+        # iteration, whose checkpoint is then consistent; a second Ctrl-C stops at once (the last one stays valid).
+        stop, restore_signals = catch_stop_signals()
+        self._began = time.perf_counter()
+        bar = tqdm(range(start, self.iterations), initial=start, total=self.iterations, desc="meta-train",
+                   dynamic_ncols=True, mininterval=0.5, disable=None if main else True)  # fmt: skip
+        # tqdm switches itself off without a terminal (disable=None); then a plain line per log window.
+        plain = main and sys.stderr is not None and not sys.stderr.isatty()
+        window_began, window_start = time.perf_counter(), start
+        try:
+            for iteration in bar:
+                # The full meta-batch on every rank, whatever their number: the same trajectory.
+                batch = maml.shard(self.sample(generator)).to(self.device)
+                t0 = time.perf_counter()
+                weights = None if self.schedule is None else self.schedule.apply(iteration, self.learner, self.optimizer)
+                out = self.run_batch(batch, step_weights=weights)
+                self.optimizer.zero_grad(set_to_none=True)
+                out.loss.backward()
+                if sharded:
+                    # One all-reduce carries the meta-gradients, the meta-loss and whether a rank was
+                    # signalled; ranks get signals at different moments, and deciding on the shared
+                    # vote makes them all stop after the same iteration (none left in a collective).
+                    votes = torch.stack([out.loss.detach(), out.loss.new_tensor(float(bool(stop)))])
+                    loss, vote = maml.all_reduce_grads(self.learner.parameters(), votes).tolist()
+                    stopping = vote > 0
+                else:
+                    loss, stopping = float(out.loss.detach()), bool(stop)
+                last = iteration + 1 == self.iterations
+                logging = (iteration + 1) % self.log_every == 0 or last  # a run shorter than log_every logs too
+                if logging:
+                    grads = [p.grad for p in self.learner.parameters() if p.grad is not None]
+                    grad_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+                self.optimizer.step()
+                self.watch.check_step(self.optimizer)  # a NaN/Inf meta-parameter: Diverged, before the checkpoint
+                self.step_time += time.perf_counter() - t0
+                self.window.append(loss)
+                if logging:
+                    inner, metrics = self._inner_losses(out, batch), self.metrics(out, batch)
+                    row = {
+                        "iteration": iteration + 1,
+                        "train/meta_loss": sum(self.window) / len(self.window),
+                        "train/meta_grad_norm": grad_norm,
+                        "train/step_time_ms": 1e3 * self.step_time / len(self.window),
+                        **inner,
+                        **self._rates(),
+                        **metrics,
+                    }
+                    if sharded:  # means over this rank's tasks -> means over the meta-batch
+                        shard_means = torch.tensor([*inner.values(), *metrics.values()], dtype=torch.float64, device=self.device)
+                        row.update(zip([*inner, *metrics], maml.all_reduce_mean(shard_means).tolist()))
+                    if main and ((iteration + 1) % self.val_every == 0 or last):
+                        validation = self.validate()
+                        row.update(validation)
+                        self._keep_if_best(opts.out, iteration + 1, validation)
+                    self.history.append(row)
+                    if main:
+                        with writing(metrics_path):
+                            metrics_file.write(json.dumps(row) + "\n")  # type: ignore[union-attr]
+                            metrics_file.flush()  # a kill loses no row the process logged
+                        if iteration + 1 >= wandb_from:
+                            run.log(row, step=iteration + 1)
+                    bar.set_postfix(meta_loss=f"{row['train/meta_loss']:.4f}")
+                    self.window, self.step_time = [], 0.0
+                    if plain:
+                        now = time.perf_counter()
+                        rate = (iteration + 1 - window_start) / max(now - window_began, 1e-9)
+                        eta = round((self.iterations - iteration - 1) / rate)
+                        print(f"meta-train {iteration + 1}/{self.iterations} ({100 * (iteration + 1) // self.iterations} %): "
+                              f"meta-loss {row['train/meta_loss']:.4g}, {rate:.1f} it/s, "
+                              f"ETA {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}", file=sys.stderr, flush=True)  # fmt: skip
+                        window_began, window_start = now, iteration + 1
+                if main and (stopping or (iteration + 1) % self.checkpoint_every == 0 or last):
+                    write_state(opts.out / "checkpoint.pt", self.state(iteration + 1, generator, cfg, wandb_id))
+                if stopping:
+                    bar.close()
+                    if main:
+                        finish_wandb(run)
+                        print(f"\nstopped after iteration {iteration + 1}; continue with the same command plus --resume",
+                              file=sys.stderr)  # fmt: skip
+                    # A rank stopped by another's signal exits as if it had received SIGTERM.
+                    raise SystemExit(130 if stop and stop[0] == signal.SIGINT else 143)
+        finally:
+            restore_signals()
+            bar.close()
+            if metrics_file is not None:
+                with contextlib.suppress(OSError):
+                    metrics_file.close()
+        self.train_seconds += time.perf_counter() - self._began
+        # The validation of the last iteration: logged with it, or (a run that trained nothing,
+        # stopped past its last log row) of the checkpoint's parameters now.
+        last_row = self.history[-1] if self.history else {}
+        self.final_val = {k: v for k, v in last_row.items() if k.startswith("val/")}
+        if main and (last_row.get("iteration") != self.iterations or not self.final_val):
+            self.final_val = self.validate()
+
+    def run_batch(self, batch: maml.TaskBatch, phase: str | None = None, **kwargs: Any) -> maml.MetaOutput:
+        """``learner.run(batch, **kwargs)``; the engine's NaN/Inf check (FloatingPointError) raises Diverged, explained.
+
+        ``phase``: None in training (the watch keeps the losses to check the step), else what runs
+        after the iteration (``"the validation"``, ``"the final test"``).
+        """
+        try:
+            out = self.learner.run(batch, **kwargs)
+        except FloatingPointError:  # the engine's check: an inner loss is NaN/Inf
+            raise self.watch.diverged(batch, phase, kwargs.get("steps")) from None
+        if phase is None:
+            self.watch.record(out)
+        return out
+
+    def validate(self) -> dict[str, float]:
+        """The validation metrics of the learner now, on its fixed tasks; {} without them."""
+        if self.val_batch is None:
+            return {}
+        with torch.no_grad():
+            return self.val_metrics(self.run_batch(self.val_batch, "the validation"), self.val_batch)
+
+    def _keep_if_best(self, out: Path, iteration: int, validation: dict[str, float]) -> None:
+        """Writes ``best.pt`` when ``validation`` beats every earlier validation (ties keep the earlier)."""
+        if self.select is None or self.select[0] not in validation:
+            return
+        metric, goal = self.select
+        value, best = validation[metric], self.best.get(metric)
+        if best is not None and not (value > best if goal == "max" else value < best):
+            return
+        self.best = {"iteration": iteration, **validation}
+        write_state(out / BEST_FILE, {"iteration": iteration, "validation": validation, "learner": self.learner.state_dict()})
+
+    def _inner_losses(self, out: maml.MetaOutput, batch: maml.TaskBatch) -> dict[str, float]:
+        row = {"train/query_loss": float(out.query_losses.mean())}
+        if out.support_losses.shape[0]:
+            with torch.no_grad():
+                after, _ = self.learner.task_losses(out.fast, batch.support_x, batch.support_y)
+            row["train/support_loss_before"] = float(out.support_losses[0].mean())
+            row["train/support_loss_after"] = float(after.mean())
+        return row
+
+    def _rates(self) -> dict[str, float]:
+        return {f"inner_lr/{k}": float(v.detach().mean()) for k, v in self.learner.rate_parameters.items()}
+
+
