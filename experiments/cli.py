@@ -56,7 +56,9 @@ def _read_values(info: tyro.constructors.PrimitiveTypeInfo) -> tyro.constructors
     spec, args = tyro.constructors.PrimitiveConstructorSpec, typing.get_args(info.type)
 
     def inner(tp: Any) -> Any:
-        return tyro.constructors.ConstructorRegistry.get_primitive_spec(tyro.constructors.PrimitiveTypeInfo.make(tp, info.markers))
+        return tyro.constructors.ConstructorRegistry.get_primitive_spec(
+            tyro.constructors.PrimitiveTypeInfo.make(tp, info.markers)
+        )
 
     if info.type in (bool, int, float):
         kind, tp = {bool: "true or false", int: "an integer", float: "a number"}[info.type], info.type
@@ -67,8 +69,13 @@ def _read_values(info: tyro.constructors.PrimitiveTypeInfo) -> tyro.constructors
             except (KeyError, ValueError):
                 raise ValueError(f"{words[0]!r} is not {kind}") from None
 
-        return spec(nargs=1, metavar={bool: "{true,false}", int: "INT", float: "FLOAT"}[tp], instance_from_str=read,
-                    is_instance=lambda x: isinstance(x, tp), str_from_instance=lambda x: [show(x)])  # fmt: skip
+        return spec(
+            nargs=1,
+            metavar={bool: "{true,false}", int: "INT", float: "FLOAT"}[tp],
+            instance_from_str=read,
+            is_instance=lambda x: isinstance(x, tp),
+            str_from_instance=lambda x: [show(x)],
+        )
     if info.type_origin is tuple and args[1:] == (...,):
         item = inner(args[0])
 
@@ -78,25 +85,37 @@ def _read_values(info: tyro.constructors.PrimitiveTypeInfo) -> tyro.constructors
                 raise ValueError("needs at least one value")
             return tuple(item.instance_from_str([v]) for v in values)
 
-        return spec(nargs="*", metavar=f"{item.metavar},...", instance_from_str=read_all,
-                    is_instance=lambda x: isinstance(x, tuple), str_from_instance=lambda x: [show(x)])  # fmt: skip
+        return spec(
+            nargs="*",
+            metavar=f"{item.metavar},...",
+            instance_from_str=read_all,
+            is_instance=lambda x: isinstance(x, tuple),
+            str_from_instance=lambda x: [show(x)],
+        )
     if info.type_origin in (typing.Union, types.UnionType) and len(args) == 2 and type(None) in args:
         some = inner(next(a for a in args if a is not type(None)))
-        return spec(nargs=some.nargs, metavar=f"{some.metavar}|null",
-                    instance_from_str=lambda words: None if words in (["null"], ["None"]) else some.instance_from_str(words),
-                    is_instance=lambda x: x is None or some.is_instance(x),
-                    str_from_instance=lambda x: ["null"] if x is None else some.str_from_instance(x),
-                    choices=None if some.choices is None else (*some.choices, "null", "None"))  # fmt: skip
+        return spec(
+            nargs=some.nargs,
+            metavar=f"{some.metavar}|null",
+            instance_from_str=lambda words: None if words in (["null"], ["None"]) else some.instance_from_str(words),
+            is_instance=lambda x: x is None or some.is_instance(x),
+            str_from_instance=lambda x: ["null"] if x is None else some.str_from_instance(x),
+            choices=None if some.choices is None else (*some.choices, "null", "None"),
+        )
     return None
 
 
 def spec_of(tp: Any) -> tyro.constructors.PrimitiveConstructorSpec:
     """How tyro reads a flag of type ``tp`` (with :data:`REGISTRY`): its number of words, choices and reader."""
     with REGISTRY:
-        return tyro.constructors.ConstructorRegistry.get_primitive_spec(tyro.constructors.PrimitiveTypeInfo.make(tp, set()))
+        return tyro.constructors.ConstructorRegistry.get_primitive_spec(
+            tyro.constructors.PrimitiveTypeInfo.make(tp, set())
+        )
 
 
-def read_items(items: Sequence[tuple[str, list[str]]], types_: dict[str, Any], name: Any = flag, where: str = "") -> dict[str, Any]:
+def read_items(
+    items: Sequence[tuple[str, list[str]]], types_: dict[str, Any], name: Any = flag, where: str = ""
+) -> dict[str, Any]:
     """The values of ``(key, words)`` pairs, each read as tyro reads its flag; a later pair of a key wins.
 
     Checked as tyro checks them: the choices in the order given, then each value in the order of
@@ -129,7 +148,12 @@ def _check_choice(key: str, words: list[str], types_: dict[str, Any], name: Any 
 def _negative_number(token: str) -> bool:
     """``-5``, ``-.5``, ``-inf``: a value, not a flag (tyro's rule)."""
     rest = token[1:]
-    return token.startswith("-") and rest[:1] != "-" and bool(rest) and (rest[0] in "0123456789." or rest.lower() in ("inf", "nan", "infinity"))
+    return (
+        token.startswith("-")
+        and rest[:1] != "-"
+        and bool(rest)
+        and (rest[0] in "0123456789." or rest.lower() in ("inf", "nan", "infinity"))
+    )
 
 
 def _stops_values(token: str) -> bool:
@@ -194,5 +218,11 @@ def check_argv(argv: Sequence[str], types_: dict[str, Any], switches: Collection
 
 def tyro_cli(tp: Any, args: Sequence[str], default: Any, **kwargs: Any) -> Any:
     """``tyro.cli`` with this package's readers and flag names (no prefixes, no ``--no-`` pairs)."""
-    return tyro.cli(tp, args=list(args), default=default, registry=REGISTRY,
-                    config=(tyro.conf.OmitArgPrefixes, tyro.conf.FlagCreatePairsOff), **kwargs)  # fmt: skip
+    return tyro.cli(
+        tp,
+        args=list(args),
+        default=default,
+        registry=REGISTRY,
+        config=(tyro.conf.OmitArgPrefixes, tyro.conf.FlagCreatePairsOff),
+        **kwargs,
+    )

@@ -25,8 +25,16 @@ from experiments import cli, recipes, runtime, tracking
 from experiments.cli import UsageError
 from experiments.files import atomic_write
 
-__all__ = ["RunOptions", "RunFlags", "ExperimentConfig", "check_config", "parse_args", "load_yaml", "load_config",
-           "save_config"]  # fmt: skip
+__all__ = [
+    "RunOptions",
+    "RunFlags",
+    "ExperimentConfig",
+    "check_config",
+    "parse_args",
+    "load_yaml",
+    "load_config",
+    "save_config",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +73,10 @@ class RunFlags:
     """continue the run in --out from its checkpoint"""
     overwrite: bool = False
     """replace the run already in --out"""
-    wandb: Annotated[Literal["offline", "online", "disabled"] | None,
-                     tyro.conf.arg(help_behavior_hint="(default: $WANDB_MODE, else online if logged in, else offline)")] = None  # fmt: skip
+    wandb: Annotated[
+        Literal["offline", "online", "disabled"] | None,
+        tyro.conf.arg(help_behavior_hint="(default: $WANDB_MODE, else online if logged in, else offline)"),
+    ] = None
     """wandb mode"""
     device: str = "cpu"
     """torch device, e.g. cpu or cuda"""
@@ -149,8 +159,18 @@ def check_config(cfg: Any, positive: Sequence[str] = ()) -> None:
     for key in ("msl_fraction", "first_order_fraction"):
         if not 0 <= getattr(cfg, key) <= 1:  # NaN fails too
             raise ValueError(f"{flag(key)} {getattr(cfg, key):g} must be a share of training in [0, 1].")
-    positive = ("iterations", "meta_batch", "shots", "query", "log_every", "val_every", "val_tasks", "checkpoint_every",
-                "eval_tasks", *positive)  # fmt: skip
+    positive = (
+        "iterations",
+        "meta_batch",
+        "shots",
+        "query",
+        "log_every",
+        "val_every",
+        "val_tasks",
+        "checkpoint_every",
+        "eval_tasks",
+        *positive,
+    )
     for keys, low in ((positive, 1), (("steps", "eval_steps"), 0)):
         for key in keys:
             value = getattr(cfg, key)
@@ -162,16 +182,24 @@ def check_config(cfg: Any, positive: Sequence[str] = ()) -> None:
         value = getattr(cfg, key)
         if value is not None and not 0 < value <= torch.finfo(torch.float32).max:  # NaN fails; inf overflows float32
             default = next(f.default for f in dataclasses.fields(cfg) if f.name == key)
-            fix = f", e.g. {default:g} (the default)" if isinstance(default, float) else "; leave it out for the default"
+            fix = (
+                f", e.g. {default:g} (the default)" if isinstance(default, float) else "; leave it out for the default"
+            )
             big = " (in float32, the parameters' precision)" if math.isfinite(value) and value > 0 else ""
             raise ValueError(f"{flag(key)} {value:g} must be a finite number > 0{big}{fix}.")
     if cfg.compile and cfg.mode == "checkpointed":
-        raise ValueError("compile applies to mode second_order or first_order, not checkpointed; drop --compile or "
-                         "pick another --mode.")  # fmt: skip
+        raise ValueError(
+            "compile applies to mode second_order or first_order, not checkpointed; drop --compile or "
+            "pick another --mode."
+        )
 
 
 def parse_args(
-    experiment: str, cls: type, argv: Sequence[str] | None, description: str, validate: Callable[[Any], None],
+    experiment: str,
+    cls: type,
+    argv: Sequence[str] | None,
+    description: str,
+    validate: Callable[[Any], None],
     threads: int | None = None,
 ) -> tuple[Any, RunOptions]:
     """Parses the command line into the experiment's config dataclass and the run options.
@@ -192,16 +220,26 @@ def parse_args(
         from_yaml = load_yaml(flagged["config"], cls) if flagged.get("config") is not None else {}
         algorithm = {**vars(cls()), **from_yaml, **flagged}["algorithm"]
         base = cls(**{**vars(cls()), **recipes.recipe(experiment, algorithm), **from_yaml})
-    args_cls = dataclasses.make_dataclass("Args", [("run", RunFlags), (experiment, Annotated[cls, tyro.conf.FlagConversionOff])])
+    args_cls = dataclasses.make_dataclass(
+        "Args", [("run", RunFlags), (experiment, Annotated[cls, tyro.conf.FlagConversionOff])]
+    )
     argv = [a for a in argv if a != "--"]  # the end of the flags, with nothing after it (check_argv saw to that)
-    args = cli.tyro_cli(args_cls, argv, args_cls(RunFlags(out=Path("runs") / experiment, threads=threads), base),
-                        prog=f"python -m experiments.{experiment}", description=description)  # fmt: skip
+    args = cli.tyro_cli(
+        args_cls,
+        argv,
+        args_cls(RunFlags(out=Path("runs") / experiment, threads=threads), base),
+        prog=f"python -m experiments.{experiment}",
+        description=description,
+    )
     run, cfg = args.run, getattr(args, experiment)
     if cfg.compile is None:  # auto: the compiled step where it applies and a C++ compiler is found
         cfg = dataclasses.replace(cfg, compile=cfg.mode != "checkpointed" and runtime.cxx() is not None)
         if not cfg.compile and cfg.mode != "checkpointed":
-            print("note: no C++ compiler found (g++, c++ or $CXX), so the meta-step runs eager, 2-4x slower on "
-                  "small models; install one, or pass --compile false to silence this", file=sys.stderr)  # fmt: skip
+            print(
+                "note: no C++ compiler found (g++, c++ or $CXX), so the meta-step runs eager, 2-4x slower on "
+                "small models; install one, or pass --compile false to silence this",
+                file=sys.stderr,
+            )
     try:
         validate(cfg)
     except ValueError as e:
@@ -233,7 +271,9 @@ def load_yaml(path: Path, cls: type) -> dict[str, Any]:
     for key, value in data.items():
         name = str(key).replace("-", "_")
         if name not in types_:
-            raise UsageError(f"--config {path}: unknown key {key!r}{cli.suggest(name, list(types_))}. Known keys: {', '.join(types_)}.")
+            raise UsageError(
+                f"--config {path}: unknown key {key!r}{cli.suggest(name, list(types_))}. Known keys: {', '.join(types_)}."
+            )
         listed = typing.get_origin(types_[name]) is tuple
         if isinstance(value, dict) or isinstance(value, list) != listed:
             should = f"a list (e.g. [{cli.show(value)}])" if listed else "a single value"
@@ -244,8 +284,14 @@ def load_yaml(path: Path, cls: type) -> dict[str, Any]:
 
 def save_config(out: Path, cfg: Any) -> None:
     """Writes ``cfg`` to ``out/config.yaml``, which ``--config`` reads back."""
-    atomic_write(out / "config.yaml", lambda p: p.write_text(yaml.safe_dump(
-        {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(cfg).items()}, sort_keys=False)))  # fmt: skip
+    atomic_write(
+        out / "config.yaml",
+        lambda p: p.write_text(
+            yaml.safe_dump(
+                {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(cfg).items()}, sort_keys=False
+            )
+        ),
+    )
 
 
 def load_config(cls: type, path: Path) -> Any:

@@ -74,7 +74,11 @@ class DivergenceWatch:
         ``phase``: None for a training iteration; else what ran after the iteration (``"the
         validation"``, ``"the final test"``), as the message names it.
         """
-        where = f"meta-iteration {self.iteration + 1}" if phase is None else f"{phase} after meta-iteration {self.iteration}"
+        where = (
+            f"meta-iteration {self.iteration + 1}"
+            if phase is None
+            else f"{phase} after meta-iteration {self.iteration}"
+        )
         return Diverged(self._explain(where, batch, steps))
 
     @staticmethod
@@ -112,23 +116,33 @@ class DivergenceWatch:
         value, before = float(losses[step][task]), float(losses[0][task])
         what = "query loss" if step == steps else "support loss"
         if step == 0:
-            return (f"the outer loop diverged by {where}: the meta-parameters are finite, but their own {what} "
-                    f"(before any inner step) is {value} for task {task}; lower --meta-lr {self.meta_lr:g}")  # fmt: skip
+            return (
+                f"the outer loop diverged by {where}: the meta-parameters are finite, but their own {what} "
+                f"(before any inner step) is {value} for task {task}; lower --meta-lr {self.meta_lr:g}"
+            )
         after = f"the {what} of task {task} is {value} after {step} inner step{'s' if step != 1 else ''}"
         if self._ran_away(own):
-            return (f"the outer loop diverged by {where}: {self._ran_away(own)}, and from there {after}; "
-                    f"lower --meta-lr {self.meta_lr:g}")  # fmt: skip
-        return (f"the inner loop diverged at {where}: {after}, from a support loss of {before:.4g} at the "
-                f"meta-parameters; lower --inner-lr {self.inner_lr:g}{self._rates()}")  # fmt: skip
+            return (
+                f"the outer loop diverged by {where}: {self._ran_away(own)}, and from there {after}; "
+                f"lower --meta-lr {self.meta_lr:g}"
+            )
+        return (
+            f"the inner loop diverged at {where}: {after}, from a support loss of {before:.4g} at the "
+            f"meta-parameters; lower --inner-lr {self.inner_lr:g}{self._rates()}"
+        )
 
     def _gradient(self, where: str, own: float) -> str:
         """The message for a NaN/Inf meta-gradient of finite losses."""
         if self._ran_away(own):
-            return (f"the outer loop diverged by {where}: {self._ran_away(own)}, and the meta-gradient there is "
-                    f"NaN/Inf; lower --meta-lr {self.meta_lr:g}")  # fmt: skip
-        return (f"the inner loop diverged at {where}: the meta-gradient through its inner steps is NaN/Inf though "
-                f"its losses are finite (the second-order terms overflowed); lower --inner-lr {self.inner_lr:g}"
-                f"{self._rates()}")  # fmt: skip
+            return (
+                f"the outer loop diverged by {where}: {self._ran_away(own)}, and the meta-gradient there is "
+                f"NaN/Inf; lower --meta-lr {self.meta_lr:g}"
+            )
+        return (
+            f"the inner loop diverged at {where}: the meta-gradient through its inner steps is NaN/Inf though "
+            f"its losses are finite (the second-order terms overflowed); lower --inner-lr {self.inner_lr:g}"
+            f"{self._rates()}"
+        )
 
     def _ran_away(self, own: float) -> str:
         """How the outer updates raised the meta-parameters' own loss, if they did ``GROWTH``-fold; else ''."""
@@ -158,9 +172,15 @@ class DivergenceWatch:
             if any(p.grad is not None and not bool(torch.isfinite(p.grad).all()) for p in params):
                 raise Diverged(self._gradient(where, float(self._own(support, query).mean())))
         bad = [p for p in params if not bool(torch.isfinite(p).all())]
-        what = f"made {self._names.get(id(bad[0]), 'a meta-parameter')} NaN/Inf" if bad else "overflowed the meta-parameters"
-        raise Diverged(f"the outer loop diverged at {where}: its optimizer step with --meta-lr {self.meta_lr:g} "
-                       f"{what} from a finite meta-gradient; lower --meta-lr")  # fmt: skip
+        what = (
+            f"made {self._names.get(id(bad[0]), 'a meta-parameter')} NaN/Inf"
+            if bad
+            else "overflowed the meta-parameters"
+        )
+        raise Diverged(
+            f"the outer loop diverged at {where}: its optimizer step with --meta-lr {self.meta_lr:g} "
+            f"{what} from a finite meta-gradient; lower --meta-lr"
+        )
 
 
 @contextlib.contextmanager

@@ -33,9 +33,13 @@ def writing(path: Path) -> Iterator[None]:
             while not os.path.ismount(mount):
                 mount = mount.parent
             what = "no space left on device" if e.errno == errno.ENOSPC else "disk quota exceeded"
-            raise UsageError(f"{what} writing {path}; free space on the filesystem mounted at {mount} "
-                             f"({_size(shutil.disk_usage(mount).free)} free) or pass another --out.") from None  # fmt: skip
-        raise UsageError(f"cannot write {path} ({e.strerror or e}); make --out writable or pass another --out.") from None
+            raise UsageError(
+                f"{what} writing {path}; free space on the filesystem mounted at {mount} "
+                f"({_size(shutil.disk_usage(mount).free)} free) or pass another --out."
+            ) from None
+        raise UsageError(
+            f"cannot write {path} ({e.strerror or e}); make --out writable or pass another --out."
+        ) from None
 
 
 def _size(n: float) -> str:

@@ -118,8 +118,9 @@ def fit(experiment: Experiment, argv: Sequence[str] | None = None) -> None:
         SystemExit: 1 when training diverged (after one line on stderr); 130 or 143 when stopped by
             a signal (after a checkpoint).
     """
-    cfg, opts = parse_args(experiment.name, experiment.config, argv, experiment.description, experiment.check,
-                           threads=experiment.threads)  # fmt: skip
+    cfg, opts = parse_args(
+        experiment.name, experiment.config, argv, experiment.description, experiment.check, threads=experiment.threads
+    )
     if experiment.resolve is not None:
         cfg = experiment.resolve(cfg)
     check_shards(cfg.meta_batch, opts)
@@ -133,10 +134,18 @@ def fit(experiment: Experiment, argv: Sequence[str] | None = None) -> None:
     torch.manual_seed(cfg.seed)
     model = experiment.model(cfg)
     net = model.module.to(opts.device)
-    learner = maml.MetaLearner(net, model.loss, inner_lr=cfg.inner_lr, steps=cfg.steps, mode=cfg.mode,
-                               batching=cfg.batching, learn_inner_lr=cfg.learn_inner_lr, compile=cfg.compile,
-                               adapt=recipes.adapt_set(net, cfg.adapt, model.meta_only),
-                               inner_optimizer=cfg.inner_optimizer)  # fmt: skip
+    learner = maml.MetaLearner(
+        net,
+        model.loss,
+        inner_lr=cfg.inner_lr,
+        steps=cfg.steps,
+        mode=cfg.mode,
+        batching=cfg.batching,
+        learn_inner_lr=cfg.learn_inner_lr,
+        compile=cfg.compile,
+        adapt=recipes.adapt_set(net, cfg.adapt, model.meta_only),
+        inner_optimizer=cfg.inner_optimizer,
+    )
     optimizer = recipes.meta_optimizer(learner, cfg.meta_lr, cfg.rate_meta_lr)
     trained = peers.Learn2LearnMAML(learner) if model.engine == "learn2learn" else learner
     watch = DivergenceWatch(trained, resumed["iteration"] if resumed else 0, cfg.meta_lr, cfg.inner_lr)
@@ -160,7 +169,9 @@ def fit(experiment: Experiment, argv: Sequence[str] | None = None) -> None:
     )
     name = experiment.run_name(cfg) if experiment.run_name is not None else experiment.name
     wandb_run = init_wandb(opts, cfg, name, resumed["wandb_id"] if resumed else None) if opts.main else None
-    with stop_on_divergence(opts.out, wandb_run, opts.main):  # a NaN/Inf: one line naming the loop and the flag, exit code 1
+    with stop_on_divergence(
+        opts.out, wandb_run, opts.main
+    ):  # a NaN/Inf: one line naming the loop and the flag, exit code 1
         trainer.run(opts, cfg, resumed, wandb_run)
     if not opts.main:
         return  # rank 0 tests and writes the results

@@ -38,8 +38,18 @@ from experiments.omniglot_net import LOSSES, NETWORKS, accuracy, build_model, lo
 from experiments.results import mean_ci95
 from experiments.rundir import BEST_FILE
 
-__all__ = ["PAPER", "OmniglotConfig", "validate_config", "evaluate", "plot", "resolve", "make_model", "train_tasks",
-           "final_test", "run"]  # fmt: skip
+__all__ = [
+    "PAPER",
+    "OmniglotConfig",
+    "validate_config",
+    "evaluate",
+    "plot",
+    "resolve",
+    "make_model",
+    "train_tasks",
+    "final_test",
+    "run",
+]
 
 # The paper's settings by number of ways: (inner steps, inner lr, meta-batch).
 PAPER = {5: (1, 0.4, 32), 20: (5, 0.1, 16)}
@@ -111,28 +121,41 @@ def validate_config(cfg: OmniglotConfig) -> None:
     check_config(cfg, positive=("ways", "filters", "eval_chunk"))
     fractions = ",".join(f"{f:g}" for f in cfg.split_fractions)
     if len(cfg.split_fractions) != 3 or not all(math.isfinite(f) and f >= 0 for f in cfg.split_fractions):
-        raise ValueError(f"--split-fractions {fractions} must be three shares >= 0 (train, validation, test) "
-                         f"that sum to 1, e.g. 0.6,0.15,0.25.")  # fmt: skip
+        raise ValueError(
+            f"--split-fractions {fractions} must be three shares >= 0 (train, validation, test) "
+            f"that sum to 1, e.g. 0.6,0.15,0.25."
+        )
     if abs(sum(cfg.split_fractions) - 1) > 1e-6:
-        raise ValueError(f"--split-fractions {fractions} sums to {sum(cfg.split_fractions):g}; the three shares "
-                         f"(train, validation, test) must sum to 1, e.g. 0.6,0.15,0.25.")  # fmt: skip
+        raise ValueError(
+            f"--split-fractions {fractions} sums to {sum(cfg.split_fractions):g}; the three shares "
+            f"(train, validation, test) must sum to 1, e.g. 0.6,0.15,0.25."
+        )
     if cfg.engine == "learn2learn" and (why := peers.unsupported(cfg)):
         raise ValueError(f"{why}.")
     if cfg.split_fractions[0] == 0:
-        raise ValueError(f"--split-fractions {fractions} gives the train split no characters; meta-training needs "
-                         f"a train share > 0, e.g. 0.6,0.15,0.25.")  # fmt: skip
+        raise ValueError(
+            f"--split-fractions {fractions} gives the train split no characters; meta-training needs "
+            f"a train share > 0, e.g. 0.6,0.15,0.25."
+        )
 
 
 @torch.no_grad()
-def evaluate(run: Callable[..., maml.MetaOutput], sampler: tasks.FewShotSampler, cfg: OmniglotConfig,
-             device: torch.device, seed: int) -> dict[str, Any]:  # fmt: skip
+def evaluate(
+    run: Callable[..., maml.MetaOutput],
+    sampler: tasks.FewShotSampler,
+    cfg: OmniglotConfig,
+    device: torch.device,
+    seed: int,
+) -> dict[str, Any]:
     """Test accuracy on ``eval_tasks`` tasks for each number of steps, with 95 % CIs (same tasks for every column).
 
     ``run``: ``learner.run``, or what calls it (``fit.Fitted.run`` explains a NaN/Inf).
     """
     g = torch.Generator().manual_seed(seed)
-    chunks = [sampler.sample(min(cfg.eval_chunk, cfg.eval_tasks - i), g, device=device)
-              for i in range(0, cfg.eval_tasks, cfg.eval_chunk)]  # fmt: skip
+    chunks = [
+        sampler.sample(min(cfg.eval_chunk, cfg.eval_tasks - i), g, device=device)
+        for i in range(0, cfg.eval_tasks, cfg.eval_chunk)
+    ]
     results = {}
     for steps in cfg.eval_steps:
         acc = torch.cat([accuracy(run(b, steps=steps).query_out, b.query_y) for b in chunks])
@@ -141,8 +164,14 @@ def evaluate(run: Callable[..., maml.MetaOutput], sampler: tasks.FewShotSampler,
     return results
 
 
-def plot(out: Path, learner: maml.MetaLearner, sampler: tasks.FewShotSampler | None, cfg: OmniglotConfig,
-         history: list[dict[str, float]], device: torch.device) -> None:  # fmt: skip
+def plot(
+    out: Path,
+    learner: maml.MetaLearner,
+    sampler: tasks.FewShotSampler | None,
+    cfg: OmniglotConfig,
+    history: list[dict[str, float]],
+    device: torch.device,
+) -> None:
     """learning_curves.png and task_grid.png (one test task's support and query images, predictions; none without a test split)."""
     import matplotlib
 
@@ -210,7 +239,11 @@ def make_model(cfg: OmniglotConfig) -> fit.Model:
 def train_tasks(cfg: OmniglotConfig, data: Data, device: torch.device) -> fit.Tasks:
     """Training tasks of the train characters; ``val_tasks`` fixed tasks of the validation characters, if any."""
     _, (train, val, _) = data
-    val_batch = None if val is None else val.sample(cfg.val_tasks, torch.Generator().manual_seed(cfg.seed + 10_000), device=device)
+    val_batch = (
+        None
+        if val is None
+        else val.sample(cfg.val_tasks, torch.Generator().manual_seed(cfg.seed + 10_000), device=device)
+    )
 
     def val_metrics(out: maml.MetaOutput, batch: maml.TaskBatch) -> dict[str, float]:
         acc, ci = mean_ci95(accuracy(out.query_out, batch.query_y))
@@ -229,33 +262,59 @@ def final_test(fitted: fit.Fitted) -> fit.Results:
     """The test accuracy of the last and of the best-validation parameters on the same tasks, and the plots."""
     cfg, opts, learner, trainer = fitted.cfg, fitted.opts, fitted.learner, fitted.trainer
     splits, (_, _, test_tasks) = fitted.data
-    results = evaluate(fitted.run, test_tasks, cfg, opts.device, seed=cfg.seed + 20_000) if test_tasks is not None else {}
+    results = (
+        evaluate(fitted.run, test_tasks, cfg, opts.device, seed=cfg.seed + 20_000) if test_tasks is not None else {}
+    )
     plot(opts.out, learner, test_tasks, cfg, trainer.history, opts.device)
     # Model selection: the best-validation parameters on the same test tasks (the last's results when they are the last).
     best_results = results
     if test_tasks is not None and trainer.best and trainer.best["iteration"] != trainer.iterations:
         learner.load_state_dict(torch.load(opts.out / BEST_FILE, weights_only=True)["learner"])
         best_results = evaluate(fitted.run, test_tasks, cfg, opts.device, seed=cfg.seed + 20_000)
-    data = {"characters": [len(p.characters) for p in splits],
-            "alphabets": [p.alphabets for p in splits], "batching": learner.resolved_batching}  # fmt: skip
+    data = {
+        "characters": [len(p.characters) for p in splits],
+        "alphabets": [p.alphabets for p in splits],
+        "batching": learner.resolved_batching,
+    }
     if test_tasks is None:
         why = f"--split-fractions {shares(cfg)} gives the test split no characters"
-        return fit.Results(results, "accuracy", f"no final test: {why} (results.json has test: {{}}); the model is in "
-                           f"{opts.out / 'checkpoint.pt'}.", {"data": data, "test_best": best_results, "test_skipped": why})  # fmt: skip
+        return fit.Results(
+            results,
+            "accuracy",
+            f"no final test: {why} (results.json has test: {{}}); the model is in {opts.out / 'checkpoint.pt'}.",
+            {"data": data, "test_best": best_results, "test_skipped": why},
+        )
     best_at = trainer.best.get("iteration", trainer.iterations)
-    lines = [f"{cfg.ways}-way {cfg.shots}-shot test accuracy on {cfg.eval_tasks} tasks of held-out characters "
-             f"(last: iteration {trainer.iterations}; best validation: iteration {best_at}):"]  # fmt: skip
+    lines = [
+        f"{cfg.ways}-way {cfg.shots}-shot test accuracy on {cfg.eval_tasks} tasks of held-out characters "
+        f"(last: iteration {trainer.iterations}; best validation: iteration {best_at}):"
+    ]
     for key, r in results.items():
         b = best_results[key]
-        lines.append(f"  {r['steps']} steps: last {100 * r['accuracy']:.2f} % +- {100 * r['ci95']:.2f} %, "
-                     f"best {100 * b['accuracy']:.2f} % +- {100 * b['ci95']:.2f} %")  # fmt: skip
+        lines.append(
+            f"  {r['steps']} steps: last {100 * r['accuracy']:.2f} % +- {100 * r['ci95']:.2f} %, "
+            f"best {100 * b['accuracy']:.2f} % +- {100 * b['ci95']:.2f} %"
+        )
     return fit.Results(results, "accuracy", "\n".join(lines), {"data": data, "test_best": best_results})
 
 
 def run(argv: Sequence[str] | None = None) -> None:
-    fit.fit(fit.Experiment("omniglot", OmniglotConfig, __doc__.split("\n\n")[0], validate_config, model=make_model,
-                           tasks=train_tasks, test=final_test, resolve=resolve, load=load, notes=notes,
-                           run_name=lambda cfg: f"omniglot-{cfg.ways}way-{cfg.shots}shot"), argv)  # fmt: skip
+    fit.fit(
+        fit.Experiment(
+            "omniglot",
+            OmniglotConfig,
+            __doc__.split("\n\n")[0],
+            validate_config,
+            model=make_model,
+            tasks=train_tasks,
+            test=final_test,
+            resolve=resolve,
+            load=load,
+            notes=notes,
+            run_name=lambda cfg: f"omniglot-{cfg.ways}way-{cfg.shots}shot",
+        ),
+        argv,
+    )
 
 
 if __name__ == "__main__":

@@ -31,9 +31,12 @@ def load(cfg: OmniglotConfig) -> Data:
 def notes(cfg: OmniglotConfig, data: Data) -> list[str]:
     """A line for each split that --split-fractions leaves without characters."""
     _, (_, val, test) = data
-    return [f"note: --split-fractions {shares(cfg)} gives the {name} split no characters; the run "
-            f"{'trains without validation' if name == 'validation' else 'skips the final test'}."
-            for name, sampler in (("validation", val), ("test", test)) if sampler is None]  # fmt: skip
+    return [
+        f"note: --split-fractions {shares(cfg)} gives the {name} split no characters; the run "
+        f"{'trains without validation' if name == 'validation' else 'skips the final test'}."
+        for name, sampler in (("validation", val), ("test", test))
+        if sampler is None
+    ]
 
 
 def shares(cfg: OmniglotConfig) -> str:
@@ -61,7 +64,9 @@ def make_splits(omni: tasks.Omniglot, cfg: OmniglotConfig) -> Data:
             continue
         if part.num_classes < cfg.ways:
             alphabets = f"{len(part.alphabets)} alphabet{'s' if len(part.alphabets) != 1 else ''}"
-            classes = f"{len(part.characters)} characters of {alphabets}" + (", 4 rotations each" if part.rotations else "")
+            classes = f"{len(part.characters)} characters of {alphabets}" + (
+                ", 4 rotations each" if part.rotations else ""
+            )
             finer = " or --split-by character" if by != "character" else ""
             raise UsageError(
                 f"--ways {cfg.ways}: the {name} split holds only {part.num_classes} classes ({classes}; --split-by {by} "

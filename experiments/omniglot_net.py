@@ -10,8 +10,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["NETWORKS", "LOSSES", "SameConv2d", "BatchNormOffset", "MeanPool", "META_ONLY", "build_model", "meta_only",
-           "loss_function", "accuracy"]  # fmt: skip
+__all__ = [
+    "NETWORKS",
+    "LOSSES",
+    "SameConv2d",
+    "BatchNormOffset",
+    "MeanPool",
+    "META_ONLY",
+    "build_model",
+    "meta_only",
+    "loss_function",
+    "accuracy",
+]
 
 NETWORKS = ("strided", "maxpool")
 LOSSES = ("reference", "mean")
@@ -103,8 +113,12 @@ def build_model(ways: int, filters: int = 64, network: str = "strided") -> nn.Mo
 
 def meta_only(model: nn.Module) -> set[str]:
     """Names of the parameters the inner loop leaves alone (the strided net's batch-norm offsets)."""
-    return {f"{m}.{p}" for m, layer in model.named_modules() if isinstance(layer, META_ONLY)
-            for p, _ in layer.named_parameters(recurse=False)}  # fmt: skip
+    return {
+        f"{m}.{p}"
+        for m, layer in model.named_modules()
+        if isinstance(layer, META_ONLY)
+        for p, _ in layer.named_parameters(recurse=False)
+    }
 
 
 def loss_function(loss: str, ways: int) -> Callable[[Tensor, Tensor], Tensor]:

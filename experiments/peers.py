@@ -32,12 +32,19 @@ def unsupported(cfg: Any) -> str | None:
     """Why ``cfg`` cannot train with learn2learn's MAML (a one-line message naming the flag), or None."""
     if cfg.mode not in ("second_order", "first_order"):
         return f"--engine learn2learn trains in second_order or first_order mode, not --mode {cfg.mode}"
-    for key, default in (("learn_inner_lr", None), ("inner_optimizer", "sgd"), ("msl_fraction", 0.0),
-                         ("first_order_fraction", 0.0), ("compile", False)):  # fmt: skip
+    for key, default in (
+        ("learn_inner_lr", None),
+        ("inner_optimizer", "sgd"),
+        ("msl_fraction", 0.0),
+        ("first_order_fraction", 0.0),
+        ("compile", False),
+    ):
         if getattr(cfg, key) not in (default, None):
             flag = "--" + key.replace("_", "-")
-            return (f"--engine learn2learn runs learn2learn's MAML (plain SGD inner steps at a fixed rate, the last "
-                    f"step's loss), so {flag} {getattr(cfg, key)} does not apply; drop it or use --engine maml")  # fmt: skip
+            return (
+                f"--engine learn2learn runs learn2learn's MAML (plain SGD inner steps at a fixed rate, the last "
+                f"step's loss), so {flag} {getattr(cfg, key)} does not apply; drop it or use --engine maml"
+            )
     return None
 
 
@@ -63,8 +70,9 @@ class Learn2LearnMAML:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
 
-    def run(self, batch: maml.TaskBatch, params: Any = None, steps: int | None = None,
-            step_weights: Tensor | None = None) -> maml.MetaOutput:  # fmt: skip
+    def run(
+        self, batch: maml.TaskBatch, params: Any = None, steps: int | None = None, step_weights: Tensor | None = None
+    ) -> maml.MetaOutput:
         if not torch.is_grad_enabled() or params is not None or step_weights is not None:
             return self.engine.run(batch, params, steps, step_weights)
         steps = self.engine.steps if steps is None else steps

@@ -46,8 +46,14 @@ __all__ = ["ALGORITHMS", "ADAPT", "recipe", "adapt_set", "meta_optimizer", "Sche
 ALGORITHMS = ("maml", "fomaml", "metasgd", "anil", "mamlpp")
 ADAPT = ("all", "head", "body")  # body: BOIL's inner loop (everything but the head)
 
-_MAMLPP = {"steps": 5, "learn_inner_lr": "per_layer_per_step", "msl_fraction": 0.1, "first_order_fraction": 0.5,
-           "meta_lr_schedule": "cosine", "min_meta_lr": 1e-5}  # fmt: skip
+_MAMLPP = {
+    "steps": 5,
+    "learn_inner_lr": "per_layer_per_step",
+    "msl_fraction": 0.1,
+    "first_order_fraction": 0.5,
+    "meta_lr_schedule": "cosine",
+    "min_meta_lr": 1e-5,
+}
 _RECIPES: dict[str, dict[str, Any]] = {
     "maml": {},
     "fomaml": {"mode": "first_order"},
@@ -136,8 +142,16 @@ class Schedule:
     @classmethod
     def of(cls, cfg: Any) -> Schedule:
         """The schedule of an experiment config."""
-        return cls(cfg.iterations, cfg.meta_lr, cfg.meta_lr_schedule, cfg.min_meta_lr, cfg.mode,
-                   cfg.first_order_fraction, cfg.msl_fraction, cfg.steps)  # fmt: skip
+        return cls(
+            cfg.iterations,
+            cfg.meta_lr,
+            cfg.meta_lr_schedule,
+            cfg.min_meta_lr,
+            cfg.mode,
+            cfg.first_order_fraction,
+            cfg.msl_fraction,
+            cfg.steps,
+        )
 
     @property
     def depends_on_length(self) -> bool:

@@ -48,14 +48,23 @@ def provenance() -> dict[str, Any]:
 
     def git(*args: str) -> str | None:
         try:
-            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+            return subprocess.run(
+                ["git", *args], cwd=root, capture_output=True, text=True, timeout=10, check=True
+            ).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             return None
 
     commit = git("rev-parse", "HEAD")
     dirty = bool(git("status", "--porcelain", "--untracked-files=no")) if commit else None
-    return {"versions": versions, "git_commit": commit, "git_dirty": dirty, "host": platform.node(), "cpu": _cpu(),
-            "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d")}
+    return {
+        "versions": versions,
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "host": platform.node(),
+        "cpu": _cpu(),
+        "threads": torch.get_num_threads(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
 
 
 def _cpu() -> str:
@@ -67,16 +76,20 @@ def _cpu() -> str:
     return platform.processor() or platform.machine()
 
 
-def finish(opts: RunOptions, cfg: Any, run: Any, trainer: Trainer, test: dict[str, dict[str, Any]], metric: str,
-           **extra: Any) -> None:  # fmt: skip
+def finish(
+    opts: RunOptions, cfg: Any, run: Any, trainer: Trainer, test: dict[str, dict[str, Any]], metric: str, **extra: Any
+) -> None:
     """Puts the test metric in the wandb summary, writes results.json, and closes the wandb run."""
     for key, r in test.items():
         run.summary[f"test/{metric}_{key}"] = r[metric]
         run.summary[f"test/{metric}_{key}_ci95"] = r["ci95"]
     config = dataclasses.asdict(cfg)
     # No path of this machine in a result file: the data as a path relative to the working directory, and its fingerprint.
-    data = {k: {"path": os.path.relpath(v), "fingerprint": trainer.data_files.get(k, {}).get("fingerprint")}
-            for k in DATA_KEYS if isinstance(v := config.get(k), str)}  # fmt: skip
+    data = {
+        k: {"path": os.path.relpath(v), "fingerprint": trainer.data_files.get(k, {}).get("fingerprint")}
+        for k in DATA_KEYS
+        if isinstance(v := config.get(k), str)
+    }
     config.update({k: d["path"] for k, d in data.items()})
     results = {
         "experiment": opts.experiment,

@@ -28,8 +28,19 @@ from experiments.config import RunOptions, save_config
 from experiments.files import atomic_write, writing
 from experiments.runtime import broadcast, check_device
 
-__all__ = ["BEST_FILE", "RUN_FILES", "METRICS_FILE", "PLOTS", "RESUMABLE", "DATA_KEYS", "prepare_out", "take_out",
-           "fingerprint", "data_identity", "write_state"]  # fmt: skip
+__all__ = [
+    "BEST_FILE",
+    "RUN_FILES",
+    "METRICS_FILE",
+    "PLOTS",
+    "RESUMABLE",
+    "DATA_KEYS",
+    "prepare_out",
+    "take_out",
+    "fingerprint",
+    "data_identity",
+    "write_state",
+]
 
 BEST_FILE = "best.pt"  # the meta-parameters of the best validation so far (Trainer.select)
 RUN_FILES = ("config.yaml", "checkpoint.pt", BEST_FILE, "results.json")
@@ -88,7 +99,9 @@ def _check_out(opts: RunOptions, cfg: Any) -> dict[str, Any] | None:
             state = torch.load(path, map_location="cpu", weights_only=False)
             saved = state["config"]
         except Exception as e:  # a truncated or foreign file: say so, keep it
-            raise UsageError(f"--resume: the checkpoint {path} is corrupt or not from this script ({type(e).__name__}: {e}).") from None
+            raise UsageError(
+                f"--resume: the checkpoint {path} is corrupt or not from this script ({type(e).__name__}: {e})."
+            ) from None
         mine = dataclasses.asdict(cfg)
         diff = []
         for key in [*mine, *(k for k in saved if k not in mine)]:
@@ -143,8 +156,9 @@ def _check_writable(out: Path) -> None:
         with tempfile.TemporaryFile(dir=here):
             pass
     except OSError as e:
-        raise UsageError(f"--out {out}: cannot write in {here} ({e.strerror or e}); make it writable or pass "
-                         f"another --out.") from None  # fmt: skip
+        raise UsageError(
+            f"--out {out}: cannot write in {here} ({e.strerror or e}); make it writable or pass another --out."
+        ) from None
 
 
 def fingerprint(path: str) -> str | None:
@@ -161,7 +175,9 @@ def fingerprint(path: str) -> str | None:
         for folder, dirs, files in os.walk(root, followlinks=True):
             dirs[:] = [d for d in dirs if not d.startswith(".")]
             rel = Path(folder).relative_to(root)
-            entries += [((rel / f).as_posix(), os.path.getsize(Path(folder) / f)) for f in files if not f.startswith(".")]
+            entries += [
+                ((rel / f).as_posix(), os.path.getsize(Path(folder) / f)) for f in files if not f.startswith(".")
+            ]
     else:
         return None
     return hashlib.sha256(json.dumps(sorted(entries)).encode()).hexdigest()

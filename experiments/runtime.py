@@ -21,8 +21,16 @@ from experiments.cli import UsageError
 if TYPE_CHECKING:
     from experiments.config import RunOptions
 
-__all__ = ["set_threads", "parse_device", "check_device", "cxx", "join_processes", "check_shards", "broadcast",
-           "catch_stop_signals"]  # fmt: skip
+__all__ = [
+    "set_threads",
+    "parse_device",
+    "check_device",
+    "cxx",
+    "join_processes",
+    "check_shards",
+    "broadcast",
+    "catch_stop_signals",
+]
 
 
 def set_threads(threads: int | None) -> None:
@@ -34,8 +42,10 @@ def set_threads(threads: int | None) -> None:
     if threads is None:
         return
     if threads < 1:
-        raise UsageError(f"--threads {threads} must be >= 1, or null for PyTorch's default "
-                         f"({torch.get_num_threads()} on this machine).")  # fmt: skip
+        raise UsageError(
+            f"--threads {threads} must be >= 1, or null for PyTorch's default "
+            f"({torch.get_num_threads()} on this machine)."
+        )
     torch.set_num_threads(threads)
     try:
         torch.set_num_interop_threads(threads)
@@ -60,8 +70,11 @@ def parse_device(name: str) -> torch.device:
 
 def check_device(device: torch.device) -> None:
     """Raises UsageError, naming what to pass instead, when ``device`` is not usable on this machine."""
-    available = {"cuda": torch.cuda.is_available, "mps": torch.backends.mps.is_available,
-                 "xpu": lambda: hasattr(torch, "xpu") and torch.xpu.is_available()}  # fmt: skip
+    available = {
+        "cuda": torch.cuda.is_available,
+        "mps": torch.backends.mps.is_available,
+        "xpu": lambda: hasattr(torch, "xpu") and torch.xpu.is_available(),
+    }
     names = {"cuda": "CUDA GPU", "mps": "Apple MPS GPU", "xpu": "Intel XPU"}
     if device.type in available and not available[device.type]():
         reason = f"this PyTorch finds no {names[device.type]}"
@@ -78,7 +91,9 @@ def check_device(device: torch.device) -> None:
 
 def cxx() -> str | None:
     """The C++ compiler torch.compile's CPU backend would call, if one is installed."""
-    return next(filter(None, (shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if c)), None)
+    return next(
+        filter(None, (shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if c)), None
+    )
 
 
 def join_processes(device: torch.device) -> tuple[torch.device, int, int]:
@@ -99,13 +114,17 @@ def join_processes(device: torch.device) -> tuple[torch.device, int, int]:
     if device.type == "cuda":
         local_rank, local_size = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         if device.index is not None and local_size > 1:
-            raise UsageError(f"--device {device}: the {local_size} processes on this machine would share one GPU; "
-                             f"pass --device cuda, and each process takes the GPU cuda:LOCAL_RANK.")  # fmt: skip
+            raise UsageError(
+                f"--device {device}: the {local_size} processes on this machine would share one GPU; "
+                f"pass --device cuda, and each process takes the GPU cuda:LOCAL_RANK."
+            )
         if device.index is None:
             if local_rank >= torch.cuda.device_count():
-                raise UsageError(f"process LOCAL_RANK={local_rank} needs the GPU cuda:{local_rank}, but this machine has "
-                                 f"{torch.cuda.device_count()}; start at most that many processes per machine "
-                                 f"(--nproc-per-node).")  # fmt: skip
+                raise UsageError(
+                    f"process LOCAL_RANK={local_rank} needs the GPU cuda:{local_rank}, but this machine has "
+                    f"{torch.cuda.device_count()}; start at most that many processes per machine "
+                    f"(--nproc-per-node)."
+                )
             device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)  # NCCL and broadcast_object_list use the current device
         dist.init_process_group("nccl")

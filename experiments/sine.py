@@ -29,8 +29,17 @@ from experiments.config import ExperimentConfig, check_config
 from experiments.files import atomic_write
 from experiments.results import mean_ci95
 
-__all__ = ["SineConfig", "validate_config", "build_model", "evaluate", "plot", "make_model", "train_tasks", "final_test",
-           "run"]  # fmt: skip
+__all__ = [
+    "SineConfig",
+    "validate_config",
+    "build_model",
+    "evaluate",
+    "plot",
+    "make_model",
+    "train_tasks",
+    "final_test",
+    "run",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +98,9 @@ def evaluate(learner: maml.MetaLearner, cfg: SineConfig, device: torch.device, s
     return results
 
 
-def plot(out: Path, model: nn.Module, learner: maml.MetaLearner, history: list[dict[str, float]], device: torch.device) -> None:
+def plot(
+    out: Path, model: nn.Module, learner: maml.MetaLearner, history: list[dict[str, float]], device: torch.device
+) -> None:
     """learning_curves.png and sine_fit.png (true curve, support points, prediction before/after 1 and 10 steps)."""
     import matplotlib
 
@@ -104,7 +115,10 @@ def plot(out: Path, model: nn.Module, learner: maml.MetaLearner, history: list[d
         axes[0].plot(*zip(*val), "o-", label="validation MSE")
     axes[0].set(xlabel="meta-iteration", ylabel="MSE", yscale="log", title="learning curves")
     axes[0].legend()
-    for key, label in (("train/support_loss_before", "support, before"), ("train/support_loss_after", "support, after")):
+    for key, label in (
+        ("train/support_loss_before", "support, before"),
+        ("train/support_loss_after", "support, after"),
+    ):
         axes[1].plot(its, [r.get(key, float("nan")) for r in history], label=label)
     axes[1].set(xlabel="meta-iteration", ylabel="MSE", yscale="log", title="inner loss")
     axes[1].legend()
@@ -138,8 +152,9 @@ def make_model(cfg: SineConfig) -> fit.Model:
 def train_tasks(cfg: SineConfig, data: None, device: torch.device) -> fit.Tasks:
     """Fresh tasks every meta-batch, and ``val_tasks`` fixed validation tasks (the training K and steps)."""
     sine = tasks.Sine()
-    val_batch = sine.sample(cfg.val_tasks, shots=cfg.shots, query=cfg.query,
-                            generator=torch.Generator().manual_seed(cfg.seed + 10_000)).to(device)  # fmt: skip
+    val_batch = sine.sample(
+        cfg.val_tasks, shots=cfg.shots, query=cfg.query, generator=torch.Generator().manual_seed(cfg.seed + 10_000)
+    ).to(device)
 
     def val_metrics(out: maml.MetaOutput, batch: maml.TaskBatch) -> dict[str, float]:
         mse, ci = mean_ci95(out.query_losses)
@@ -167,8 +182,19 @@ def final_test(fitted: fit.Fitted) -> fit.Results:
 def run(argv: Sequence[str] | None = None) -> None:
     # One thread: the MLP's steps are too small to gain from more, and each parallel region costs
     # more than it saves (compiled step 4.6 ms with 2 threads, 2.7 ms with 1, the same results).
-    fit.fit(fit.Experiment("sine", SineConfig, __doc__.split("\n\n")[0], validate_config, model=make_model, tasks=train_tasks,
-                           test=final_test, threads=1), argv)  # fmt: skip
+    fit.fit(
+        fit.Experiment(
+            "sine",
+            SineConfig,
+            __doc__.split("\n\n")[0],
+            validate_config,
+            model=make_model,
+            tasks=train_tasks,
+            test=final_test,
+            threads=1,
+        ),
+        argv,
+    )
 
 
 def _table(results: dict[str, Any], cfg: SineConfig) -> str:
@@ -179,7 +205,9 @@ def _table(results: dict[str, Any], cfg: SineConfig) -> str:
     for k in cfg.eval_shots:
         cells = (results[f"{k}shot_{s}step"] for s in cfg.eval_steps)
         lines.append(f"{k:<4}" + "".join(f"{_number(c['mse']):>10} +- {_number(c['ci95']):>9}" for c in cells))
-    diverged = [f"K={r['shots']} {r['steps']} steps: {r['diverged_tasks']}" for r in results.values() if r["diverged_tasks"]]
+    diverged = [
+        f"K={r['shots']} {r['steps']} steps: {r['diverged_tasks']}" for r in results.values() if r["diverged_tasks"]
+    ]
     if diverged:
         lines.append("tasks whose inner loop diverged (infinite or NaN loss): " + ", ".join(diverged))
     return "\n".join(lines)

@@ -22,7 +22,6 @@ Exit codes: 0 when the sweep ran (failed trials included), 1 when every trial fa
 input (one ``error:`` line), 130 when interrupted (Ctrl-C or SIGTERM: trials stopped, resumable).
 """
 
-
 from __future__ import annotations
 
 import argparse
@@ -96,17 +95,28 @@ def summarize(out: Path) -> tuple[dict[str, Any], str]:
             mean, n = _mean(values), len(values)
             std = math.sqrt(sum((value - mean) ** 2 for value in values) / (n - 1)) if n > 1 else None
             group["metrics"][f"{key} {next(iter(entries[0]))}"] = {
-                "mean": mean, "std": std, "mean_ci95": _mean([entry["ci95"] for entry in entries]), "n": n}
+                "mean": mean,
+                "std": std,
+                "mean_ci95": _mean([entry["ci95"] for entry in entries]),
+                "n": n,
+            }
         group["train_seconds"] = _mean([run["train_seconds"] for run in runs])
     names = list(dict.fromkeys(name for group in groups.values() for name in group["metrics"]))
-    lines = ["mean +- std over seeds (mean 95 % CI of one run, seeds finished)", "",
-             f"| parameters | {' | '.join(names)} | train s |", "|---" * (len(names) + 2) + "|"]  # fmt: skip
+    lines = [
+        "mean +- std over seeds (mean 95 % CI of one run, seeds finished)",
+        "",
+        f"| parameters | {' | '.join(names)} | train s |",
+        "|---" * (len(names) + 2) + "|",
+    ]
     for group in groups.values():
         cells = [" ".join(f"{key}={value}" for key, value in group["params"].items()) or "-"]
         for name in names:
             m = group["metrics"].get(name)
-            cells.append(f"{_show(m['mean'], 4)} +- {_show(m['std'], 4)} (CI {_show(m['mean_ci95'], 4)}, n={m['n']})"
-                         if m else "-")  # fmt: skip
+            cells.append(
+                f"{_show(m['mean'], 4)} +- {_show(m['std'], 4)} (CI {_show(m['mean_ci95'], 4)}, n={m['n']})"
+                if m
+                else "-"
+            )
         lines.append(f"| {' | '.join(cells)} | {_show(group['train_seconds'], 4)} |")
     return {"groups": list(groups.values())}, "\n".join(lines) + "\n"
 
@@ -117,8 +127,11 @@ def dry_run(sweep: Sweep, limit: int | None, seed: int, stdout: TextIO) -> None:
     while trial := next_trial(sweep, trials, limit):
         trial.state = "planned"  # the engine counts it as running
     method = sweep.config["method"]
-    print(f"{sweep.name}: {method} search, {len(trials)} trial(s), metric {sweep.metric} ({sweep.goal}), seed {seed}"
-          + ("; the later trials depend on the results" if method == "bayes" else ""), file=stdout)  # fmt: skip
+    print(
+        f"{sweep.name}: {method} search, {len(trials)} trial(s), metric {sweep.metric} ({sweep.goal}), seed {seed}"
+        + ("; the later trials depend on the results" if method == "bayes" else ""),
+        file=stdout,
+    )
     for trial in trials:
         print(trial.name, *(f"{key}={_show(value)}" for key, value in trial.params.items()), file=stdout)
     print("command:", *build_command(sweep, trials[0].params, Path("<out>") / trials[0].name), file=stdout)

@@ -23,8 +23,19 @@ with warnings.catch_warnings():  # the engine's pydantic deprecation warnings
     warnings.simplefilter("ignore")
     import sweeps
 
-__all__ = ["REPO_ROOT", "MACROS", "DONE", "SweepError", "Sweep", "Trial", "load_sweep", "next_trial", "build_command",
-           "trial_env", "check_parameters"]  # fmt: skip
+__all__ = [
+    "REPO_ROOT",
+    "MACROS",
+    "DONE",
+    "SweepError",
+    "Sweep",
+    "Trial",
+    "load_sweep",
+    "next_trial",
+    "build_command",
+    "trial_env",
+    "check_parameters",
+]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MACROS = ("${env}", "${interpreter}", "${program}", "${args}")  # wandb's default command; the only forms built
@@ -120,17 +131,24 @@ def next_trial(sweep: Sweep, trials: list[Trial], limit: int | None) -> Trial | 
         return pending[0]
     if limit is not None and len(trials) >= limit:
         return None
-    runs = [sweeps.SweepRun(name=trial.name, state=trial.state if trial.state in (*DONE, "killed") else "running",
-                            config={key: {"value": value} for key, value in trial.params.items()},
-                            summaryMetrics={} if trial.metric is None else {sweep.metric: trial.metric})
-            for trial in trials]  # fmt: skip
+    runs = [
+        sweeps.SweepRun(
+            name=trial.name,
+            state=trial.state if trial.state in (*DONE, "killed") else "running",
+            config={key: {"value": value} for key, value in trial.params.items()},
+            summaryMetrics={} if trial.metric is None else {sweep.metric: trial.metric},
+        )
+        for trial in trials
+    ]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # scikit-learn's, fitting bayes search
         run = sweeps.next_run(sweep.engine, runs)
     if run is None:
         return None
-    params = {key: spec["value"].item() if hasattr(spec["value"], "item") else spec["value"]  # numpy scalars
-              for key, spec in run.config.items()}  # fmt: skip
+    params = {
+        key: spec["value"].item() if hasattr(spec["value"], "item") else spec["value"]  # numpy scalars
+        for key, spec in run.config.items()
+    }
     trials.append(Trial(len(trials) + 1, f"trial-{len(trials) + 1:03d}", params))
     return trials[-1]
 
@@ -147,8 +165,13 @@ def trial_env(sweep: Sweep, trial_dir: Path, threads: int | None) -> dict[str, s
     """A trial's environment: offline wandb with the sweep as group, this repository importable, its threads."""
     env = {key: value for key, value in os.environ.items() if key not in ("WANDB_SWEEP_ID", "WANDB_RUN_ID")}
     path = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    env |= {"WANDB_MODE": "offline", "WANDB_RUN_GROUP": sweep.name, "WANDB_NAME": f"{sweep.name}-{trial_dir.name}",
-            "WANDB_DIR": str(trial_dir), "PYTHONPATH": path}  # fmt: skip
+    env |= {
+        "WANDB_MODE": "offline",
+        "WANDB_RUN_GROUP": sweep.name,
+        "WANDB_NAME": f"{sweep.name}-{trial_dir.name}",
+        "WANDB_DIR": str(trial_dir),
+        "PYTHONPATH": path,
+    }
     return env | ({"OMP_NUM_THREADS": str(threads)} if threads else {})
 
 
@@ -163,8 +186,14 @@ def check_parameters(sweep: Sweep) -> None:
         return
     command = build_command(sweep, {}, Path("<out>"))[:-4] + ["--help"]  # without --out <out> --wandb offline
     try:
-        shown = subprocess.run(command, env=trial_env(sweep, Path("help"), None), stdin=subprocess.DEVNULL,
-                               capture_output=True, text=True, timeout=120)  # fmt: skip
+        shown = subprocess.run(
+            command,
+            env=trial_env(sweep, Path("help"), None),
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     except (OSError, subprocess.SubprocessError):
         return
     flags = sorted(set(re.findall(r"(?<![\w-])--[A-Za-z0-9][\w-]*", shown.stdout))) if shown.returncode == 0 else []
@@ -172,6 +201,8 @@ def check_parameters(sweep: Sweep) -> None:
         if f"--{name}" not in flags and not (sweep.ours and f"--{name.replace('_', '-')}" in flags):
             matches = difflib.get_close_matches(f"--{name}", flags, n=3, cutoff=0.5)
             hint = f" (did you mean {', '.join(matches)}?)" if matches else ""
-            raise SweepError(f"{sweep.path}: the parameter {name!r} is not a flag of {sweep.config['program']}{hint}; "
-                             f"every trial would fail on it. Rename it under parameters (the program's --help lists "
-                             f"its flags).")  # fmt: skip
+            raise SweepError(
+                f"{sweep.path}: the parameter {name!r} is not a flag of {sweep.config['program']}{hint}; "
+                f"every trial would fail on it. Rename it under parameters (the program's --help lists "
+                f"its flags)."
+            )

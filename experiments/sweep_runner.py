@@ -19,8 +19,17 @@ from experiments.files import atomic_write
 from experiments.rundir import METRICS_FILE
 from experiments.sweep_file import DONE, REPO_ROOT, Sweep, SweepError, Trial, build_command, next_trial, trial_env
 
-__all__ = ["SAME_TRIALS", "STOPPED", "best_metric", "score", "start_trial", "end_trial", "run_sweep", "open_out",
-           "write_report"]  # fmt: skip
+__all__ = [
+    "SAME_TRIALS",
+    "STOPPED",
+    "best_metric",
+    "score",
+    "start_trial",
+    "end_trial",
+    "run_sweep",
+    "open_out",
+    "write_report",
+]
 
 SAME_TRIALS = ("method", "parameters", "command", "program")  # what --resume needs unchanged (a grid may add values)
 STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM)  # our scripts' exit codes when stopped with a checkpoint
@@ -51,8 +60,13 @@ def start_trial(sweep: Sweep, trial: Trial, out: Path, threads: int | None) -> s
     trial.state, trial.exit_code, trial.error = "running", None, None
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / "output.log", "ab") as log:
-        return subprocess.Popen(trial.command, env=trial_env(sweep, folder, threads), stdin=subprocess.DEVNULL,
-                                stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        return subprocess.Popen(
+            trial.command,
+            env=trial_env(sweep, folder, threads),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
 
 
 def end_trial(sweep: Sweep, trial: Trial, out: Path, code: int, note: Callable[[str], None]) -> bool:
@@ -70,8 +84,15 @@ def end_trial(sweep: Sweep, trial: Trial, out: Path, code: int, note: Callable[[
     return trial.metric >= target if sweep.goal == "maximize" else trial.metric <= target
 
 
-def run_sweep(sweep: Sweep, out: Path, trials: list[Trial], limit: int | None, jobs: int, save: Callable[[], None],
-              progress: TextIO) -> None:  # fmt: skip
+def run_sweep(
+    sweep: Sweep,
+    out: Path,
+    trials: list[Trial],
+    limit: int | None,
+    jobs: int,
+    save: Callable[[], None],
+    progress: TextIO,
+) -> None:
     """Runs ``jobs`` trials at a time, the pending ones of ``trials`` first, until the limit, grid or target.
 
     ``trials`` grows as they start, in the engine's order whatever ``jobs`` is; ``save`` runs
@@ -90,8 +111,10 @@ def run_sweep(sweep: Sweep, out: Path, trials: list[Trial], limit: int | None, j
     try:
         while True:
             while len(running) < jobs and not stop and (trial := next_trial(sweep, trials, limit)):
-                note(f"{trial.name} ({trial.index}{f'/{limit}' if limit else ''}): "
-                     + " ".join(f"{key}={value}" for key, value in trial.params.items()))  # fmt: skip
+                note(
+                    f"{trial.name} ({trial.index}{f'/{limit}' if limit else ''}): "
+                    + " ".join(f"{key}={value}" for key, value in trial.params.items())
+                )
                 try:
                     running[start_trial(sweep, trial, out, threads)] = (trial, time.monotonic())
                 except OSError as error:
@@ -140,8 +163,10 @@ def open_out(out: Path | None, sweep: Sweep, resume: bool) -> tuple[Path, list[T
     recorded = report["sweep"]["config"]
     changed = [key for key in SAME_TRIALS if key != "parameters" and recorded.get(key) != sweep.config.get(key)]
     if changed or not _extends(recorded, sweep.config):
-        raise SweepError(f"--resume: {out} holds another sweep than {sweep.path} ({', '.join(SAME_TRIALS)} differ, "
-                         f"beyond values added to a grid's parameters)")  # fmt: skip
+        raise SweepError(
+            f"--resume: {out} holds another sweep than {sweep.path} ({', '.join(SAME_TRIALS)} differ, "
+            f"beyond values added to a grid's parameters)"
+        )
     trials = [Trial(**trial) for trial in report["trials"]]
     for trial in trials:
         if trial.state not in DONE or trial.exit_code in STOPPED:  # cut, or it ended before the sweep recorded it
@@ -172,8 +197,10 @@ def _extends(old: dict[str, Any], new: dict[str, Any]) -> bool:
 def write_report(out: Path, sweep: Sweep, trials: Sequence[Trial], seed: int) -> None:
     """Writes ``OUT/sweep.json``: the sweep's file, name, config and seed, and every trial."""
     settings = {"name": sweep.name, "file": _portable(str(sweep.path)), "seed": seed, "config": sweep.config}
-    report = {"sweep": settings, "trials": [asdict(trial) | {"command": list(map(_portable, trial.command))}
-                                            for trial in trials]}  # fmt: skip
+    report = {
+        "sweep": settings,
+        "trials": [asdict(trial) | {"command": list(map(_portable, trial.command))} for trial in trials],
+    }
     atomic_write(out / "sweep.json", lambda tmp: tmp.write_text(json.dumps(report, indent=2) + "\n"))
 
 

@@ -77,11 +77,16 @@ def provenance(runs: Sequence[dict[str, Any]]) -> str:
     dates = [run.get("date") or _commit_date(run.get("git_commit")) for run in runs]
     cpus = distinct(run.get("cpu") for run in runs)
     threads = distinct(run.get("threads") for run in runs)
-    commits = distinct((run.get("git_commit") or "")[:10] + (" (uncommitted changes)" if run.get("git_dirty") else "")
-                       for run in runs)  # fmt: skip
+    commits = distinct(
+        (run.get("git_commit") or "")[:10] + (" (uncommitted changes)" if run.get("git_dirty") else "") for run in runs
+    )
     device = distinct(run["device"] for run in runs)
     threads = f", {threads} thread{'s' * (threads != '1')} a run" if threads != "-" else ""
-    return f"device {device}" + (f" ({cpus})" if cpus != "-" else "") + f"{threads}; {distinct(sorted(dates))}; commit {commits}"
+    return (
+        f"device {device}"
+        + (f" ({cpus})" if cpus != "-" else "")
+        + f"{threads}; {distinct(sorted(dates))}; commit {commits}"
+    )
 
 
 def _commit_date(commit: str | None) -> str | None:
@@ -89,8 +94,14 @@ def _commit_date(commit: str | None) -> str | None:
     if not commit:
         return None
     try:
-        shown = subprocess.run(["git", "show", "-s", "--format=%cs", commit], cwd=REPO, capture_output=True, text=True,
-                               timeout=10, check=True)  # fmt: skip
+        shown = subprocess.run(
+            ["git", "show", "-s", "--format=%cs", commit],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return shown.stdout.strip() or None
@@ -114,14 +125,19 @@ def omniglot_curve(root: Path = REPO / "results/omniglot/curve") -> str:
         "| iteration | validation accuracy % | training query accuracy % | meta-loss |",
         "|---|---|---|---|",
     ]
-    lines += [f"| {r['iteration']} | {_pct(r['val/accuracy'])} | {_pct(r['train/accuracy'])} | {r['train/meta_loss']:.3f} |"
-              for r in shown]  # fmt: skip
+    lines += [
+        f"| {r['iteration']} | {_pct(r['val/accuracy'])} | {_pct(r['train/accuracy'])} | {r['train/meta_loss']:.3f} |"
+        for r in shown
+    ]
     best = max(val, key=lambda r: r["val/accuracy"])
     test, best_test = results["test"], results.get("test_best", results["test"])
-    lines += ["", f"Best validation {_pct(best['val/accuracy'])} % at iteration {best['iteration']}. Test accuracy on "
-              f"{test['10step']['tasks']} tasks after 10 steps: {_pct(test['10step']['accuracy'])} % +- "
-              f"{_pct(test['10step']['ci95'])} % (last parameters), {_pct(best_test['10step']['accuracy'])} % +- "
-              f"{_pct(best_test['10step']['ci95'])} % (best validation)."]  # fmt: skip
+    lines += [
+        "",
+        f"Best validation {_pct(best['val/accuracy'])} % at iteration {best['iteration']}. Test accuracy on "
+        f"{test['10step']['tasks']} tasks after 10 steps: {_pct(test['10step']['accuracy'])} % +- "
+        f"{_pct(test['10step']['ci95'])} % (last parameters), {_pct(best_test['10step']['accuracy'])} % +- "
+        f"{_pct(best_test['10step']['ci95'])} % (best validation).",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -142,7 +158,9 @@ def _mean_std(values: Sequence[float]) -> str:
     return f"{_pct(mean)} +- {_pct(std)}"
 
 
-def omniglot_seeds(sweeps: Sequence[Path] = (REPO / "results/omniglot/seeds", REPO / "results/omniglot/learn2learn")) -> str:
+def omniglot_seeds(
+    sweeps: Sequence[Path] = (REPO / "results/omniglot/seeds", REPO / "results/omniglot/learn2learn"),
+) -> str:
     """Test accuracy per recipe over the seeds that finished: the best-validation parameters, and the last ones.
 
     The rows and their seeds are the sweeps' grids (``sweep.json``); a row shows the trials that finished.
@@ -161,20 +179,33 @@ def omniglot_seeds(sweeps: Sequence[Path] = (REPO / "results/omniglot/seeds", RE
             if (path := sweep / trial["name"] / "results.json").is_file():
                 run = _json(path)
                 groups[_row(run["config"].get("engine", "maml"), run["config"]["algorithm"])].append(run)
-        commands.append(f"`python -m experiments.sweep {report['sweep']['file']} --out {sweep.relative_to(REPO).as_posix()}`")
+        commands.append(
+            f"`python -m experiments.sweep {report['sweep']['file']} --out {sweep.relative_to(REPO).as_posix()}`"
+        )
     everything = [run for runs in groups.values() for run in runs]
     pending = [f"{key} ({len(planned[key])} seeds)" for key, runs in groups.items() if not runs]
     if not everything:
         return f"No trial has finished yet: {', '.join(pending)}; the sweeps resume with `--resume`.\n"
-    header = ["row", "seeds", "iterations", *(f"{s.removesuffix('step')} step{'s' * (s != '1step')}" for s in STEPS),
-              "10 steps, last parameters", "best validation at", "minutes a run"]  # fmt: skip
+    header = [
+        "row",
+        "seeds",
+        "iterations",
+        *(f"{s.removesuffix('step')} step{'s' * (s != '1step')}" for s in STEPS),
+        "10 steps, last parameters",
+        "best validation at",
+        "minutes a run",
+    ]
     lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
     for key, runs in groups.items():
         if not runs:
             continue
         runs = sorted(runs, key=lambda r: r["config"]["seed"])
         seeds = ", ".join(str(r["config"]["seed"]) for r in runs)
-        cells = [key, f"{len(runs)} of {len(planned[key])} ({seeds})", ", ".join(dict.fromkeys(str(r["iterations"]) for r in runs))]
+        cells = [
+            key,
+            f"{len(runs)} of {len(planned[key])} ({seeds})",
+            ", ".join(dict.fromkeys(str(r["iterations"]) for r in runs)),
+        ]
         cells += [_mean_std([r.get("test_best", r["test"])[s]["accuracy"] for r in runs]) for s in STEPS]
         cells += [_mean_std([r["test"]["10step"]["accuracy"] for r in runs])]
         cells += [", ".join(str(r.get("best_val", {}).get("iteration", "-")) for r in runs)]
@@ -220,7 +251,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if rendered != text:
             old, new = text.splitlines(), rendered.splitlines()
             line = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
-            print(f"{args.readme.name} is stale from line {line + 1}: run python -m experiments.tables", file=sys.stderr)
+            print(
+                f"{args.readme.name} is stale from line {line + 1}: run python -m experiments.tables", file=sys.stderr
+            )
             return 1
         return 0
     if rendered != text:

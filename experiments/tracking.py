@@ -40,8 +40,10 @@ def wandb_mode(given: str | None) -> str:
     if value == "":
         del os.environ["WANDB_MODE"]
     elif value is not None and value not in (*WANDB_MODES, *_OLD_NAMES):
-        raise UsageError(f"WANDB_MODE {value!r} is not one of {', '.join((*WANDB_MODES, *_OLD_NAMES))}; set it to one "
-                         f"of them, or unset it.")  # fmt: skip
+        raise UsageError(
+            f"WANDB_MODE {value!r} is not one of {', '.join((*WANDB_MODES, *_OLD_NAMES))}; set it to one "
+            f"of them, or unset it."
+        )
     return given or default_wandb_mode()
 
 
@@ -97,23 +99,34 @@ def init_wandb(opts: RunOptions, cfg: Any, name: str, run_id: str | None) -> Any
         except wandb.errors.Error as e:  # wandb's own retries have run out (init_timeout), or no usable key
             detail = (str(e).strip().splitlines() or [type(e).__name__])[0]
             login = isinstance(e, (wandb.errors.UsageError, wandb.errors.AuthenticationError))
-            problem = (f"no W&B API key ({detail})" if isinstance(e, wandb.errors.UsageError) else
-                       f"the W&B server at {url} refused the API key ({detail})" if login else
-                       f"cannot reach the W&B server at {url} ({detail})")  # fmt: skip
+            problem = (
+                f"no W&B API key ({detail})"
+                if isinstance(e, wandb.errors.UsageError)
+                else f"the W&B server at {url} refused the API key ({detail})"
+                if login
+                else f"cannot reach the W&B server at {url} ({detail})"
+            )
             wandb.teardown()
     run = start(mode="offline")
-    print(f"warning: --wandb online: {problem}; logging offline instead. To upload the run later: "
-          f"{'wandb login, then ' if login else ''}wandb sync {run.settings.sync_dir}", file=sys.stderr)  # fmt: skip
+    print(
+        f"warning: --wandb online: {problem}; logging offline instead. To upload the run later: "
+        f"{'wandb login, then ' if login else ''}wandb sync {run.settings.sync_dir}",
+        file=sys.stderr,
+    )
     return run
 
 
 def _unreachable(url: str) -> str | None:
     """Why nothing answers at ``url`` (one TCP connection, at most 5 s); None if something does, or a proxy decides."""
-    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")):
+    if any(
+        os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+    ):
         return None  # the proxy connects, not this machine: leave it to wandb
     parts = urllib.parse.urlsplit(url)
     try:
-        socket.create_connection((parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)), timeout=5).close()
+        socket.create_connection(
+            (parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)), timeout=5
+        ).close()
     except OSError as e:
         return f"cannot reach the W&B server at {url} ({e.strerror or e})"  # e.g. Connection refused, timed out
     return None

@@ -85,7 +85,9 @@ class Trainer:
     train_seconds: float = 0.0  # wall time of the training loop, summed over resumed runs
     final_val: dict[str, float] = dataclasses.field(default_factory=dict)  # validation at the last iteration
     _began: float = dataclasses.field(default=0.0, repr=False)
-    data_files: dict[str, dict[str, str | None]] = dataclasses.field(default_factory=dict, repr=False)  # DATA_KEYS' identities
+    data_files: dict[str, dict[str, str | None]] = dataclasses.field(
+        default_factory=dict, repr=False
+    )  # DATA_KEYS' identities
 
     def state(self, iteration: int, generator: torch.Generator, cfg: Any, wandb_id: str | None) -> dict[str, Any]:
         return {
@@ -139,8 +141,11 @@ class Trainer:
         main, sharded = opts.main, opts.world_size > 1
         if start >= self.iterations:
             if main:
-                print(f"the checkpoint is at iteration {start}, at or past --iterations {self.iterations}: no "
-                      f"training; evaluating its parameters", file=sys.stderr)  # fmt: skip
+                print(
+                    f"the checkpoint is at iteration {start}, at or past --iterations {self.iterations}: no "
+                    f"training; evaluating its parameters",
+                    file=sys.stderr,
+                )
             self.iterations = start
         metrics_path = opts.out / METRICS_FILE
         metrics_file, wandb_from = None, 0
@@ -162,8 +167,15 @@ class Trainer:
         # iteration, whose checkpoint is then consistent; a second Ctrl-C stops at once (the last one stays valid).
         stop, restore_signals = catch_stop_signals()
         self._began = time.perf_counter()
-        bar = tqdm(range(start, self.iterations), initial=start, total=self.iterations, desc="meta-train",
-                   dynamic_ncols=True, mininterval=0.5, disable=None if main else True)  # fmt: skip
+        bar = tqdm(
+            range(start, self.iterations),
+            initial=start,
+            total=self.iterations,
+            desc="meta-train",
+            dynamic_ncols=True,
+            mininterval=0.5,
+            disable=None if main else True,
+        )
         # tqdm switches itself off without a terminal (disable=None); then a plain line per log window.
         plain = main and sys.stderr is not None and not sys.stderr.isatty()
         window_began, window_start = time.perf_counter(), start
@@ -172,7 +184,9 @@ class Trainer:
                 # The full meta-batch on every rank, whatever their number: the same trajectory.
                 batch = maml.shard(self.sample(generator)).to(self.device)
                 t0 = time.perf_counter()
-                weights = None if self.schedule is None else self.schedule.apply(iteration, self.learner, self.optimizer)
+                weights = (
+                    None if self.schedule is None else self.schedule.apply(iteration, self.learner, self.optimizer)
+                )
                 out = self.run_batch(batch, step_weights=weights)
                 self.optimizer.zero_grad(set_to_none=True)
                 out.loss.backward()
@@ -189,7 +203,9 @@ class Trainer:
                 logging = (iteration + 1) % self.log_every == 0 or last  # a run shorter than log_every logs too
                 if logging:
                     grads = [p.grad for p in self.learner.parameters() if p.grad is not None]
-                    grad_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+                    grad_norm = float(
+                        torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+                    )
                 self.optimizer.step()
                 self.watch.check_step(self.optimizer)  # a NaN/Inf meta-parameter: Diverged, before the checkpoint
                 self.step_time += time.perf_counter() - t0
@@ -206,7 +222,9 @@ class Trainer:
                         **metrics,
                     }
                     if sharded:  # means over this rank's tasks -> means over the meta-batch
-                        shard_means = torch.tensor([*inner.values(), *metrics.values()], dtype=torch.float64, device=self.device)
+                        shard_means = torch.tensor(
+                            [*inner.values(), *metrics.values()], dtype=torch.float64, device=self.device
+                        )
                         row.update(zip([*inner, *metrics], maml.all_reduce_mean(shard_means).tolist()))
                     if main and ((iteration + 1) % self.val_every == 0 or last):
                         validation = self.validate()
@@ -225,9 +243,13 @@ class Trainer:
                         now = time.perf_counter()
                         rate = (iteration + 1 - window_start) / max(now - window_began, 1e-9)
                         eta = round((self.iterations - iteration - 1) / rate)
-                        print(f"meta-train {iteration + 1}/{self.iterations} ({100 * (iteration + 1) // self.iterations} %): "
-                              f"meta-loss {row['train/meta_loss']:.4g}, {rate:.1f} it/s, "
-                              f"ETA {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}", file=sys.stderr, flush=True)  # fmt: skip
+                        print(
+                            f"meta-train {iteration + 1}/{self.iterations} ({100 * (iteration + 1) // self.iterations} %): "
+                            f"meta-loss {row['train/meta_loss']:.4g}, {rate:.1f} it/s, "
+                            f"ETA {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                         window_began, window_start = now, iteration + 1
                 if main and (stopping or (iteration + 1) % self.checkpoint_every == 0 or last):
                     write_state(opts.out / "checkpoint.pt", self.state(iteration + 1, generator, cfg, wandb_id))
@@ -235,8 +257,10 @@ class Trainer:
                     bar.close()
                     if main:
                         finish_wandb(run)
-                        print(f"\nstopped after iteration {iteration + 1}; continue with the same command plus --resume",
-                              file=sys.stderr)  # fmt: skip
+                        print(
+                            f"\nstopped after iteration {iteration + 1}; continue with the same command plus --resume",
+                            file=sys.stderr,
+                        )
                     # A rank stopped by another's signal exits as if it had received SIGTERM.
                     raise SystemExit(130 if stop and stop[0] == signal.SIGINT else 143)
         finally:
@@ -283,7 +307,9 @@ class Trainer:
         if best is not None and not (value > best if goal == "max" else value < best):
             return
         self.best = {"iteration": iteration, **validation}
-        write_state(out / BEST_FILE, {"iteration": iteration, "validation": validation, "learner": self.learner.state_dict()})
+        write_state(
+            out / BEST_FILE, {"iteration": iteration, "validation": validation, "learner": self.learner.state_dict()}
+        )
 
     def _inner_losses(self, out: maml.MetaOutput, batch: maml.TaskBatch) -> dict[str, float]:
         row = {"train/query_loss": float(out.query_losses.mean())}
@@ -296,5 +322,3 @@ class Trainer:
 
     def _rates(self) -> dict[str, float]:
         return {f"inner_lr/{k}": float(v.detach().mean()) for k, v in self.learner.rate_parameters.items()}
-
-

@@ -48,10 +48,17 @@ def _image_batch(g: torch.Generator, tasks: int = 3, ways: int = 3, shots: int =
 def _conv(norm: Callable[[int], nn.Module]) -> nn.Module:
     # Two conv blocks on 8x8 images: 8 -> 4 -> 2 after pooling.
     return nn.Sequential(
-        nn.Conv2d(1, 4, 3, padding=1), norm(4), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(4, 4, 3, padding=1), norm(4), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(16, 3),
-    )  # fmt: skip
+        nn.Conv2d(1, 4, 3, padding=1),
+        norm(4),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(4, 4, 3, padding=1),
+        norm(4),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(16, 3),
+    )
 
 
 def _mlp(norm: Callable[[int], nn.Module] | None = None) -> nn.Module:
@@ -59,8 +66,6 @@ def _mlp(norm: Callable[[int], nn.Module] | None = None) -> nn.Module:
     if norm is not None:
         layers.append(norm(16))
     return nn.Sequential(*layers, nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
-
-
 
 
 CASES: dict[str, Case] = {

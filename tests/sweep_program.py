@@ -49,9 +49,15 @@ def note(event: str) -> int:
     path = os.environ.get("SWEEP_PROGRAM_LOG")
     if not path:
         return 0
-    record = {"event": event, "argv": sys.argv[1:], "pid": os.getpid(), "time": time.time(),
-              "omp": os.environ.get("OMP_NUM_THREADS"),
-              "group": os.environ.get("WANDB_RUN_GROUP"), "mode": os.environ.get("WANDB_MODE")}  # fmt: skip
+    record = {
+        "event": event,
+        "argv": sys.argv[1:],
+        "pid": os.getpid(),
+        "time": time.time(),
+        "omp": os.environ.get("OMP_NUM_THREADS"),
+        "group": os.environ.get("WANDB_RUN_GROUP"),
+        "mode": os.environ.get("WANDB_MODE"),
+    }
     with open(path, "a") as log:
         log.write(json.dumps(record) + "\n")
     return sum(json.loads(line)["event"] == "start" for line in Path(path).read_text().splitlines())

@@ -30,10 +30,17 @@ TASKS = 4
 def conv_net() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4, track_running_stats=False), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4, track_running_stats=False), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(16, 3),
-    )  # fmt: skip
+        nn.Conv2d(1, 4, 3, padding=1),
+        nn.BatchNorm2d(4, track_running_stats=False),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(4, 4, 3, padding=1),
+        nn.BatchNorm2d(4, track_running_stats=False),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(16, 3),
+    )
 
 
 def image_batch() -> maml.TaskBatch:
@@ -81,6 +88,6 @@ def test_vmap_and_loop_meta_steps_count_the_same_flops(options: dict[str, str]) 
     for batching in ("loop", "vmap"):
         learner = maml.MetaLearner(copy.deepcopy(net), F.cross_entropy, 0.4, steps=1, batching=batching, **options)
         learner.meta_loss(batch).backward()  # the first call's checks (one task's forward pass) are not counted
-        counts[batching] = count_flops(lambda: learner.meta_loss(batch).backward())
+        counts[batching] = count_flops(lambda: learner.meta_loss(batch).backward())  # noqa: B023 (called at once)
     assert counts["loop"] > 0
     assert abs(counts["vmap"] - counts["loop"]) <= 0.01 * counts["loop"], counts

@@ -5,9 +5,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import helpers
 import pytest
 
-import helpers
 import tasks
 
 ARCHIVE = "images_background_small1.zip"  # the smaller real archive: one is enough to decode and cache

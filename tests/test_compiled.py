@@ -11,12 +11,14 @@ import re
 
 import pytest
 import torch
-
-import maml
 from helpers import finite_difference_error, flat_grad, make
 
+import maml
 
-def pair(case: str, steps: int, mode: str = "second_order", **kw) -> tuple[maml.MetaLearner, maml.MetaLearner, maml.TaskBatch]:
+
+def pair(
+    case: str, steps: int, mode: str = "second_order", **kw
+) -> tuple[maml.MetaLearner, maml.MetaLearner, maml.TaskBatch]:
     """An eager and a compiled learner on the same float64 model, and a meta-batch."""
     model, batch, loss_fn = make(case)
     lr = 0.3 if case.startswith("conv") else 0.1
@@ -25,7 +27,9 @@ def pair(case: str, steps: int, mode: str = "second_order", **kw) -> tuple[maml.
     if eager.rate_parameters:  # one set of rates for both, each rate its own value
         with torch.no_grad():
             for rate in eager.rate_parameters.values():
-                rate.mul_(1 + 0.5 * torch.rand(rate.shape, generator=torch.Generator().manual_seed(3), dtype=rate.dtype))
+                rate.mul_(
+                    1 + 0.5 * torch.rand(rate.shape, generator=torch.Generator().manual_seed(3), dtype=rate.dtype)
+                )
         compiled.rate_parameters = eager.rate_parameters
     return eager, compiled, batch
 
@@ -34,8 +38,13 @@ def assert_same_run(eager: maml.MetaLearner, compiled: maml.MetaLearner, batch: 
     expected, got = flat_grad(eager, batch), flat_grad(compiled, batch)
     assert torch.allclose(got, expected, rtol=0, atol=1e-10 * expected.abs().max())
     a, b = eager.run(batch), compiled.run(batch)
-    for x, y in [(a.loss, b.loss), (a.query_losses, b.query_losses), (a.query_out, b.query_out),
-                 (a.support_losses, b.support_losses), *((a.fast[k], b.fast[k]) for k in a.fast)]:  # fmt: skip
+    for x, y in [
+        (a.loss, b.loss),
+        (a.query_losses, b.query_losses),
+        (a.query_out, b.query_out),
+        (a.support_losses, b.support_losses),
+        *((a.fast[k], b.fast[k]) for k in a.fast),
+    ]:
         assert x.shape == y.shape
         assert torch.allclose(x.detach(), y, rtol=1e-10, atol=1e-12)
 
@@ -69,6 +78,7 @@ def test_compiled_first_order_equals_eager_first_order(batching):
 def test_compiled_loss_joins_the_graph_like_the_eager_one():
     eager, compiled, batch = pair("mlp", 1, batching="vmap")
     params = list(compiled.parameters())
+
     # Scaled and added to another term, as in a regularized objective.
     def reg() -> torch.Tensor:
         return sum((p**2).sum() for p in params)
@@ -79,6 +89,7 @@ def test_compiled_loss_joins_the_graph_like_the_eager_one():
         assert torch.allclose(g, e, rtol=1e-10, atol=1e-14)
     # Initial parameters that come out of a graph of their own (as in nested meta-learning).
     scale = torch.tensor(1.5, dtype=torch.float64, requires_grad=True)
+
     def start() -> dict[str, torch.Tensor]:
         return {k: scale * v for k, v in compiled.model.named_parameters()}
 
@@ -90,7 +101,12 @@ def test_compiled_loss_joins_the_graph_like_the_eager_one():
 def test_compiled_gradient_cannot_be_differentiated_again():
     _, compiled, batch = pair("mlp", 1, batching="vmap")
     params = list(compiled.parameters())
-    with pytest.raises(RuntimeError, match=re.escape("cannot be differentiated again (backward with create_graph=True); build the learner with compile=False")):
+    with pytest.raises(
+        RuntimeError,
+        match=re.escape(
+            "cannot be differentiated again (backward with create_graph=True); build the learner with compile=False"
+        ),
+    ):
         torch.autograd.grad(compiled.meta_loss(batch), params, create_graph=True)
 
 
@@ -109,7 +125,10 @@ def test_compiled_reports_a_diverged_inner_loss():
     bad = maml.TaskBatch(batch.support_x.clone(), batch.support_y, batch.query_x, batch.query_y)
     bad.support_x[1, 0, 0] = float("nan")
     learner = maml.MetaLearner(model, loss_fn, inner_lr=0.1, steps=2, compile=True)
-    with pytest.raises(FloatingPointError, match=re.escape("the inner (support) loss is nan for task 1 at inner step 0 (0-based, of 2)")):
+    with pytest.raises(
+        FloatingPointError,
+        match=re.escape("the inner (support) loss is nan for task 1 at inner step 0 (0-based, of 2)"),
+    ):
         learner.meta_loss(bad)
 
 

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_experiments import SMALL_SINE, assert_logged, checkpoint, env, finished, script
 
 import maml
 from experiments.cli import UsageError
 from experiments.config import RunOptions
 from experiments.runtime import check_shards
-from test_experiments import SMALL_SINE, assert_logged, checkpoint, env, finished, script
 
 PROCESSES = 2
 
@@ -43,8 +43,19 @@ def free_port() -> int:
 
 def test_two_processes_follow_the_trajectory_of_one_and_only_rank_0_writes(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
-    args = ["--iterations", "20", "--meta-batch", "10", "--log-every", "10", "--val-every", "20",
-            "--checkpoint-every", "20", *SMALL_SINE]  # fmt: skip
+    args = [
+        "--iterations",
+        "20",
+        "--meta-batch",
+        "10",
+        "--log-every",
+        "10",
+        "--val-every",
+        "20",
+        "--checkpoint-every",
+        "20",
+        *SMALL_SINE,
+    ]
     # Both at once: the launches overlap on the 2 cores.
     single = script("experiments.sine", [*args, "--out", str(one), "--wandb", "disabled"], tmp_path)
     sharded = torchrun(["-m", "experiments.sine", *args, "--out", str(two), "--wandb", "offline"], tmp_path)
@@ -74,7 +85,9 @@ def test_two_processes_follow_the_trajectory_of_one_and_only_rank_0_writes(tmp_p
 
 def test_a_meta_batch_the_processes_cannot_share_is_refused_before_anything_is_written(tmp_path):
     out = tmp_path / "run"
-    proc = torchrun(["-m", "experiments.sine", "--meta-batch", "25", "--out", str(out), "--wandb", "disabled"], tmp_path)
+    proc = torchrun(
+        ["-m", "experiments.sine", "--meta-batch", "25", "--out", str(out), "--wandb", "disabled"], tmp_path
+    )
     _, err = proc.communicate(timeout=300)
     assert proc.returncode != 0
     assert "--meta-batch 25 cannot be split evenly across 2 processes" in err, err[-3000:]
@@ -105,8 +118,10 @@ def test_shard_splits_the_tasks_into_equal_contiguous_shares():
 def test_shard_errors_say_how_to_fix_them():
     x = torch.zeros(10, 1, 1)
     batch = maml.TaskBatch(x, x, x, x)
-    message = ("a meta-batch of 10 tasks cannot be split evenly across 4 processes (world size): every process must "
-               "adapt the same number of tasks")  # fmt: skip
+    message = (
+        "a meta-batch of 10 tasks cannot be split evenly across 4 processes (world size): every process must "
+        "adapt the same number of tasks"
+    )
     with pytest.raises(ValueError, match=re.escape(message)) as error:
         maml.shard(batch, rank=0, world_size=4)
     assert "multiple of 4 (e.g. 8 or 12)" in str(error.value) and "divides 10 (1, 2, 5, 10)" in str(error.value)
@@ -121,7 +136,9 @@ def test_shard_errors_say_how_to_fix_them():
 def test_the_scripts_check_the_meta_batch_against_the_number_of_processes(tmp_path):
     opts = RunOptions("sine", tmp_path, False, False, "disabled", torch.device("cpu"), None, rank=0, world_size=3)
     check_shards(24, opts)
-    with pytest.raises(UsageError, match=re.escape("--meta-batch 25 cannot be split evenly across 3 processes")) as error:
+    with pytest.raises(
+        UsageError, match=re.escape("--meta-batch 25 cannot be split evenly across 3 processes")
+    ) as error:
         check_shards(25, opts)
     assert "divides 25: 1, 5, 25" in str(error.value)
 
@@ -130,8 +147,21 @@ def test_on_two_machines_a_stopped_run_resumes_from_rank_0s_checkpoint(tmp_path)
     """Two torchrun launches, one process each, as on two machines: each in its own working
     directory, so ``--out run`` is a different folder for each, as on machines without a shared disk."""
     iterations = 300
-    args = ["--iterations", str(iterations), "--meta-batch", "10", "--log-every", "50", "--val-every", "300",
-            "--checkpoint-every", "50", "--wandb", "disabled", *SMALL_SINE]  # fmt: skip
+    args = [
+        "--iterations",
+        str(iterations),
+        "--meta-batch",
+        "10",
+        "--log-every",
+        "50",
+        "--val-every",
+        "300",
+        "--checkpoint-every",
+        "50",
+        "--wandb",
+        "disabled",
+        *SMALL_SINE,
+    ]
     machines = [tmp_path / "machine0", tmp_path / "machine1"]
     for m in machines:
         m.mkdir()
@@ -140,12 +170,36 @@ def test_on_two_machines_a_stopped_run_resumes_from_rank_0s_checkpoint(tmp_path)
     def launch(*extra: str) -> list[subprocess.Popen]:
         port = free_port()
         procs = [
-            subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(i),
-                              "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
-                              "-m", "experiments.sine", *args, "--out", "run", *extra],
-                             cwd=machine, env=env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--nnodes",
+                    "2",
+                    "--node-rank",
+                    str(i),
+                    "--nproc-per-node",
+                    "1",
+                    "--master-addr",
+                    "127.0.0.1",
+                    "--master-port",
+                    str(port),
+                    "-m",
+                    "experiments.sine",
+                    *args,
+                    "--out",
+                    "run",
+                    *extra,
+                ],
+                cwd=machine,
+                env=env(tmp_path),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
             for i, machine in enumerate(machines)
-        ]  # fmt: skip
+        ]
         launched.extend(procs)
         return procs
 
@@ -183,8 +237,23 @@ def test_on_two_machines_a_stopped_run_resumes_from_rank_0s_checkpoint(tmp_path)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: run on a GPU machine (CI has none)")
 def test_on_gpus_one_rank_per_gpu_follows_the_single_process_run(tmp_path, capsys):
     gpus = torch.cuda.device_count()
-    args = ["--iterations", "200", "--meta-batch", str(10 * gpus), "--log-every", "50", "--val-every", "200",
-            "--checkpoint-every", "200", "--device", "cuda", "--wandb", "disabled", *SMALL_SINE]  # fmt: skip
+    args = [
+        "--iterations",
+        "200",
+        "--meta-batch",
+        str(10 * gpus),
+        "--log-every",
+        "50",
+        "--val-every",
+        "200",
+        "--checkpoint-every",
+        "200",
+        "--device",
+        "cuda",
+        "--wandb",
+        "disabled",
+        *SMALL_SINE,
+    ]
     finished(script("experiments.sine", [*args, "--out", str(tmp_path / "one")], tmp_path))
     finished(torchrun(["-m", "experiments.sine", *args, "--out", str(tmp_path / "nccl")], tmp_path, processes=gpus))
     a, b = checkpoint(tmp_path / "one"), checkpoint(tmp_path / "nccl")
@@ -193,5 +262,7 @@ def test_on_gpus_one_rank_per_gpu_follows_the_single_process_run(tmp_path, capsy
         torch.testing.assert_close(b["learner"]["model"][key], value, rtol=0, atol=1e-5, msg=key)
     with capsys.disabled():  # the step time, for the README
         steps = [[row["train/step_time_ms"] for row in c["history"]] for c in (a, b)]
-        print(f"\n{torch.cuda.get_device_name()}: {gpus} rank(s); step time per logged window (ms): "
-              f"one process {[round(t, 2) for t in steps[0]]}, torchrun {[round(t, 2) for t in steps[1]]}")
+        print(
+            f"\n{torch.cuda.get_device_name()}: {gpus} rank(s); step time per logged window (ms): "
+            f"one process {[round(t, 2) for t in steps[0]]}, torchrun {[round(t, 2) for t in steps[1]]}"
+        )

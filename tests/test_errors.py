@@ -7,10 +7,10 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import make
 from torch import nn
 
 import maml
-from helpers import make
 
 
 def raises(exc: type[Exception], text: str):
@@ -60,7 +60,10 @@ def test_run_needs_a_task_batch(mlp):
 def test_non_floating_input(mlp):
     model, batch, loss_fn = mlp
     bad = maml.TaskBatch(batch.support_x.to(torch.uint8), batch.support_y, batch.query_x, batch.query_y)
-    with raises(TypeError, "support_x has dtype torch.uint8, but the model needs floating-point inputs (torch.float64); convert them with support_x.to(torch.float64)"):
+    with raises(
+        TypeError,
+        "support_x has dtype torch.uint8, but the model needs floating-point inputs (torch.float64); convert them with support_x.to(torch.float64)",
+    ):
         maml.MetaLearner(model, loss_fn, inner_lr=0.1).meta_loss(bad)
     with raises(TypeError, "support_x has dtype torch.int64, but the model needs floating-point inputs"):
         maml.MetaLearner(model, loss_fn, inner_lr=0.1).adapt(batch.support_x[0].long(), batch.support_y[0])
@@ -69,7 +72,10 @@ def test_non_floating_input(mlp):
 def test_input_dtype_differs_from_the_parameters(mlp):
     model, batch, loss_fn = mlp
     bad = maml.TaskBatch(batch.support_x, batch.support_y, batch.query_x.float(), batch.query_y)
-    with raises(TypeError, "query_x has dtype torch.float32 but the model's parameters are torch.float64; convert the inputs with query_x.to(torch.float64)"):
+    with raises(
+        TypeError,
+        "query_x has dtype torch.float32 but the model's parameters are torch.float64; convert the inputs with query_x.to(torch.float64)",
+    ):
         maml.MetaLearner(model, loss_fn, inner_lr=0.1).meta_loss(bad)
 
 
@@ -92,19 +98,39 @@ def test_adapt_examples_and_targets_differ(mlp):
 @pytest.mark.parametrize(
     "kwargs, exc, text",
     [
-        ({"mode": "second-order"}, ValueError, "mode='second-order' is not supported (did you mean 'second_order'?); choose one of 'second_order', 'first_order', 'checkpointed'."),
+        (
+            {"mode": "second-order"},
+            ValueError,
+            "mode='second-order' is not supported (did you mean 'second_order'?); choose one of 'second_order', 'first_order', 'checkpointed'.",
+        ),
         ({"mode": "fomaml"}, ValueError, "mode='fomaml' is not supported; choose one of"),
-        ({"batching": "vmapp"}, ValueError, "batching='vmapp' is not supported (did you mean 'vmap'?); choose one of 'auto', 'vmap', 'loop'."),
+        (
+            {"batching": "vmapp"},
+            ValueError,
+            "batching='vmapp' is not supported (did you mean 'vmap'?); choose one of 'auto', 'vmap', 'loop'.",
+        ),
         ({"steps": -1}, ValueError, "steps=-1 is out of range; it must be >= 0."),
         ({"steps": 1.5}, TypeError, "steps must be an int, got 1.5 (float)."),
         ({"inner_lr": -0.1}, ValueError, "inner_lr=-0.1 is out of range; it must be a finite number > 0."),
         ({"inner_lr": float("nan")}, ValueError, "inner_lr=nan is out of range"),
         ({"inner_lr": "0.1"}, TypeError, "inner_lr must be a Python float, got '0.1' (str)"),
-        ({"learn_inner_lr": "meta_sgd"}, ValueError, "learn_inner_lr='meta_sgd' is not supported; choose one of None, 'scalar', 'per_parameter', 'per_layer_per_step'."),
+        (
+            {"learn_inner_lr": "meta_sgd"},
+            ValueError,
+            "learn_inner_lr='meta_sgd' is not supported; choose one of None, 'scalar', 'per_parameter', 'per_layer_per_step'.",
+        ),
         ({"chunk_size": 0}, ValueError, "chunk_size=0 is out of range; it must be >= 1."),
         ({"chunk_size": 2, "batching": "loop"}, ValueError, "chunk_size=2 only applies to batching='vmap'"),
-        ({"checkpoint_every": 2}, ValueError, "checkpoint_every=2 only applies to mode='checkpointed' (mode is 'second_order')."),
-        ({"checkpoint_every": 0, "mode": "checkpointed"}, ValueError, "checkpoint_every=0 is out of range; it must be >= 1."),
+        (
+            {"checkpoint_every": 2},
+            ValueError,
+            "checkpoint_every=2 only applies to mode='checkpointed' (mode is 'second_order').",
+        ),
+        (
+            {"checkpoint_every": 0, "mode": "checkpointed"},
+            ValueError,
+            "checkpoint_every=0 is out of range; it must be >= 1.",
+        ),
     ],
 )
 def test_bad_constructor_arguments(mlp, kwargs, exc, text):
@@ -130,7 +156,10 @@ def test_model_and_loss_types(mlp):
 def test_loss_that_is_not_a_scalar(mlp, batching):
     model, batch, _ = mlp
     learner = maml.MetaLearner(model, lambda out, y: (out - y) ** 2, inner_lr=0.1, batching=batching)
-    with raises(ValueError, "loss_fn returned a tensor of shape (5, 1) for one task; it must return a scalar tensor, the mean loss over the task's examples"):
+    with raises(
+        ValueError,
+        "loss_fn returned a tensor of shape (5, 1) for one task; it must return a scalar tensor, the mean loss over the task's examples",
+    ):
         learner.meta_loss(batch)
     learner = maml.MetaLearner(model, lambda out, y: 1.0, inner_lr=0.1, batching=batching)
     with raises(ValueError, "loss_fn returned float for one task"):
@@ -142,7 +171,9 @@ def test_parameter_names_that_do_not_match_the_model(mlp):
     learner = maml.MetaLearner(model, loss_fn, inner_lr=0.1)
     params = dict(model.named_parameters())
     params["0.weigth"] = params.pop("0.weight")
-    with raises(ValueError, "params has keys that are not parameters of the model: '0.weigth' (did you mean '0.weight'"):
+    with raises(
+        ValueError, "params has keys that are not parameters of the model: '0.weigth' (did you mean '0.weight'"
+    ):
         learner.run(batch, params)
     del params["0.weigth"]
     with raises(ValueError, "params lacks parameters of the model: '0.weight'"):
@@ -167,7 +198,10 @@ def test_nan_inner_loss_names_the_task_and_step(mlp, mode, batching):
 def test_diverging_inner_loop_names_the_step_and_the_rate(mlp):
     model, batch, loss_fn = mlp
     learner = maml.MetaLearner(model, loss_fn, inner_lr=1e200, steps=4)
-    with pytest.raises(FloatingPointError, match=r"for task \d at inner step [123] .*Lower the inner learning rate \(inner_lr=1e\+200\)"):
+    with pytest.raises(
+        FloatingPointError,
+        match=r"for task \d at inner step [123] .*Lower the inner learning rate \(inner_lr=1e\+200\)",
+    ):
         learner.meta_loss(batch)
     assert maml.MetaLearner(model, loss_fn, inner_lr=1e200, steps=4, check_finite=False).meta_loss(batch).isnan()
 
@@ -176,7 +210,10 @@ def test_batchnorm_tracking_running_statistics_in_training_mode(mlp):
     _, batch, loss_fn = mlp
     model = nn.Sequential(nn.Linear(3, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1)).double()
     learner = maml.MetaLearner(model, loss_fn, inner_lr=0.1)
-    with raises(ValueError, "BatchNorm1d '1' is in training mode and tracks running statistics: it would overwrite them in place on every inner step of every task (and vmap cannot batch that). Build it with track_running_stats=False"):
+    with raises(
+        ValueError,
+        "BatchNorm1d '1' is in training mode and tracks running statistics: it would overwrite them in place on every inner step of every task (and vmap cannot batch that). Build it with track_running_stats=False",
+    ):
         learner.meta_loss(batch)
     model.eval()
     assert learner.meta_loss(batch).isfinite()

@@ -12,16 +12,29 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import REPO, omniglot_root
 
 from experiments import omniglot, sine
 from experiments.config import parse_args
 from experiments.fit import main
 from experiments.rundir import fingerprint
-from helpers import REPO, omniglot_root
 
 PNG = b"\x89PNG\r\n\x1a\n"
 # A fixed batching: "auto" times both, and two fresh runs compared to the bit must batch alike.
-SMALL_SINE = ["--compile", "false", "--batching", "vmap", "--hidden", "8", "--eval-tasks", "20", "--val-tasks", "10", "--eval-query", "20"]
+SMALL_SINE = [
+    "--compile",
+    "false",
+    "--batching",
+    "vmap",
+    "--hidden",
+    "8",
+    "--eval-tasks",
+    "20",
+    "--val-tasks",
+    "10",
+    "--eval-query",
+    "20",
+]
 
 
 def env(tmp_path: Path) -> dict[str, str]:
@@ -39,8 +52,15 @@ def env(tmp_path: Path) -> dict[str, str]:
 
 
 def script(module: str, args: list[str], tmp_path: Path, **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO, env=env(tmp_path),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", module, *args],
+        cwd=REPO,
+        env=env(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
 
 
 def finished(proc: subprocess.Popen, code: int = 0) -> str:
@@ -67,8 +87,21 @@ def assert_logged(out: Path, history: list[dict], summary: dict[str, float]) -> 
 
 def test_sine_end_to_end(tmp_path):
     out = tmp_path / "sine"
-    args = ["--iterations", "40", "--log-every", "10", "--val-every", "20", "--checkpoint-every", "20",
-            "--out", str(out), "--wandb", "offline", *SMALL_SINE]  # fmt: skip
+    args = [
+        "--iterations",
+        "40",
+        "--log-every",
+        "10",
+        "--val-every",
+        "20",
+        "--checkpoint-every",
+        "20",
+        "--out",
+        str(out),
+        "--wandb",
+        "offline",
+        *SMALL_SINE,
+    ]
     printed = finished(script("experiments.sine", args, tmp_path))
     assert "test MSE on 20 tasks" in printed
 
@@ -89,9 +122,32 @@ def test_sine_end_to_end(tmp_path):
 
 def test_omniglot_end_to_end(tmp_path):
     out = tmp_path / "omniglot"
-    args = ["--data", str(omniglot_root()), "--iterations", "4", "--meta-batch", "2", "--filters", "8",
-            "--log-every", "2", "--val-every", "4", "--checkpoint-every", "2", "--val-tasks", "4",
-            "--eval-tasks", "6", "--eval-chunk", "4", "--out", str(out), "--wandb", "offline"]  # fmt: skip
+    args = [
+        "--data",
+        str(omniglot_root()),
+        "--iterations",
+        "4",
+        "--meta-batch",
+        "2",
+        "--filters",
+        "8",
+        "--log-every",
+        "2",
+        "--val-every",
+        "4",
+        "--checkpoint-every",
+        "2",
+        "--val-tasks",
+        "4",
+        "--eval-tasks",
+        "6",
+        "--eval-chunk",
+        "4",
+        "--out",
+        str(out),
+        "--wandb",
+        "offline",
+    ]
     printed = finished(script("experiments.omniglot", args, tmp_path))
     assert "5-way 1-shot test accuracy on 6 tasks" in printed
 
@@ -121,8 +177,19 @@ def test_omniglot_end_to_end(tmp_path):
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGINT])
 def test_interrupted_then_resumed_run_is_bit_identical(tmp_path, how):
     iterations = 1500
-    args = ["--iterations", str(iterations), "--checkpoint-every", "50", "--log-every", "50", "--val-every", "500",
-            "--wandb", "disabled", *SMALL_SINE]  # fmt: skip
+    args = [
+        "--iterations",
+        str(iterations),
+        "--checkpoint-every",
+        "50",
+        "--log-every",
+        "50",
+        "--val-every",
+        "500",
+        "--wandb",
+        "disabled",
+        *SMALL_SINE,
+    ]
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     reference = script("experiments.sine", [*args, "--out", str(whole)], tmp_path)
 
@@ -161,7 +228,12 @@ def fails(capsys, run, argv: list[str], message: str) -> None:
 
 
 def test_unknown_flag_lists_close_matches(capsys, tmp_path):
-    fails(capsys, sine.run, ["--inner-rl", "0.1", "--out", str(tmp_path)], "unknown flag --inner-rl (did you mean --inner-lr")
+    fails(
+        capsys,
+        sine.run,
+        ["--inner-rl", "0.1", "--out", str(tmp_path)],
+        "unknown flag --inner-rl (did you mean --inner-lr",
+    )
     fails(capsys, sine.run, ["--iteration=5"], "unknown flag --iteration (did you mean --iterations")
 
 
@@ -172,27 +244,49 @@ def test_unknown_config_key_and_wrong_types(capsys, tmp_path):
     config.write_text("iterations: ten\n")
     fails(capsys, sine.run, ["--config", str(config)], f"--config {config}: iterations 'ten' is not an integer.")
     config.write_text("eval_shots: 5\n")
-    fails(capsys, sine.run, ["--config", str(config)], f"--config {config}: eval_shots must be a list (e.g. [5]), got 5.")
+    fails(
+        capsys, sine.run, ["--config", str(config)], f"--config {config}: eval_shots must be a list (e.g. [5]), got 5."
+    )
     fails(capsys, sine.run, ["--meta-batch", "2.5"], "error: --meta-batch '2.5' is not an integer.")
-    fails(capsys, sine.run, ["--mode", "fomaml"], "error: --mode 'fomaml' is not one of second_order, first_order, checkpointed.")
+    fails(
+        capsys,
+        sine.run,
+        ["--mode", "fomaml"],
+        "error: --mode 'fomaml' is not one of second_order, first_order, checkpointed.",
+    )
     fails(capsys, sine.run, ["--config", str(tmp_path / "nope.yaml")], "no such file")
-    fails(capsys, sine.run, ["--compile", "true", "--mode", "checkpointed"],
-          "compile applies to mode second_order or first_order, not checkpointed; drop --compile or pick another --mode.")  # fmt: skip
+    fails(
+        capsys,
+        sine.run,
+        ["--compile", "true", "--mode", "checkpointed"],
+        "compile applies to mode second_order or first_order, not checkpointed; drop --compile or pick another --mode.",
+    )
 
 
 def test_config_file_and_flags_combine(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text("inner-lr: 0.05\niterations: 7\neval_shots: [5]\n")
-    cfg, opts = parse_args("sine", sine.SineConfig, ["--config", str(config), "--iterations=9", "--out", str(tmp_path)],
-                                  "", sine.validate_config)  # fmt: skip
+    cfg, opts = parse_args(
+        "sine",
+        sine.SineConfig,
+        ["--config", str(config), "--iterations=9", "--out", str(tmp_path)],
+        "",
+        sine.validate_config,
+    )
     assert (cfg.inner_lr, cfg.iterations, cfg.eval_shots, cfg.meta_batch) == (0.05, 9, (5,), 25)
     assert opts.out == tmp_path and opts.config_file == config
     _, opts = parse_args("sine", sine.SineConfig, [], "", sine.validate_config)
     assert opts.out == Path("runs") / "sine"
 
 
-MAMLPP = {"steps": 5, "learn_inner_lr": "per_layer_per_step", "msl_fraction": 0.1, "first_order_fraction": 0.5,
-          "meta_lr_schedule": "cosine", "min_meta_lr": 1e-5}  # fmt: skip
+MAMLPP = {
+    "steps": 5,
+    "learn_inner_lr": "per_layer_per_step",
+    "msl_fraction": 0.1,
+    "first_order_fraction": 0.5,
+    "meta_lr_schedule": "cosine",
+    "min_meta_lr": 1e-5,
+}
 
 
 @pytest.mark.parametrize("module", [sine, omniglot], ids=["sine", "omniglot"])
@@ -203,7 +297,10 @@ def test_an_algorithm_sets_its_recipe_under_config_files_and_flags(capsys, tmp_p
     def parse(*argv: str):
         return parse_args(module.__name__.rsplit(".", 1)[1], cls, list(argv), "", module.validate_config)[0]
 
-    mamlpp = {**MAMLPP, **({"inner_lr": 0.1, "meta_batch": 8, "loss": "mean"} if module is omniglot else {"rate_meta_lr": 1e-4})}
+    mamlpp = {
+        **MAMLPP,
+        **({"inner_lr": 0.1, "meta_batch": 8, "loss": "mean"} if module is omniglot else {"rate_meta_lr": 1e-4}),
+    }
     cfg = vars(parse("--algorithm", "mamlpp"))
     assert cfg == {**defaults, **mamlpp, "algorithm": "mamlpp", "compile": cfg["compile"]}  # those keys, no other
     assert parse("--algorithm", "fomaml").mode == "first_order"
@@ -215,12 +312,17 @@ def test_an_algorithm_sets_its_recipe_under_config_files_and_flags(capsys, tmp_p
     config.write_text("steps: 2\nmeta-lr-schedule: constant\n")
     cfg = parse("--algorithm", "mamlpp", "--config", str(config))
     assert (cfg.steps, cfg.meta_lr_schedule, cfg.msl_fraction) == (2, "constant", 0.1)  # so does a config file
-    assert parse("--algorithm", "mamlpp", "--config", str(config), "--steps", "4").steps == 4  # and a flag overrides both
+    assert (
+        parse("--algorithm", "mamlpp", "--config", str(config), "--steps", "4").steps == 4
+    )  # and a flag overrides both
     config.write_text("algorithm: mamlpp\n")
     assert parse("--config", str(config)).steps == 5  # a config file may choose the recipe
     assert parse("--config", str(config), "--algorithm", "maml").steps == defaults["steps"]  # and a flag overrides it
     config.write_text("algorithm: nope\n")
-    for argv, where in ((["--algorithm", "nope"], "--algorithm"), (["--config", str(config)], f"--config {config}: algorithm")):
+    for argv, where in (
+        (["--algorithm", "nope"], "--algorithm"),
+        (["--config", str(config)], f"--config {config}: algorithm"),
+    ):
         capsys.readouterr()
         with pytest.raises(SystemExit) as exit_:
             main(module.run, argv)
@@ -231,7 +333,12 @@ def test_an_algorithm_sets_its_recipe_under_config_files_and_flags(capsys, tmp_p
 def test_output_folder_holding_another_run_is_refused(capsys, tmp_path):
     (tmp_path / "config.yaml").write_text("keep me")
     (tmp_path / "checkpoint.pt").write_bytes(b"keep me too")
-    fails(capsys, sine.run, ["--out", str(tmp_path)], f"--out {tmp_path} already holds a run (config.yaml, checkpoint.pt); pass --resume")
+    fails(
+        capsys,
+        sine.run,
+        ["--out", str(tmp_path)],
+        f"--out {tmp_path} already holds a run (config.yaml, checkpoint.pt); pass --resume",
+    )
     assert (tmp_path / "config.yaml").read_text() == "keep me"
     fails(capsys, sine.run, ["--out", str(tmp_path), "--resume"], "is corrupt or not from this script")
     assert (tmp_path / "checkpoint.pt").read_bytes() == b"keep me too"
@@ -247,5 +354,10 @@ def test_resume_without_a_checkpoint_or_with_another_config(capsys, tmp_path):
 def test_missing_data_path(capsys, tmp_path, monkeypatch):
     monkeypatch.delenv("OMNIGLOT_DIR", raising=False)
     fails(capsys, omniglot.run, ["--out", str(tmp_path)], "no data: pass --data PATH")
-    fails(capsys, omniglot.run, ["--data", str(tmp_path / "nowhere"), "--out", str(tmp_path)], f"--data {tmp_path / 'nowhere'}:")
+    fails(
+        capsys,
+        omniglot.run,
+        ["--data", str(tmp_path / "nowhere"), "--out", str(tmp_path)],
+        f"--data {tmp_path / 'nowhere'}:",
+    )
     assert not (tmp_path / "config.yaml").exists()

@@ -54,12 +54,15 @@ def _conv_bn() -> nn.Module:
     return nn.Sequential(
         OrderedDict(
             body=nn.Sequential(
-                nn.Conv2d(1, 3, 3, padding=1), nn.BatchNorm2d(3, track_running_stats=False),
-                nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                nn.Conv2d(1, 3, 3, padding=1),
+                nn.BatchNorm2d(3, track_running_stats=False),
+                nn.ReLU(),
+                nn.MaxPool2d(2),
+                nn.Flatten(),
             ),
             head=nn.Linear(27, 3),
         )
-    )  # fmt: skip
+    )
 
 
 def _regression(g: torch.Generator, tasks: int = 3, n: int = 5) -> maml.TaskBatch:
@@ -206,7 +209,9 @@ class _Sqrt0(torch.autograd.Function):
         return torch.where(positive, grad / (2 * torch.where(positive, root, torch.ones_like(root))), 0.0)
 
 
-def ref_update(cfg: Config, k: int, lr: float | Tensor, p: Tensor, g: Tensor, state: Any, sqrt: Callable = _Sqrt0.apply):
+def ref_update(
+    cfg: Config, k: int, lr: float | Tensor, p: Tensor, g: Tensor, state: Any, sqrt: Callable = _Sqrt0.apply
+):
     """One parameter's inner step ``k`` (0-based) of the rule: ``(new p, new state)``."""
     rule, opts = rule_of(cfg), cfg.get("inner_optimizer_options") or {}
     if rule == "sgd":
@@ -468,13 +473,17 @@ def torch_optim_fast(model, loss_fn, batch, cfg, *, inner_lr, steps, rates, task
         )
     else:
         momentum = opts.get("momentum", 0.9) if rule == "momentum" else 0.0
-        opt = torch.optim.SGD(groups, lr=inner_lr, momentum=momentum, nesterov=opts.get("nesterov", False), foreach=False)
+        opt = torch.optim.SGD(
+            groups, lr=inner_lr, momentum=momentum, nesterov=opts.get("nesterov", False), foreach=False
+        )
     for k in range(steps):
         for group, n in zip(opt.param_groups, adapted):
             rate = rate_at(rates, kind, inner_lr, n, k)
             group["lr"] = float(rate.detach()) if isinstance(rate, Tensor) else rate
         opt.zero_grad()
-        loss_fn(functional_call(model, {**consts, **fast}, (batch.support_x[task],), strict=True), batch.support_y[task]).backward()
+        loss_fn(
+            functional_call(model, {**consts, **fast}, (batch.support_x[task],), strict=True), batch.support_y[task]
+        ).backward()
         opt.step()
     return {n: v.detach() for n, v in fast.items()}
 
@@ -504,7 +513,9 @@ def engine_loss(learner: maml.MetaLearner, batch: maml.TaskBatch, cfg: Config, s
     return learner.run(batch, steps=steps, **kw).loss
 
 
-def engine_grads(learner: maml.MetaLearner, batch: maml.TaskBatch, cfg: Config, steps: int | None = None) -> dict[str, Tensor]:
+def engine_grads(
+    learner: maml.MetaLearner, batch: maml.TaskBatch, cfg: Config, steps: int | None = None
+) -> dict[str, Tensor]:
     return grads_of(engine_loss(learner, batch, cfg, steps), meta_params(learner.model, learner.rate_parameters))
 
 
@@ -522,7 +533,9 @@ def reference_for(
     for key, r in rates.items():
         assert learner.rate_parameters[key].shape == r.shape, key
         assert torch.equal(learner.rate_parameters[key].detach(), r.detach()), key
-    ref = reference(model, learner.loss_fn, batch, cfg, inner_lr=lr, steps=learner.steps, first_order=first_order, rates=rates, **kw)
+    ref = reference(
+        model, learner.loss_fn, batch, cfg, inner_lr=lr, steps=learner.steps, first_order=first_order, rates=rates, **kw
+    )
     return ref, grads_of(ref.loss, meta_params(model, rates))
 
 
@@ -542,9 +555,18 @@ def extra(mode: str) -> dict[str, Any]:
 @pytest.mark.parametrize("first_order", [False, True], ids=["second_order", "first_order"])
 @pytest.mark.parametrize(
     "name",
-    ["momentum", "nesterov", "adam", "adam_defaults", "anil-adam-meta_sgd", "boil-nesterov-scalar-sw", "lslr-adam-sw",
-     "anil-lslr-momentum", "maml++"],
-)  # fmt: skip
+    [
+        "momentum",
+        "nesterov",
+        "adam",
+        "adam_defaults",
+        "anil-adam-meta_sgd",
+        "boil-nesterov-scalar-sw",
+        "lslr-adam-sw",
+        "anil-lslr-momentum",
+        "maml++",
+    ],
+)
 def test_reference_equals_higher(name, first_order):
     cfg = OPTIONS[name]
     model, batch, loss_fn = make("mlp")
@@ -586,7 +608,9 @@ def test_higher_adam_differs_from_torch_adam_without_the_eps_override():
     assert abs(plain - float(ref.query_losses[0])) > 1e-9
 
 
-@pytest.mark.parametrize("name", ["momentum", "nesterov", "adam", "adam_defaults", "lslr-adam-sw", "anil-lslr-momentum"])
+@pytest.mark.parametrize(
+    "name", ["momentum", "nesterov", "adam", "adam_defaults", "lslr-adam-sw", "anil-lslr-momentum"]
+)
 def test_reference_fast_weights_equal_torch_optim(name):
     cfg = OPTIONS[name]
     model, batch, loss_fn = make("mlp")
@@ -602,8 +626,16 @@ def test_reference_fast_weights_equal_torch_optim(name):
             assert torch.allclose(ref.fast[t][n], expected[n], rtol=1e-13, atol=1e-15), n
 
 
-@pytest.mark.parametrize("case, name", [("mlp", "anil-adam-meta_sgd"), ("mlp", "boil-nesterov-scalar-sw"),
-                                        ("mlp", "lslr-adam-sw"), ("mlp_dead", "adam"), ("conv_bn", "lslr-adam-sw")])  # fmt: skip
+@pytest.mark.parametrize(
+    "case, name",
+    [
+        ("mlp", "anil-adam-meta_sgd"),
+        ("mlp", "boil-nesterov-scalar-sw"),
+        ("mlp", "lslr-adam-sw"),
+        ("mlp_dead", "adam"),
+        ("conv_bn", "lslr-adam-sw"),
+    ],
+)
 def test_reference_matches_finite_differences(case, name):
     cfg = OPTIONS[name]
     model, batch, loss_fn = make(case)
@@ -617,7 +649,9 @@ def test_reference_matches_finite_differences(case, name):
         # The differences need values only (the same in first order, at less cost), yet the inner loop's gradients.
         values_only = not torch.is_grad_enabled()
         with torch.enable_grad():
-            return reference(model, loss_fn, batch, cfg, inner_lr=lr, steps=3, first_order=values_only, rates=rates).loss
+            return reference(
+                model, loss_fn, batch, cfg, inner_lr=lr, steps=3, first_order=values_only, rates=rates
+            ).loss
 
     assert fd_error(loss, params) < 1e-6
 
@@ -630,13 +664,17 @@ def test_reference_cases_are_what_they_claim():
             model, batch, loss_fn = make(case)
             lr = CASES[case].inner_lr["sgd"]
             cfg = {"adapt": adapt}
-            so, fo = (reference(model, loss_fn, batch, cfg, inner_lr=lr, steps=3, first_order=f).loss for f in (False, True))
+            so, fo = (
+                reference(model, loss_fn, batch, cfg, inner_lr=lr, steps=3, first_order=f).loss for f in (False, True)
+            )
             frozen = {k: p for k, p in meta_params(model, {}).items() if not adapt_has(adapt, k)}
             assert rel(grads_of(fo, frozen), grads_of(so, frozen)) > 1e-3
     # mlp_dead: every kind of exact zero is in the support gradient (and stays: a zero gradient moves nothing).
     model, batch, loss_fn = make("mlp_dead")
     params = dict(model.named_parameters())
-    grads = dict(zip(params, torch.autograd.grad(loss_fn(model(batch.support_x[0]), batch.support_y[0]), list(params.values()))))
+    grads = dict(
+        zip(params, torch.autograd.grad(loss_fn(model(batch.support_x[0]), batch.support_y[0]), list(params.values())))
+    )
     assert (grads["body.0.weight"][:, 0] == 0).all() and (grads["body.0.weight"][1] == 0).all()
     assert (grads["body.2.weight"][:, 1] == 0).all() and (grads["head.weight"][:, 3] == 0).all()
     assert (grads["body.0.weight"][0, 1:] != 0).all()
@@ -758,9 +796,15 @@ def _frozen_then_unfrozen(adapt: list[str] | None, mode: str, batching: str, **k
     for n, p in model.named_parameters():
         p.requires_grad_(not body(n))
     learner = maml.MetaLearner(
-        model, loss_fn, inner_lr=LR["sgd"], steps=3, mode=mode, batching=batching,
-        **({} if adapt is None else {"adapt": adapt}), **kw,
-    )  # fmt: skip
+        model,
+        loss_fn,
+        inner_lr=LR["sgd"],
+        steps=3,
+        mode=mode,
+        batching=batching,
+        **({} if adapt is None else {"adapt": adapt}),
+        **kw,
+    )
     for p in model.parameters():
         p.requires_grad_(True)
     return learner, batch
@@ -782,7 +826,9 @@ def _exact_or_raises(learner: maml.MetaLearner, batch: maml.TaskBatch, adapt: li
     candidates = {"built": HEAD} if adapt is not None else {"built": HEAD, "now": trainable(model)}
     errors = {}
     for which, adapted in candidates.items():
-        ref = reference(model, learner.loss_fn, batch, cfg, inner_lr=LR["sgd"], steps=3, first_order=first_order, adapted=adapted)
+        ref = reference(
+            model, learner.loss_fn, batch, cfg, inner_lr=LR["sgd"], steps=3, first_order=first_order, adapted=adapted
+        )
         errors[which] = rel(got, grads_of(ref.loss, meta_params(model, {})))
     matched = [w for w, e in errors.items() if e < 1e-10]
     assert matched, f"the body's meta-gradient is not exact: relative errors {errors}"
@@ -790,10 +836,13 @@ def _exact_or_raises(learner: maml.MetaLearner, batch: maml.TaskBatch, adapt: li
 
 
 FROZEN_CONFIGS = [
-    ("second_order", "vmap", {}), ("second_order", "loop", {}),
-    ("first_order", "vmap", {}), ("first_order", "loop", {}),
-    ("checkpointed", "vmap", CKPT), ("checkpointed", "loop", {}),
-]  # fmt: skip
+    ("second_order", "vmap", {}),
+    ("second_order", "loop", {}),
+    ("first_order", "vmap", {}),
+    ("first_order", "loop", {}),
+    ("checkpointed", "vmap", CKPT),
+    ("checkpointed", "loop", {}),
+]
 
 
 @pytest.mark.parametrize("mode, batching, kw", FROZEN_CONFIGS, ids=[f"{m}-{b}" for m, b, _ in FROZEN_CONFIGS])
@@ -839,7 +888,13 @@ def test_mode_switch_on_a_live_learner():
     _, so = reference_for(learner, batch, cfg, lr, first_order=False)
     _, fo = reference_for(learner, batch, cfg, lr, first_order=True)
     assert rel(so, fo) > 1e-3
-    for mode, expected in [("second_order", so), ("first_order", fo), ("checkpointed", so), ("first_order", fo), ("second_order", so)]:
+    for mode, expected in [
+        ("second_order", so),
+        ("first_order", fo),
+        ("checkpointed", so),
+        ("first_order", fo),
+        ("second_order", so),
+    ]:
         learner.mode = mode
         assert learner.mode == mode
         assert rel(engine_grads(learner, batch, cfg), expected) < 1e-10, mode
@@ -874,7 +929,11 @@ HIGHER = ["momentum", "nesterov", "adam", "adam_defaults", "anil-adam-meta_sgd",
 
 
 HIGHER_CONFIGS = [(n, m, "vmap") for n in HIGHER for m in MODES]
-HIGHER_CONFIGS += [("nesterov", "second_order", "loop"), ("adam", "first_order", "loop"), ("lslr-adam-sw", "checkpointed", "loop")]
+HIGHER_CONFIGS += [
+    ("nesterov", "second_order", "loop"),
+    ("adam", "first_order", "loop"),
+    ("lslr-adam-sw", "checkpointed", "loop"),
+]
 
 
 @pytest.mark.parametrize("name, mode, batching", HIGHER_CONFIGS, ids=["-".join(c) for c in HIGHER_CONFIGS])
@@ -883,19 +942,25 @@ def test_equals_higher(name, mode, batching):
     learner, batch, lr = build("mlp", cfg, mode, batching, **extra(mode))
     got = engine_grads(learner, batch, cfg)
     rates = {k: r.detach().clone().requires_grad_() for k, r in learner.rate_parameters.items()}
-    peer = higher_loss(learner.model, learner.loss_fn, batch, cfg, inner_lr=lr, steps=3, first_order=mode == "first_order", rates=rates)
+    peer = higher_loss(
+        learner.model, learner.loss_fn, batch, cfg, inner_lr=lr, steps=3, first_order=mode == "first_order", rates=rates
+    )
     assert rel(got, grads_of(peer, meta_params(learner.model, rates))) < 1e-10
 
 
 @pytest.mark.parametrize("batching", BATCHINGS)
-@pytest.mark.parametrize("name", ["momentum", "nesterov", "adam", "adam_defaults", "lslr-adam-sw", "anil-lslr-momentum"])
+@pytest.mark.parametrize(
+    "name", ["momentum", "nesterov", "adam", "adam_defaults", "lslr-adam-sw", "anil-lslr-momentum"]
+)
 def test_fast_weights_equal_torch_optim(name, batching):
     cfg = OPTIONS[name]
     learner, batch, lr = build("mlp", cfg, "second_order", batching)
     fast = learner.run(batch).fast
     rates = {k: r.detach() for k, r in learner.rate_parameters.items()}
     for t in range(batch.num_tasks):
-        expected = torch_optim_fast(learner.model, learner.loss_fn, batch, cfg, inner_lr=lr, steps=3, rates=rates, task=t)
+        expected = torch_optim_fast(
+            learner.model, learner.loss_fn, batch, cfg, inner_lr=lr, steps=3, rates=rates, task=t
+        )
         assert sorted(fast) == sorted(expected)
         for n in expected:
             assert torch.allclose(fast[n][t].detach(), expected[n], rtol=1e-12, atol=1e-14), (t, n)
@@ -922,11 +987,16 @@ def test_step_query_losses(mode):
     # All weight on the last step is the plain meta-loss, gradient included.
     last = torch.tensor([0.0, 0.0, 1.0], dtype=DTYPE)
     params = meta_params(learner.model, learner.rate_parameters)
-    assert rel(grads_of(learner.meta_loss(batch, step_weights=last), params), grads_of(learner.meta_loss(batch), params)) < 1e-12
+    assert (
+        rel(grads_of(learner.meta_loss(batch, step_weights=last), params), grads_of(learner.meta_loss(batch), params))
+        < 1e-12
+    )
 
 
 def test_rate_layout_and_parameters():
-    learner, _, lr = build("mlp", {"adapt": HEAD, "learn_inner_lr": "per_layer_per_step"}, "second_order", "vmap", steps=4)
+    learner, _, lr = build(
+        "mlp", {"adapt": HEAD, "learn_inner_lr": "per_layer_per_step"}, "second_order", "vmap", steps=4
+    )
     assert list(learner.rate_parameters) == HEAD
     for rate in learner.rate_parameters.values():
         assert isinstance(rate, nn.Parameter) and rate.shape == (4,) and rate.dtype == DTYPE
@@ -1013,9 +1083,15 @@ def test_error_unknown_inner_optimizer():
 
 @pytest.mark.parametrize(
     "optimizer, options, bad",
-    [("adam", {"beta": (0.9, 0.99)}, "beta"), ("momentum", {"momentun": 0.9}, "momentun"), ("sgd", {"momentum": 0.9}, "momentum"),
-     ("adam", {"betas": (0.9, 1.5)}, "betas"), ("momentum", {"momentum": -0.1}, "momentum"), ("adam", {"eps": 0.0}, "eps")],
-)  # fmt: skip
+    [
+        ("adam", {"beta": (0.9, 0.99)}, "beta"),
+        ("momentum", {"momentun": 0.9}, "momentun"),
+        ("sgd", {"momentum": 0.9}, "momentum"),
+        ("adam", {"betas": (0.9, 1.5)}, "betas"),
+        ("momentum", {"momentum": -0.1}, "momentum"),
+        ("adam", {"eps": 0.0}, "eps"),
+    ],
+)
 def test_error_bad_inner_optimizer_options(optimizer, options, bad):
     with pytest.raises(ValueError, match=rf"(?s)inner_optimizer_options.*{bad}"):
         _learner(inner_optimizer=optimizer, inner_optimizer_options=options)

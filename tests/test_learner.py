@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import flat_grad, make
 from torch import nn
 from torch.func import functional_call
 
 import maml
-from helpers import flat_grad, make
 
 
 def test_reads_the_current_parameters_on_every_call_and_never_writes_them():
@@ -168,10 +168,14 @@ def flat_grad_at(learner: maml.MetaLearner, batch: maml.TaskBatch, steps: int) -
     return torch.cat([g.flatten() for g in grads])
 
 
-@pytest.mark.parametrize(("seconds", "faster"), [((1.0, 2.0), "vmap"), ((2.0, 1.0), "loop"), ((1.4, 1.0), "vmap")],
-                         ids=["vmap", "loop", "loop-not-clearly"])
-def test_auto_batching_takes_the_faster_as_timed_on_the_first_batch_and_keeps_it_in_the_state(seconds, faster,
-                                                                                                 monkeypatch):  # fmt: skip
+@pytest.mark.parametrize(
+    ("seconds", "faster"),
+    [((1.0, 2.0), "vmap"), ((2.0, 1.0), "loop"), ((1.4, 1.0), "vmap")],
+    ids=["vmap", "loop", "loop-not-clearly"],
+)
+def test_auto_batching_takes_the_faster_as_timed_on_the_first_batch_and_keeps_it_in_the_state(
+    seconds, faster, monkeypatch
+):
     conv, batch, loss_fn = make("conv_groupnorm")
     timed = []
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import omniglot_root
 from torch import nn
 
 import maml
@@ -23,10 +24,23 @@ from experiments.config import parse_args
 from experiments.divergence import Diverged, DivergenceWatch
 from experiments.fit import main
 from experiments.tracking import default_wandb_mode
-from helpers import omniglot_root
 
-TINY_SINE = ["--compile", "false", "--hidden", "8", "--val-tasks", "4", "--eval-tasks", "4", "--eval-query", "10", "--meta-batch", "4",
-             "--wandb", "disabled"]  # fmt: skip
+TINY_SINE = [
+    "--compile",
+    "false",
+    "--hidden",
+    "8",
+    "--val-tasks",
+    "4",
+    "--eval-tasks",
+    "4",
+    "--eval-query",
+    "10",
+    "--meta-batch",
+    "4",
+    "--wandb",
+    "disabled",
+]
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +70,11 @@ def exits(capsys: pytest.CaptureFixture[str], run, argv: list[str], code: int) -
 
 def test_an_infinite_or_nan_rate_is_refused_at_parse_time(capsys, tmp_path):
     out = tmp_path / "run"
-    for flag, value, fix in (("--meta-lr", "inf", ", e.g. 0.001 (the default)"), ("--inner-lr", "nan", ", e.g. 0.001 (the default)"),
-                             ("--meta-lr", "1e39", " (in float32, the parameters' precision), e.g. 0.001 (the default)")):  # fmt: skip
+    for flag, value, fix in (
+        ("--meta-lr", "inf", ", e.g. 0.001 (the default)"),
+        ("--inner-lr", "nan", ", e.g. 0.001 (the default)"),
+        ("--meta-lr", "1e39", " (in float32, the parameters' precision), e.g. 0.001 (the default)"),
+    ):
         err = exits(capsys, sine.run, [flag, value, "--out", str(out), *TINY_SINE], 2)
         shown = f"{float(value):g}"
         assert err == f"error: {flag} {shown} must be a finite number > 0{fix}."
@@ -80,15 +97,24 @@ def test_outer_divergence_names_the_meta_iteration_and_the_meta_lr(capsys, tmp_p
     assert not (out / "results.json").exists()
 
 
-def tiny_learner(steps: int, inner_lr: float) -> tuple[nn.Module, maml.MetaLearner, torch.optim.Optimizer, maml.TaskBatch]:
+def tiny_learner(
+    steps: int, inner_lr: float
+) -> tuple[nn.Module, maml.MetaLearner, torch.optim.Optimizer, maml.TaskBatch]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(1, 8), nn.ReLU(), nn.Linear(8, 1))
     learner = maml.MetaLearner(model, F.mse_loss, inner_lr=inner_lr, steps=steps)
     g = torch.Generator().manual_seed(0)
-    return model, learner, torch.optim.Adam(learner.parameters(), lr=0.001), maml.TaskBatch(*(torch.randn(3, 5, 1, generator=g) for _ in range(4)))
+    return (
+        model,
+        learner,
+        torch.optim.Adam(learner.parameters(), lr=0.001),
+        maml.TaskBatch(*(torch.randn(3, 5, 1, generator=g) for _ in range(4))),
+    )
 
 
-def meta_step(watch: DivergenceWatch, learner: maml.MetaLearner, optimizer: torch.optim.Optimizer, batch: maml.TaskBatch) -> None:
+def meta_step(
+    watch: DivergenceWatch, learner: maml.MetaLearner, optimizer: torch.optim.Optimizer, batch: maml.TaskBatch
+) -> None:
     """A training iteration as the trainer runs it, with the watch's checks."""
     optimizer.zero_grad()
     try:
@@ -135,7 +161,9 @@ def test_the_same_overflow_from_meta_parameters_that_did_not_run_away_blames_the
 
 def test_inner_divergence_names_the_inner_lr(capsys, tmp_path):
     out = tmp_path / "run"
-    err = exits(capsys, sine.run, ["--inner-lr", "100", "--steps", "3", "--iterations", "5", "--out", str(out), *TINY_SINE], 1)
+    err = exits(
+        capsys, sine.run, ["--inner-lr", "100", "--steps", "3", "--iterations", "5", "--out", str(out), *TINY_SINE], 1
+    )
     assert re.fullmatch(
         r"error: the inner loop diverged at meta-iteration [1-5]: the (support|query) loss of task \d is (inf|nan) after "
         r"[1-3] inner steps?, from a support loss of [0-9.]+ at the meta-parameters; lower --inner-lr 100\. "
@@ -192,17 +220,25 @@ def test_an_optimizer_step_that_makes_a_weight_nan_is_caught_before_the_checkpoi
 
 def test_the_sine_table_keeps_its_columns_for_diverged_values():
     cfg = sine.SineConfig(eval_tasks=600, eval_shots=(5, 10), eval_steps=(1, 10))
-    values = {(5, 1): (0.2974, 0.0312), (5, 10): (3411432.206, 2087494.9668689), (10, 1): (math.nan, math.nan),
-              (10, 10): (1.5e-5, math.inf)}  # fmt: skip
-    results = {f"{k}shot_{s}step": {"mse": m, "ci95": c, "shots": k, "steps": s, "diverged_tasks": int(m > 1e6)}
-               for (k, s), (m, c) in values.items()}  # fmt: skip
-    assert sine._table(results, cfg) == "\n".join([
-        "test MSE on 600 tasks (mean +- 95% CI)",
-        "K                    1 step               10 steps",
-        "5        0.297 +-     0.031  3.41e+06 +-  2.09e+06",
-        "10         nan +-       nan   1.5e-05 +-       inf",
-        "tasks whose inner loop diverged (infinite or NaN loss): K=5 10 steps: 1",
-    ])  # fmt: skip
+    values = {
+        (5, 1): (0.2974, 0.0312),
+        (5, 10): (3411432.206, 2087494.9668689),
+        (10, 1): (math.nan, math.nan),
+        (10, 10): (1.5e-5, math.inf),
+    }
+    results = {
+        f"{k}shot_{s}step": {"mse": m, "ci95": c, "shots": k, "steps": s, "diverged_tasks": int(m > 1e6)}
+        for (k, s), (m, c) in values.items()
+    }
+    assert sine._table(results, cfg) == "\n".join(
+        [
+            "test MSE on 600 tasks (mean +- 95% CI)",
+            "K                    1 step               10 steps",
+            "5        0.297 +-     0.031  3.41e+06 +-  2.09e+06",
+            "10         nan +-       nan   1.5e-05 +-       inf",
+            "tasks whose inner loop diverged (infinite or NaN loss): K=5 10 steps: 1",
+        ]
+    )
 
 
 # ---------------------------------------------------------------------------- 3. which rate, which value
@@ -213,16 +249,33 @@ def test_the_sine_table_keeps_its_columns_for_diverged_values():
     [
         (sine.run, ["--inner-lr", "0"], "--inner-lr 0 must be a finite number > 0, e.g. 0.001 (the default)."),
         (sine.run, ["--meta-lr", "-0.5"], "--meta-lr -0.5 must be a finite number > 0, e.g. 0.001 (the default)."),
-        (omniglot.run, ["--inner-lr", "nan"], "--inner-lr nan must be a finite number > 0; leave it out for the default."),
+        (
+            omniglot.run,
+            ["--inner-lr", "nan"],
+            "--inner-lr nan must be a finite number > 0; leave it out for the default.",
+        ),
         (omniglot.run, ["--meta-lr", "0"], "--meta-lr 0 must be a finite number > 0, e.g. 0.001 (the default)."),
-        (sine.run, ["--rate-meta-lr", "0"], "--rate-meta-lr 0 must be a finite number > 0; leave it out for the default."),
+        (
+            sine.run,
+            ["--rate-meta-lr", "0"],
+            "--rate-meta-lr 0 must be a finite number > 0; leave it out for the default.",
+        ),
         (sine.run, ["--steps", "-1"], "--steps -1 must be an integer >= 0."),
         (sine.run, ["--eval-steps", "1,-1"], "--eval-steps 1,-1: each must be an integer >= 0."),
         (sine.run, ["--eval-shots", "5,0"], "--eval-shots 5,0: each must be an integer >= 1."),
         (omniglot.run, ["--meta-batch", "0"], "--meta-batch 0 must be an integer >= 1."),
     ],
-    ids=["sine-inner-lr-0", "sine-meta-lr-negative", "omniglot-inner-lr-nan", "omniglot-meta-lr-0", "rate-meta-lr", "steps",
-         "eval-steps", "eval-shots", "omniglot-meta-batch"],  # fmt: skip
+    ids=[
+        "sine-inner-lr-0",
+        "sine-meta-lr-negative",
+        "omniglot-inner-lr-nan",
+        "omniglot-meta-lr-0",
+        "rate-meta-lr",
+        "steps",
+        "eval-steps",
+        "eval-shots",
+        "omniglot-meta-batch",
+    ],
 )
 def test_a_bad_number_names_its_flag_and_value(capsys, tmp_path, run, argv, message):
     data = ["--data", "unused"] if run is omniglot.run else []  # the numbers are checked first
@@ -286,8 +339,17 @@ def test_help_shows_each_default_once_and_no_alias(capsys, monkeypatch, experime
 
 
 def test_flags_take_the_agents_underscores_and_kebab_case(capsys, tmp_path):
-    argv = ["--inner_lr=0.05", "--meta_batch", "3", "--eval-shots=5,10", "--log_every=7", "--iterations", "9",
-            "--out", str(tmp_path)]  # fmt: skip
+    argv = [
+        "--inner_lr=0.05",
+        "--meta_batch",
+        "3",
+        "--eval-shots=5,10",
+        "--log_every=7",
+        "--iterations",
+        "9",
+        "--out",
+        str(tmp_path),
+    ]
     cfg, _ = parse_args("sine", sine.SineConfig, argv, "", sine.validate_config)
     assert (cfg.inner_lr, cfg.meta_batch, cfg.eval_shots, cfg.log_every, cfg.iterations) == (0.05, 3, (5, 10), 7, 9)
     err = exits(capsys, sine.run, ["--iterations-", "5"], 2)
@@ -300,31 +362,65 @@ def test_flags_take_the_agents_underscores_and_kebab_case(capsys, tmp_path):
 
 
 def omniglot_args(tmp_path: Path, *extra: str) -> list[str]:
-    return ["--data", str(omniglot_root()), "--iterations", "1", "--meta-batch", "1", "--filters", "4", "--query", "2",
-            "--log-every", "1", "--val-every", "1", "--val-tasks", "2", "--eval-tasks", "2", "--eval-steps", "1",
-            "--out", str(tmp_path / "run"), "--wandb", "disabled", *extra]  # fmt: skip
+    return [
+        "--data",
+        str(omniglot_root()),
+        "--iterations",
+        "1",
+        "--meta-batch",
+        "1",
+        "--filters",
+        "4",
+        "--query",
+        "2",
+        "--log-every",
+        "1",
+        "--val-every",
+        "1",
+        "--val-tasks",
+        "2",
+        "--eval-tasks",
+        "2",
+        "--eval-steps",
+        "1",
+        "--out",
+        str(tmp_path / "run"),
+        "--wandb",
+        "disabled",
+        *extra,
+    ]
 
 
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--ways", "120"],  # every split in 4 rotations (the reference's): 26 validation characters are 104 classes
-         "--ways 120: the validation split holds only 104 classes (26 characters of 1 alphabet, 4 rotations each; "
-         "--split-by alphabet --split-fractions 0.6,0.15,0.25); lower --ways to at most 104, or give the validation "
-         "split more characters: a larger share in --split-fractions or --split-by character."),
-        (["--split-fractions", "0.99,0.01,0"],
-         "--split-by alphabet --split-fractions 0.99,0.01,0: there are only 8 alphabets (Balinese, Early_Aramaic, "
-         "Greek, Japanese_(katakana), Korean, Latin, Sanskrit, Tagalog), too few to give the validation part any; set "
-         "its fraction to 0 or split by a finer unit."),
-        (["--split-fractions", "0,0.5,0.5"],
-         "--split-fractions 0,0.5,0.5 gives the train split no characters; meta-training needs a train share > 0, "
-         "e.g. 0.6,0.15,0.25."),
-        (["--split-fractions", "0.5,0.6,0"],
-         "--split-fractions 0.5,0.6,0 sums to 1.1; the three shares (train, validation, test) must sum to 1, e.g. "
-         "0.6,0.15,0.25."),
-        (["--split-fractions", "0.5,0.5"],
-         "--split-fractions 0.5,0.5 must be three shares >= 0 (train, validation, test) that sum to 1, e.g. "
-         "0.6,0.15,0.25."),
+        (
+            ["--ways", "120"],  # every split in 4 rotations (the reference's): 26 validation characters are 104 classes
+            "--ways 120: the validation split holds only 104 classes (26 characters of 1 alphabet, 4 rotations each; "
+            "--split-by alphabet --split-fractions 0.6,0.15,0.25); lower --ways to at most 104, or give the validation "
+            "split more characters: a larger share in --split-fractions or --split-by character.",
+        ),
+        (
+            ["--split-fractions", "0.99,0.01,0"],
+            "--split-by alphabet --split-fractions 0.99,0.01,0: there are only 8 alphabets (Balinese, Early_Aramaic, "
+            "Greek, Japanese_(katakana), Korean, Latin, Sanskrit, Tagalog), too few to give the validation part any; set "
+            "its fraction to 0 or split by a finer unit.",
+        ),
+        (
+            ["--split-fractions", "0,0.5,0.5"],
+            "--split-fractions 0,0.5,0.5 gives the train split no characters; meta-training needs a train share > 0, "
+            "e.g. 0.6,0.15,0.25.",
+        ),
+        (
+            ["--split-fractions", "0.5,0.6,0"],
+            "--split-fractions 0.5,0.6,0 sums to 1.1; the three shares (train, validation, test) must sum to 1, e.g. "
+            "0.6,0.15,0.25.",
+        ),
+        (
+            ["--split-fractions", "0.5,0.5"],
+            "--split-fractions 0.5,0.5 must be three shares >= 0 (train, validation, test) that sum to 1, e.g. "
+            "0.6,0.15,0.25.",
+        ),
     ],
     ids=["ways-on-validation", "too-few-alphabets", "no-train", "sum", "two-shares"],
 )
@@ -341,10 +437,13 @@ def notes(err: str) -> list[str]:
 def test_a_zero_test_share_trains_validates_and_skips_the_test(capsys, tmp_path):
     main(omniglot.run, omniglot_args(tmp_path, "--split-fractions", "0.75,0.25,0"))
     captured = capsys.readouterr()
-    assert notes(captured.err) == ["note: --split-fractions 0.75,0.25,0 gives the test split no characters; the run "
-                                   "skips the final test."]  # fmt: skip
-    assert captured.out == (f"no final test: --split-fractions 0.75,0.25,0 gives the test split no characters "
-                            f"(results.json has test: {{}}); the model is in {tmp_path / 'run' / 'checkpoint.pt'}.\n")  # fmt: skip
+    assert notes(captured.err) == [
+        "note: --split-fractions 0.75,0.25,0 gives the test split no characters; the run skips the final test."
+    ]
+    assert captured.out == (
+        f"no final test: --split-fractions 0.75,0.25,0 gives the test split no characters "
+        f"(results.json has test: {{}}); the model is in {tmp_path / 'run' / 'checkpoint.pt'}.\n"
+    )
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert results["test"] == {}
     assert results["test_skipped"] == "--split-fractions 0.75,0.25,0 gives the test split no characters"
@@ -383,7 +482,10 @@ def test_an_unknown_wandb_mode_is_a_usage_error_before_anything_is_written(capsy
     out = tmp_path / "run"
     argv = ["--iterations", "2", "--out", str(out), *TINY_SINE[:-2], *flag]  # TINY_SINE ends with --wandb disabled
     err = exits(capsys, sine.run, argv, 2)
-    assert err == "error: WANDB_MODE 'offlne' is not one of offline, online, disabled, dryrun, run; set it to one of them, or unset it."
+    assert (
+        err
+        == "error: WANDB_MODE 'offlne' is not one of offline, online, disabled, dryrun, run; set it to one of them, or unset it."
+    )
     assert not out.exists()
 
 
@@ -397,7 +499,9 @@ def test_logged_in_means_a_key_for_the_host_of_the_wandb_server(tmp_path, monkey
     assert default_wandb_mode() == "offline"  # a key for another server than api.wandb.ai
     monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.example.org:8080")  # a self-hosted server
     assert default_wandb_mode() == "online"
-    netrc.write_text("machine wandb.example.org:8080 login user password 0123456789abcdef\nmachine api.wandb.ai login user password\n")
+    netrc.write_text(
+        "machine wandb.example.org:8080 login user password 0123456789abcdef\nmachine api.wandb.ai login user password\n"
+    )
     monkeypatch.delenv("WANDB_BASE_URL")
     assert default_wandb_mode() == "offline"  # an entry without a key is no login
     netrc.write_text("# api.wandb.ai\nmachine api.wandb.ai login user password 0123456789abcdef\n")

@@ -7,11 +7,11 @@ import weakref
 
 import pytest
 import torch
+from helpers import CASES, finite_difference_error, flat_grad, make
 from torch import Tensor
 from torch.func import functional_call
 
 import maml
-from helpers import CASES, finite_difference_error, flat_grad, make
 
 # (mode, batching, chunk_size): every exact configuration.
 EXACT = [
@@ -30,7 +30,9 @@ def learner(case: str, steps: int, mode: str, batching: str, chunk_size: int | N
     model, batch, loss_fn = make(case)
     lr = 0.3 if case.startswith("conv") else 0.1
     return (
-        maml.MetaLearner(model, loss_fn, inner_lr=lr, steps=steps, mode=mode, batching=batching, chunk_size=chunk_size, **kw),
+        maml.MetaLearner(
+            model, loss_fn, inner_lr=lr, steps=steps, mode=mode, batching=batching, chunk_size=chunk_size, **kw
+        ),
         batch,
     )
 
@@ -160,7 +162,12 @@ def test_vmap_and_loop_agree_on_every_output(case):
     vm, batch = learner(case, 2, "second_order", "vmap")
     lp, _ = learner(case, 2, "second_order", "loop")
     a, b = vm.run(batch), lp.run(batch)
-    for x, y in [(a.loss, b.loss), (a.query_losses, b.query_losses), (a.query_out, b.query_out), (a.support_losses, b.support_losses)]:
+    for x, y in [
+        (a.loss, b.loss),
+        (a.query_losses, b.query_losses),
+        (a.query_out, b.query_out),
+        (a.support_losses, b.support_losses),
+    ]:
         assert torch.allclose(x, y, rtol=1e-12, atol=1e-12)
 
 

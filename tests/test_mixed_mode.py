@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import finite_difference_error
 from torch import Tensor, nn
 
 import maml
-from helpers import finite_difference_error
 
 DTYPE = torch.float64
 FOR = {"mode": "checkpointed", "checkpoint_hvp": "forward_over_reverse"}
@@ -154,9 +154,15 @@ def test_every_rule_and_rate_equals_second_order(rule, learn_inner_lr):
     # whose gradient the replay kept and a last one whose gradient it did not.
     batching = "vmap" if learn_inner_lr in ("scalar", "per_layer_per_step") else "loop"
     assert_exact(
-        generic(mlp()), F.mse_loss, regression(), inner_lr=RATE_LR[rule], batching=batching,
-        learn_inner_lr=learn_inner_lr, checkpoint_every=2, **RULES[rule],
-    )  # fmt: skip
+        generic(mlp()),
+        F.mse_loss,
+        regression(),
+        inner_lr=RATE_LR[rule],
+        batching=batching,
+        learn_inner_lr=learn_inner_lr,
+        checkpoint_every=2,
+        **RULES[rule],
+    )
 
 
 @pytest.mark.parametrize("batching", ["loop", "vmap"])
@@ -187,15 +193,24 @@ def test_adapt_sets_get_second_order_cross_terms(adapt, rule, batching):
     # The parameters outside the adapt set (a LayerNorm's among them) get the mixed second derivative.
     model = generic(mlp(nn.LayerNorm))
     assert_exact(
-        model, F.mse_loss, regression(), inner_lr=RATE_LR[rule], batching=batching, adapt=adapt,
-        learn_inner_lr="per_parameter", checkpoint_every=2, **RULES[rule],
-    )  # fmt: skip
+        model,
+        F.mse_loss,
+        regression(),
+        inner_lr=RATE_LR[rule],
+        batching=batching,
+        adapt=adapt,
+        learn_inner_lr="per_parameter",
+        checkpoint_every=2,
+        **RULES[rule],
+    )
 
 
 def test_a_frozen_parameter_outside_the_adapt_set_is_a_constant():
     model = generic(mlp())
     model.body[0].weight.requires_grad_(False)
-    assert_exact(model, F.mse_loss, regression(), batching="loop", adapt=["head.weight", "head.bias"], **RULES["momentum"])
+    assert_exact(
+        model, F.mse_loss, regression(), batching="loop", adapt=["head.weight", "head.bias"], **RULES["momentum"]
+    )
 
 
 # ------------------------------------------------------------------------------------- norm layers
@@ -219,9 +234,16 @@ def test_chunks_and_segments_equal_second_order(chunk_size, steps, every, batchi
     # 3 tasks in chunks of 1 or 2 (a ragged last one); segments of 1 to all steps, ragged too.
     build, batch, loss_fn = NORMS["batchnorm2d"]
     second, mixed = pair(
-        generic(build()), loss_fn, inner_lr=0.3, steps=steps, batching=batching, chunk_size=chunk_size,
-        checkpoint_every=every, learn_inner_lr="per_layer_per_step", **RULES["nesterov"],
-    )  # fmt: skip
+        generic(build()),
+        loss_fn,
+        inner_lr=0.3,
+        steps=steps,
+        batching=batching,
+        chunk_size=chunk_size,
+        checkpoint_every=every,
+        learn_inner_lr="per_layer_per_step",
+        **RULES["nesterov"],
+    )
     b = batch()
     assert error(meta_grad(mixed, b), meta_grad(second, b)) < 1e-10
     a, e = mixed.run(b), second.run(b)
@@ -235,10 +257,19 @@ def test_step_weights_equal_second_order(rule, batching):
     # MAML++'s multi-step loss: the query score after every step is pulled back inside the segments.
     weights = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=DTYPE)
     assert_exact(
-        generic(mlp()), F.mse_loss, regression(), weights, inner_lr=RATE_LR[rule], steps=4, batching=batching,
-        chunk_size=2, checkpoint_every=3, learn_inner_lr="per_layer_per_step",
-        adapt=["head.weight", "head.bias", "body.2.weight"], **RULES[rule],
-    )  # fmt: skip
+        generic(mlp()),
+        F.mse_loss,
+        regression(),
+        weights,
+        inner_lr=RATE_LR[rule],
+        steps=4,
+        batching=batching,
+        chunk_size=2,
+        checkpoint_every=3,
+        learn_inner_lr="per_layer_per_step",
+        adapt=["head.weight", "head.bias", "body.2.weight"],
+        **RULES[rule],
+    )
 
 
 # ----------------------------------------------------------------------------------------- dropout
@@ -261,10 +292,13 @@ def test_dropout_draws_second_orders_masks(batching, chunk_size, every):
     e = second.run(batch, step_weights=weights)
     for field in ("loss", "query_losses", "support_losses", "step_query_losses"):
         assert torch.allclose(getattr(a, field), getattr(e, field), rtol=1e-12, atol=1e-14)
-    assert error(meta_grad(mixed, batch, weights, seed=6), meta_grad(second, batch, weights, seed=5)) > 1e-6  # other masks
+    assert (
+        error(meta_grad(mixed, batch, weights, seed=6), meta_grad(second, batch, weights, seed=5)) > 1e-6
+    )  # other masks
 
 
 # -------------------------------------------------------------------------------------------- losses
+
 
 def targets(batch: maml.TaskBatch, kind: Callable[[Tensor], Tensor]) -> maml.TaskBatch:
     return maml.TaskBatch(batch.support_x, kind(batch.support_y), batch.query_x, kind(batch.query_y))
@@ -284,7 +318,9 @@ LOSSES: dict[str, tuple[Loss, Callable[[maml.TaskBatch], maml.TaskBatch], int]] 
 def test_losses(loss, batching):
     loss_fn, make_targets, out = LOSSES[loss]
     batch = make_targets(regression(out=out))
-    assert_exact(generic(mlp(out=out)), loss_fn, batch, batching=batching, adapt=["head.weight", "head.bias", "body.0.bias"])
+    assert_exact(
+        generic(mlp(out=out)), loss_fn, batch, batching=batching, adapt=["head.weight", "head.bias", "body.0.bias"]
+    )
 
 
 class Attention(nn.Module):
@@ -310,9 +346,16 @@ def test_attention_runs_on_the_math_kernel(batching):
 def test_matches_finite_differences():
     build, batch, loss_fn = NORMS["batchnorm2d"]
     learner = maml.MetaLearner(
-        generic(build()), loss_fn, inner_lr=0.3, steps=3, batching="loop", learn_inner_lr="per_parameter",
-        checkpoint_every=2, **FOR, **RULES["momentum"],
-    )  # fmt: skip
+        generic(build()),
+        loss_fn,
+        inner_lr=0.3,
+        steps=3,
+        batching="loop",
+        learn_inner_lr="per_parameter",
+        checkpoint_every=2,
+        **FOR,
+        **RULES["momentum"],
+    )
     spread(learner)
     assert finite_difference_error(learner, batch()) < 1e-6
 
@@ -332,21 +375,30 @@ def test_default_is_reverse_over_reverse_and_the_switch_is_settable():
     before = meta_grad(learner, batch)
     learner.checkpoint_hvp = "forward_over_reverse"
     assert error(meta_grad(learner, batch), before) < 1e-10
-    with raises(ValueError, "checkpoint_hvp='forward-over-reverse' is not supported (did you mean 'forward_over_reverse'?); "
-                "choose one of 'reverse_over_reverse', 'forward_over_reverse'."):  # fmt: skip
+    with raises(
+        ValueError,
+        "checkpoint_hvp='forward-over-reverse' is not supported (did you mean 'forward_over_reverse'?); "
+        "choose one of 'reverse_over_reverse', 'forward_over_reverse'.",
+    ):
         learner.checkpoint_hvp = "forward-over-reverse"
 
 
 def test_error_unknown_checkpoint_hvp():
-    with raises(ValueError, "checkpoint_hvp='reverse_over_revers' is not supported (did you mean 'reverse_over_reverse' "
-                "or 'forward_over_reverse'?); "
-                "choose one of 'reverse_over_reverse', 'forward_over_reverse'."):  # fmt: skip
+    with raises(
+        ValueError,
+        "checkpoint_hvp='reverse_over_revers' is not supported (did you mean 'reverse_over_reverse' "
+        "or 'forward_over_reverse'?); "
+        "choose one of 'reverse_over_reverse', 'forward_over_reverse'.",
+    ):
         maml.MetaLearner(mlp(), F.mse_loss, inner_lr=0.1, mode="checkpointed", checkpoint_hvp="reverse_over_revers")
 
 
 def test_error_checkpoint_hvp_outside_the_checkpointed_mode():
-    with raises(ValueError, "checkpoint_hvp='forward_over_reverse' only applies to mode='checkpointed' (mode is "
-                "'second_order'); drop it, or pass mode='checkpointed'."):  # fmt: skip
+    with raises(
+        ValueError,
+        "checkpoint_hvp='forward_over_reverse' only applies to mode='checkpointed' (mode is "
+        "'second_order'); drop it, or pass mode='checkpointed'.",
+    ):
         maml.MetaLearner(mlp(), F.mse_loss, inner_lr=0.1, checkpoint_hvp="forward_over_reverse")
 
 
@@ -365,7 +417,10 @@ def test_saved_tensor_hooks_name_the_switch():
     # torch.func refuses saved-tensor hooks (e.g. save_on_cpu) around the backward pass; reverse over reverse runs there.
     model, batch = generic(mlp()), regression()
     learner = maml.MetaLearner(model, F.mse_loss, inner_lr=0.1, steps=2, **FOR)
-    with torch.autograd.graph.save_on_cpu(), raises(RuntimeError, "Use checkpoint_hvp='reverse_over_reverse' (the default)"):
+    with (
+        torch.autograd.graph.save_on_cpu(),
+        raises(RuntimeError, "Use checkpoint_hvp='reverse_over_reverse' (the default)"),
+    ):
         meta_grad(learner, batch)
     expected = meta_grad(learner, batch)
     learner.checkpoint_hvp = "reverse_over_reverse"

@@ -13,11 +13,11 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import finite_difference_error, flat_grad
 from torch import Tensor, nn
 from torch.nn.utils.parametrizations import spectral_norm, weight_norm
 
 import maml
-from helpers import finite_difference_error, flat_grad
 
 DTYPE = torch.float64
 
@@ -356,11 +356,14 @@ def test_backward_of_a_meta_loss_taken_under_no_grad_says_so():
 def test_inference_mode_says_to_use_no_grad():
     batch = batch_of((3,))
     learner = maml.MetaLearner(built(lambda: nn.Linear(3, 1)), F.mse_loss, inner_lr=0.3)
-    with torch.inference_mode(), raises(
-        RuntimeError,
-        "MetaLearner.run cannot run under torch.inference_mode(): the inner loop differentiates the support "
-        "loss, which inference mode forbids even inside torch.enable_grad(). Evaluate under torch.no_grad() "
-        "instead, which gives the same values without keeping a graph.",
+    with (
+        torch.inference_mode(),
+        raises(
+            RuntimeError,
+            "MetaLearner.run cannot run under torch.inference_mode(): the inner loop differentiates the support "
+            "loss, which inference mode forbids even inside torch.enable_grad(). Evaluate under torch.no_grad() "
+            "instead, which gives the same values without keeping a graph.",
+        ),
     ):
         learner.meta_loss(batch)
     with torch.inference_mode(), raises(RuntimeError, "MetaLearner.adapt cannot run under torch.inference_mode()"):

@@ -64,8 +64,13 @@ def test_the_inner_step_is_the_references_sum_of_per_example_losses_over_k_at_up
     x = torch.rand(tasks_, ways * shots, 1, 28, 28, generator=g, dtype=torch.float64)
     y = torch.arange(ways).repeat_interleave(shots).expand(tasks_, -1)
     batch = maml.TaskBatch(x, y, x.flip(1), y.flip(1))
-    learner = maml.MetaLearner(model, omniglot.loss_function(cfg.loss, ways), inner_lr=cfg.inner_lr, steps=cfg.steps,
-                               adapt=recipes.adapt_set(model, cfg.adapt, omniglot.meta_only(model)))  # fmt: skip
+    learner = maml.MetaLearner(
+        model,
+        omniglot.loss_function(cfg.loss, ways),
+        inner_lr=cfg.inner_lr,
+        steps=cfg.steps,
+        adapt=recipes.adapt_set(model, cfg.adapt, omniglot.meta_only(model)),
+    )
     fast = learner.run(batch).fast
     adapted = {k: v for k, v in model.named_parameters() if not k.endswith("offset")}
     assert set(fast) == set(adapted)
@@ -79,9 +84,15 @@ def test_the_inner_step_is_the_references_sum_of_per_example_losses_over_k_at_up
 @pytest.mark.parametrize("algorithm", ["maml", "anil"])
 def test_adapt_sets_leave_the_batch_norm_offsets_to_the_outer_loop(algorithm):
     model = omniglot.build_model(5, filters=4)
-    adapt = recipes.adapt_set(model, recipes.recipe("omniglot", algorithm).get("adapt", "all"), omniglot.meta_only(model))
+    adapt = recipes.adapt_set(
+        model, recipes.recipe("omniglot", algorithm).get("adapt", "all"), omniglot.meta_only(model)
+    )
     learner = maml.MetaLearner(model, F.cross_entropy, inner_lr=0.4, adapt=adapt)
-    expected = ["13.weight", "13.bias"] if algorithm == "anil" else [n for n in dict(model.named_parameters()) if "offset" not in n]
+    expected = (
+        ["13.weight", "13.bias"]
+        if algorithm == "anil"
+        else [n for n in dict(model.named_parameters()) if "offset" not in n]
+    )
     assert list(learner.adapted) == expected
     # ...and the outer loop learns them: their meta-gradient is not zero.
     x = torch.rand(2, 5, 1, 28, 28)
@@ -104,8 +115,14 @@ def test_the_learn2learn_engine_computes_the_toolkits_meta_gradient(mode):
     """The peer row trains with learn2learn's MAML; on one batch its meta-loss and meta-gradient are the toolkit's."""
     torch.manual_seed(0)
     model = omniglot.build_model(5, filters=8).double()
-    learner = maml.MetaLearner(model, omniglot.loss_function("reference", 5), inner_lr=0.4, steps=2, mode=mode,
-                               adapt=recipes.adapt_set(model, "all", omniglot.meta_only(model)))  # fmt: skip
+    learner = maml.MetaLearner(
+        model,
+        omniglot.loss_function("reference", 5),
+        inner_lr=0.4,
+        steps=2,
+        mode=mode,
+        adapt=recipes.adapt_set(model, "all", omniglot.meta_only(model)),
+    )
     g = torch.Generator().manual_seed(1)
     x = torch.rand(3, 5, 1, 28, 28, generator=g, dtype=torch.float64)
     y = torch.arange(5).expand(3, -1)
@@ -124,8 +141,11 @@ def test_the_learn2learn_engine_computes_the_toolkits_meta_gradient(mode):
 
 def test_the_learn2learn_engine_refuses_what_its_maml_does_not_have():
     cfg = omniglot.OmniglotConfig(engine="learn2learn", learn_inner_lr="per_parameter")
-    with pytest.raises(ValueError, match=r"^--engine learn2learn runs learn2learn's MAML .* so --learn-inner-lr "
-                                         r"per_parameter does not apply; drop it or use --engine maml\.$"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"^--engine learn2learn runs learn2learn's MAML .* so --learn-inner-lr "
+        r"per_parameter does not apply; drop it or use --engine maml\.$",
+    ):
         omniglot.validate_config(cfg)
     with pytest.raises(ValueError, match="not --mode checkpointed"):
         omniglot.validate_config(omniglot.OmniglotConfig(engine="learn2learn", mode="checkpointed"))

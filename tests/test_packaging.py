@@ -59,8 +59,10 @@ def _source_tree(dest: Path) -> Path:
     """
     listed = subprocess.run(
         ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
-        cwd=REPO, capture_output=True, check=False,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        check=False,
+    )
     if listed.returncode != 0:  # not a git checkout (an sdist, say): copy all but local state
         shutil.copytree(REPO, dest, ignore=shutil.ignore_patterns(*_NOT_SOURCE))
         return dest
@@ -75,8 +77,10 @@ def _source_tree(dest: Path) -> Path:
 def _pip(*args: str | Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", *map(str, args)],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert done.returncode == 0, f"pip {' '.join(map(str, args))} failed:\n{done.stdout}\n{done.stderr}"
 
 
@@ -114,9 +118,12 @@ def test_the_installed_wheel_runs_a_meta_step_outside_the_checkout(wheel: Path, 
     # The control: without the wheel, this Python cannot import maml at all (neither the checkout
     # nor the editable finder stands in for it), so the run below uses the wheel alone.
     control = subprocess.run(
-        [sys.executable, "-S", "-c", "import maml"], cwd=work, capture_output=True, text=True,
+        [sys.executable, "-S", "-c", "import maml"],
+        cwd=work,
+        capture_output=True,
+        text=True,
         env={**env, "PYTHONPATH": os.pathsep.join(site)},
-    )  # fmt: skip
+    )
     assert control.returncode == 1 and "No module named 'maml'" in control.stderr, control.stderr
 
     run = subprocess.run(
@@ -149,7 +156,9 @@ def test_a_shadowing_folder_in_the_working_directory_stops_the_scripts_with_one_
     name: str, make: str, tmp_path: Path
 ) -> None:
     (tmp_path / make).parent.mkdir(parents=True, exist_ok=True)
-    (tmp_path / make).write_text("raise RuntimeError('the shadowing code must not run')\n" if make.endswith(".py") else "")
+    (tmp_path / make).write_text(
+        "raise RuntimeError('the shadowing code must not run')\n" if make.endswith(".py") else ""
+    )
     found, kind = (tmp_path / make.split("/")[0]).resolve(), "module" if make == "maml.py" else "folder"
     run = subprocess.run(
         [sys.executable, "-m", "experiments.sine", "--help"], cwd=tmp_path, capture_output=True, text=True
@@ -167,9 +176,12 @@ def test_a_shadowing_folder_on_the_path_is_named_with_its_path_entry(tmp_path: P
     (tmp_path / "lib" / "tasks" / "__init__.py").write_text("")
     (tmp_path / "work").mkdir()
     run = subprocess.run(
-        [sys.executable, "-m", "experiments.omniglot", "--help"], cwd=tmp_path / "work", capture_output=True,
-        text=True, env={**os.environ, "PYTHONPATH": str(tmp_path / "lib")},
-    )  # fmt: skip
+        [sys.executable, "-m", "experiments.omniglot", "--help"],
+        cwd=tmp_path / "work",
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(tmp_path / "lib")},
+    )
     lib = (tmp_path / "lib").resolve()
     assert run.returncode == 2
     assert run.stderr == (
@@ -187,9 +199,12 @@ def test_a_distribution_of_the_same_name_is_named_with_how_to_remove_it(tmp_path
     (lib / "maml-9.9.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: maml\nVersion: 9.9\n")
     (lib / "maml-9.9.dist-info" / "top_level.txt").write_text("maml\n")
     run = subprocess.run(
-        [sys.executable, "-m", "experiments.sine", "--help"], cwd=tmp_path, capture_output=True, text=True,
+        [sys.executable, "-m", "experiments.sine", "--help"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
         env={**os.environ, "PYTHONPATH": str(lib)},
-    )  # fmt: skip
+    )
     assert run.returncode == 2
     assert run.stderr == (
         f"error: `import maml` finds {lib / 'maml'}, a folder installed by the distribution maml 9.9 that shadows "

@@ -9,9 +9,9 @@ import warnings
 
 import pytest
 import torch
+from helpers import make
 
 import maml
-from helpers import make
 
 with warnings.catch_warnings():  # gym, imported by learn2learn, warns about its own deprecation
     warnings.simplefilter("ignore")

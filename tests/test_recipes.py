@@ -14,13 +14,13 @@ import signal
 import numpy as np
 import pytest
 import torch
+from test_experiments import checkpoint
+from test_run_faults import one_error, run_sine
 from torch import nn
 
 import maml
 from experiments import recipes, sine
 from experiments.recipes import Schedule
-from test_experiments import checkpoint
-from test_run_faults import one_error, run_sine
 
 
 def mamlpp_weights(steps: int, epoch: float, msl_epochs: float) -> np.ndarray:
@@ -46,11 +46,22 @@ def test_multi_step_loss_weights_follow_mamlpp(steps):
 
 
 def test_cosine_meta_lr_and_derivative_order_annealing():
-    schedule = Schedule(iterations=101, meta_lr=1e-3, meta_lr_schedule="cosine", min_meta_lr=1e-5,
-                        mode="second_order", first_order_fraction=0.5)  # fmt: skip
+    schedule = Schedule(
+        iterations=101,
+        meta_lr=1e-3,
+        meta_lr_schedule="cosine",
+        min_meta_lr=1e-5,
+        mode="second_order",
+        first_order_fraction=0.5,
+    )
     assert schedule.lr(0) == 1e-3 and math.isclose(schedule.lr(100), 1e-5, rel_tol=1e-12)
     assert math.isclose(schedule.lr(50), (1e-3 + 1e-5) / 2, rel_tol=1e-12)
-    assert [schedule.mode_at(i) for i in (0, 50, 51, 100)] == ["first_order", "first_order", "second_order", "second_order"]
+    assert [schedule.mode_at(i) for i in (0, 50, 51, 100)] == [
+        "first_order",
+        "first_order",
+        "second_order",
+        "second_order",
+    ]
     assert Schedule(10, 1e-3).lr(7) == 1e-3 and not Schedule(10, 1e-3).depends_on_length
     assert schedule.depends_on_length
 
@@ -67,8 +78,9 @@ def test_adapt_sets_name_the_head():
 
 
 def test_learned_rates_take_their_own_meta_lr_through_the_schedule():
-    learner = maml.MetaLearner(sine.build_model(8), torch.nn.functional.mse_loss, 1e-3, steps=2,
-                               learn_inner_lr="per_layer_per_step")  # fmt: skip
+    learner = maml.MetaLearner(
+        sine.build_model(8), torch.nn.functional.mse_loss, 1e-3, steps=2, learn_inner_lr="per_layer_per_step"
+    )
     optimizer = recipes.meta_optimizer(learner, 1e-3, 1e-5)
     weights, rates = optimizer.param_groups
     assert weights["params"] == list(learner.model.parameters()) and weights["lr"] == 1e-3
@@ -112,6 +124,8 @@ def test_a_length_scheduled_run_refuses_another_length_on_resume(capsys, tmp_pat
     out = tmp_path / "run"
     run_sine(capsys, [*MAMLPP, "--iterations", "4", "--out", str(out)])
     line = one_error(run_sine(capsys, [*MAMLPP, "--iterations", "6", "--out", str(out), "--resume"], code=2))
-    assert line == ("error: --resume: --iterations 6 differs from the run's 4, and its schedule (meta_lr_schedule, "
-                    "first_order_fraction or msl_fraction, as --algorithm sets them) is a share of --iterations; "
-                    "resume with --iterations 4.")  # fmt: skip
+    assert line == (
+        "error: --resume: --iterations 6 differs from the run's 4, and its schedule (meta_lr_schedule, "
+        "first_order_fraction or msl_fraction, as --algorithm sets them) is a share of --iterations; "
+        "resume with --iterations 4."
+    )

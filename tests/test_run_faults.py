@@ -27,19 +27,37 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import REPO, omniglot_root
+from test_experiments import checkpoint, env, script
 
 from experiments import omniglot, sine
 from experiments.config import parse_args
 from experiments.fit import main
 from experiments.rundir import prepare_out
 from experiments.trainer import Trainer
-from helpers import REPO, omniglot_root
-from test_experiments import checkpoint, env, script
 
 # A sine run of a few iterations: 2 tasks per meta-batch, a 1-8-8-1 net, 4 validation and 4 test tasks.
 # A fixed batching: "auto" times both, and two fresh runs compared to the bit must batch alike.
-TINY = ["--compile", "false", "--batching", "vmap", "--meta-batch", "2", "--hidden", "8", "--val-tasks", "4", "--eval-tasks", "4", "--eval-query", "5",
-        "--eval-shots", "5", "--eval-steps", "1"]  # fmt: skip
+TINY = [
+    "--compile",
+    "false",
+    "--batching",
+    "vmap",
+    "--meta-batch",
+    "2",
+    "--hidden",
+    "8",
+    "--val-tasks",
+    "4",
+    "--eval-tasks",
+    "4",
+    "--eval-query",
+    "5",
+    "--eval-shots",
+    "5",
+    "--eval-steps",
+    "1",
+]
 TIMING = ("train/step_time_ms",)  # the only logged values that differ between equal runs
 NO_PID = 4194305  # above Linux's largest pid_max (2**22): no process can hold it
 
@@ -82,8 +100,15 @@ def temporaries(out: Path) -> list[str]:
 def old_run(out: Path) -> None:
     """What a finished run leaves in --out, a file of the user's, and a temporary file of a killed writer."""
     out.mkdir(parents=True)
-    for name in ("config.yaml", "checkpoint.pt", "results.json", "metrics.jsonl", "learning_curves.png",
-                 "sine_fit.png", "task_grid.png"):  # fmt: skip
+    for name in (
+        "config.yaml",
+        "checkpoint.pt",
+        "results.json",
+        "metrics.jsonl",
+        "learning_curves.png",
+        "sine_fit.png",
+        "task_grid.png",
+    ):
         (out / name).write_text("the old run's")
     old = out / "wandb" / "offline-run-20260101_000000-oldrun01"
     old.mkdir(parents=True)
@@ -130,7 +155,10 @@ def read_only(path: Path) -> bool:
     if os.geteuid() != 0:
         path.chmod(0o555)
         return True
-    return shutil.which("chattr") is not None and subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode == 0
+    return (
+        shutil.which("chattr") is not None
+        and subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode == 0
+    )
 
 
 def test_an_out_that_cannot_be_written_and_a_missing_device_are_one_line_and_exit_2(capsys, tmp_path):
@@ -139,7 +167,9 @@ def test_an_out_that_cannot_be_written_and_a_missing_device_are_one_line_and_exi
     line = one_error(run_sine(capsys, ["--out", str(taken)], code=2))
     assert line == f"error: --out {taken} is a file, not a folder; pass a folder (it is created if missing)."
     line = one_error(run_sine(capsys, ["--out", str(taken / "run")], code=2))
-    assert line == f"error: --out {taken / 'run'}: {taken} is a file, so no folder can be made there; pass another --out."
+    assert (
+        line == f"error: --out {taken / 'run'}: {taken} is a file, so no folder can be made there; pass another --out."
+    )
     assert taken.read_text() == "the user's"
 
     line = one_error(run_sine(capsys, ["--out", str(tmp_path / "run"), "--device", "mps"], code=2))
@@ -154,9 +184,12 @@ def test_an_out_that_cannot_be_written_and_a_missing_device_are_one_line_and_exi
     try:
         for out in (locked, locked / "run"):
             line = one_error(run_sine(capsys, ["--out", str(out)], code=2))
-            assert re.fullmatch(rf"error: --out {re.escape(str(out))}: cannot write in {re.escape(str(locked))} "
-                                r"\((Permission denied|Operation not permitted|Read-only file system)\); make it "
-                                r"writable or pass another --out\.", line), line  # fmt: skip
+            assert re.fullmatch(
+                rf"error: --out {re.escape(str(out))}: cannot write in {re.escape(str(locked))} "
+                r"\((Permission denied|Operation not permitted|Read-only file system)\); make it "
+                r"writable or pass another --out\.",
+                line,
+            ), line
         assert not list(locked.iterdir())
     finally:
         if os.geteuid() == 0:
@@ -207,12 +240,16 @@ def mount_point(path: Path) -> Path:
 
 
 def full_disk_message(path: Path) -> str:
-    return (rf"error: no space left on device writing {re.escape(str(path))}; free space on the filesystem mounted at "
-            rf"{re.escape(str(mount_point(path)))} \([0-9.]+ [KMGT]?i?B free\) or pass another --out\.")  # fmt: skip
+    return (
+        rf"error: no space left on device writing {re.escape(str(path))}; free space on the filesystem mounted at "
+        rf"{re.escape(str(mount_point(path)))} \([0-9.]+ [KMGT]?i?B free\) or pass another --out\."
+    )
 
 
 @pytest.mark.parametrize("name", ["config.yaml", "metrics.jsonl", "checkpoint.pt", "results.json", "sine_fit.png"])
-def test_a_full_disk_names_the_file_and_its_filesystem_and_leaves_no_temporary_file(capsys, tmp_path, monkeypatch, name):
+def test_a_full_disk_names_the_file_and_its_filesystem_and_leaves_no_temporary_file(
+    capsys, tmp_path, monkeypatch, name
+):
     out = tmp_path / "run"
     fill_disk(monkeypatch, name)
     line = one_error(run_sine(capsys, ["--iterations", "2", "--out", str(out)], code=2))
@@ -249,11 +286,15 @@ def test_wandb_online_without_a_server_or_a_key_logs_offline_within_seconds(tmp_
     silent.listen()
     cases = {
         # env() points WANDB_BASE_URL at http://127.0.0.1:9, which refuses connections.
-        "refused": ({"WANDB_API_KEY": "0123456789abcdef0123456789abcdef01234567"},
-                    "cannot reach the W&B server at http://127.0.0.1:9 (Connection refused)"),
-        "no-key": ({"WANDB_BASE_URL": f"http://127.0.0.1:{silent.getsockname()[1]}"},
-                   "no W&B API key (No API key configured. Use `wandb login` to log in.)"),
-    }  # fmt: skip
+        "refused": (
+            {"WANDB_API_KEY": "0123456789abcdef0123456789abcdef01234567"},
+            "cannot reach the W&B server at http://127.0.0.1:9 (Connection refused)",
+        ),
+        "no-key": (
+            {"WANDB_BASE_URL": f"http://127.0.0.1:{silent.getsockname()[1]}"},
+            "no W&B API key (No API key configured. Use `wandb login` to log in.)",
+        ),
+    }
     procs, stderr, warned = {}, {}, {}
 
     def read(case: str, proc: subprocess.Popen, began: float) -> None:
@@ -271,9 +312,15 @@ def test_wandb_online_without_a_server_or_a_key_logs_offline_within_seconds(tmp_
         args = [*TINY, "--iterations", "2", "--out", str(tmp_path / case), "--wandb", "online"]
         began = time.monotonic()
         # No terminal on stdin: wandb would ask there for a key instead of failing.
-        procs[case] = subprocess.Popen([sys.executable, "-m", "experiments.sine", *args], cwd=REPO, env=environ,
-                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                       text=True)  # fmt: skip
+        procs[case] = subprocess.Popen(
+            [sys.executable, "-m", "experiments.sine", *args],
+            cwd=REPO,
+            env=environ,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         readers.append(threading.Thread(target=read, args=(case, procs[case], began)))
         readers[-1].start()
     for case, proc in procs.items():
@@ -290,8 +337,10 @@ def test_wandb_online_without_a_server_or_a_key_logs_offline_within_seconds(tmp_
         (warning,) = [line for line in stderr[case] if line.startswith("warning: --wandb online")]
         (run_dir,) = (out / "wandb").glob("offline-run-*")
         then = "wandb login, then " if case == "no-key" else ""
-        assert warning == (f"warning: --wandb online: {problem}; logging offline instead. To upload the run later: "
-                           f"{then}wandb sync {run_dir}")  # fmt: skip
+        assert warning == (
+            f"warning: --wandb online: {problem}; logging offline instead. To upload the run later: "
+            f"{then}wandb sync {run_dir}"
+        )
         assert (out / "results.json").is_file() and not [line for line in stderr[case] if "Traceback" in line]
 
 
@@ -301,7 +350,9 @@ def test_wandb_online_without_a_server_or_a_key_logs_offline_within_seconds(tmp_
 def test_after_sigkill_the_resumed_run_has_every_row_once_in_metrics_and_in_wandb(capsys, tmp_path):
     cut, whole = tmp_path / "cut", tmp_path / "whole"
     args = [*TINY, "--log-every", "1", "--val-every", "7", "--checkpoint-every", "10"]
-    proc = script("experiments.sine", [*args, "--iterations", "100000", "--out", str(cut), "--wandb", "offline"], tmp_path)
+    proc = script(
+        "experiments.sine", [*args, "--iterations", "100000", "--out", str(cut), "--wandb", "offline"], tmp_path
+    )
     deadline = time.monotonic() + 300
     # Killed a few rows past the first checkpoint (iteration 10): those rows are in metrics.jsonl only.
     while proc.poll() is None and time.monotonic() < deadline:
@@ -318,7 +369,11 @@ def test_after_sigkill_the_resumed_run_has_every_row_once_in_metrics_and_in_wand
     # The resumed run goes 10 iterations past the checkpoint (and --iterations may change on resume).
     end = kept + 10
     (cut / f".checkpoint.pt.tmp{NO_PID}").write_text("half a checkpoint")  # as a kill mid-write leaves it
-    resumed = script("experiments.sine", [*args, "--iterations", str(end), "--out", str(cut), "--wandb", "offline", "--resume"], tmp_path)
+    resumed = script(
+        "experiments.sine",
+        [*args, "--iterations", str(end), "--out", str(cut), "--wandb", "offline", "--resume"],
+        tmp_path,
+    )
     run_sine(capsys, [*args, "--iterations", str(end), "--out", str(whole)])
     _, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err[-3000:]
@@ -336,9 +391,17 @@ def test_after_sigkill_the_resumed_run_has_every_row_once_in_metrics_and_in_wand
     # The resumed offline run (a new directory with the killed run's id) logged the whole history again.
     killed, again = sorted((cut / "wandb").glob("offline-run-*"))
     assert killed.name.split("-")[-1] == again.name.split("-")[-1]
-    inspect = subprocess.run([str(Path(sys.executable).parent / "wandb"), "leet", "inspect", "--json", str(again)],
-                             capture_output=True, text=True, env=env(tmp_path), timeout=120, check=True)  # fmt: skip
-    history = [json.loads(line)["history"]["item"] for line in inspect.stdout.splitlines() if '"type":"history"' in line]
+    inspect = subprocess.run(
+        [str(Path(sys.executable).parent / "wandb"), "leet", "inspect", "--json", str(again)],
+        capture_output=True,
+        text=True,
+        env=env(tmp_path),
+        timeout=120,
+        check=True,
+    )
+    history = [
+        json.loads(line)["history"]["item"] for line in inspect.stdout.splitlines() if '"type":"history"' in line
+    ]
     logged = [{k: v for k, v in item.items() if not k.startswith("_")} for item in history]
     assert timeless(logged) == timeless(after)
 
@@ -349,13 +412,34 @@ def test_after_sigkill_the_resumed_run_has_every_row_once_in_metrics_and_in_wand
 def test_resume_accepts_the_same_data_under_another_path_and_refuses_other_data(capsys, tmp_path, monkeypatch):
     root, out = omniglot_root(), tmp_path / "run"
     monkeypatch.setenv("MAML_CACHE_DIR", str(tmp_path / "cache"))
-    args = ["--iterations", "2", "--meta-batch", "1", "--filters", "4", "--query", "2", "--val-tasks", "2",
-            "--eval-tasks", "2", "--eval-chunk", "2", "--eval-steps", "1", "--log-every", "1", "--out", str(out)]  # fmt: skip
+    args = [
+        "--iterations",
+        "2",
+        "--meta-batch",
+        "1",
+        "--filters",
+        "4",
+        "--query",
+        "2",
+        "--val-tasks",
+        "2",
+        "--eval-tasks",
+        "2",
+        "--eval-chunk",
+        "2",
+        "--eval-steps",
+        "1",
+        "--log-every",
+        "1",
+        "--out",
+        str(out),
+    ]
     run_sine(capsys, ["--data", str(root), *args], module=omniglot)
 
     def resume(data: str) -> dict[str, Any] | None:
-        cfg, opts = parse_args("omniglot", omniglot.OmniglotConfig, ["--data", data, *args, "--resume"], "",
-                                      omniglot.validate_config)  # fmt: skip
+        cfg, opts = parse_args(
+            "omniglot", omniglot.OmniglotConfig, ["--data", data, *args, "--resume"], "", omniglot.validate_config
+        )
         return prepare_out(opts, cfg.resolved())
 
     monkeypatch.chdir(tmp_path)
@@ -368,10 +452,12 @@ def test_resume_accepts_the_same_data_under_another_path_and_refuses_other_data(
 
     (moved / "images_background_small2.zip").unlink()
     line = one_error(run_sine(capsys, ["--data", str(moved), *args, "--resume"], code=2, module=omniglot))
-    assert line == (f"error: --resume: the config differs from the run in {out}: data={str(moved)!r} (run has "
-                    f"{str(root)!r}; not the same files: their names or sizes differ). Resume with the same flags "
-                    f"(only --iterations, --log-every, --val-every and --checkpoint-every may change), or --config "
-                    f"{out / 'config.yaml'}.")  # fmt: skip
+    assert line == (
+        f"error: --resume: the config differs from the run in {out}: data={str(moved)!r} (run has "
+        f"{str(root)!r}; not the same files: their names or sizes differ). Resume with the same flags "
+        f"(only --iterations, --log-every, --val-every and --checkpoint-every may change), or --config "
+        f"{out / 'config.yaml'}."
+    )
 
 
 def test_a_run_lengthened_on_resume_equals_the_longer_run_bit_for_bit(capsys, tmp_path):
@@ -381,8 +467,22 @@ def test_a_run_lengthened_on_resume_equals_the_longer_run_bit_for_bit(capsys, tm
     run_sine(capsys, [*cadence, "--iterations", "10", "--out", str(long)])
     (short / f".checkpoint.pt.tmp{NO_PID}").write_text("half a checkpoint")
     # Longer, and logged, validated and checkpointed at another cadence: the trajectory is the same.
-    run_sine(capsys, ["--iterations", "10", "--log-every", "2", "--val-every", "5", "--checkpoint-every", "5",
-                      "--out", str(short), "--resume"])  # fmt: skip
+    run_sine(
+        capsys,
+        [
+            "--iterations",
+            "10",
+            "--log-every",
+            "2",
+            "--val-every",
+            "5",
+            "--checkpoint-every",
+            "5",
+            "--out",
+            str(short),
+            "--resume",
+        ],
+    )
     a, b = checkpoint(short), checkpoint(long)
     assert a["iteration"] == b["iteration"] == 10
     for key, value in b["learner"]["model"].items():
@@ -400,10 +500,14 @@ def test_a_run_lengthened_on_resume_equals_the_longer_run_bit_for_bit(capsys, tm
     assert results["iterations"] == 10 and "val/mse" in results["final_val"]
     assert checkpoint(short)["iteration"] == 10
 
-    line = one_error(run_sine(capsys, ["--iterations", "12", "--meta-lr", "0.01", "--out", str(short), "--resume"], code=2))
-    assert line == (f"error: --resume: the config differs from the run in {short}: meta_lr=0.01 (run has 0.001). "
-                    f"Resume with the same flags (only --iterations, --log-every, --val-every and --checkpoint-every "
-                    f"may change), or --config {short / 'config.yaml'}.")  # fmt: skip
+    line = one_error(
+        run_sine(capsys, ["--iterations", "12", "--meta-lr", "0.01", "--out", str(short), "--resume"], code=2)
+    )
+    assert line == (
+        f"error: --resume: the config differs from the run in {short}: meta_lr=0.01 (run has 0.001). "
+        f"Resume with the same flags (only --iterations, --log-every, --val-every and --checkpoint-every "
+        f"may change), or --config {short / 'config.yaml'}."
+    )
 
 
 # ---------------------------------------------------------------------------- short runs, progress, threads
@@ -420,7 +524,9 @@ def test_a_run_shorter_than_a_log_window_logs_and_validates_its_last_iteration(c
 
 
 def test_without_a_terminal_progress_is_one_plain_line_per_log_window(capsys, tmp_path):
-    err = run_sine(capsys, ["--iterations", "6", "--log-every", "2", "--out", str(tmp_path / "run")])  # stderr: not a tty
+    err = run_sine(
+        capsys, ["--iterations", "6", "--log-every", "2", "--out", str(tmp_path / "run")]
+    )  # stderr: not a tty
     lines = [line for line in err.splitlines() if line.startswith("meta-train")]
     pattern = r"meta-train (\d+)/6 \(\d+ %\): meta-loss [0-9.e+-]+, [0-9.]+ it/s, ETA \d+:\d\d:\d\d"
     assert [int(re.fullmatch(pattern, line).group(1)) for line in lines] == [2, 4, 6], err  # type: ignore[union-attr]

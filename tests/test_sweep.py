@@ -73,8 +73,14 @@ def write_sweep(folder: Path, name: str, **fields: Any) -> Path:
 
 def run_cli(args: list[str], root: Path, **env: str) -> subprocess.CompletedProcess[str]:
     """Run ``python -m experiments.sweep ARGS`` from ``root`` (not the repository); ``env`` adds variables."""
-    return subprocess.run([sys.executable, "-m", "experiments.sweep", *args], cwd=root, env=quiet_env(root, **env),
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "experiments.sweep", *args],
+        cwd=root,
+        env=quiet_env(root, **env),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def launches(log: Path) -> list[dict[str, Any]]:
@@ -210,10 +216,13 @@ def test_interrupted_sweep_resumes_and_runs_only_the_rest(grid: dict[str, Any], 
     """The runner is stopped while trial 2 runs; --resume re-runs trial 2 (from its checkpoint) and runs 3 to 6 only."""
     path, out, log = write_sweep(tmp_path, "grid-test"), tmp_path / "out", tmp_path / "log"
     runner = subprocess.Popen(
-        [sys.executable, "-m", "experiments.sweep", str(path), "--out", str(out), "--seed", "0"], cwd=tmp_path,
-        env=quiet_env(tmp_path, SWEEP_PROGRAM_LOG=str(log), SWEEP_PROGRAM_HANG="2"), start_new_session=True,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [sys.executable, "-m", "experiments.sweep", str(path), "--out", str(out), "--seed", "0"],
+        cwd=tmp_path,
+        env=quiet_env(tmp_path, SWEEP_PROGRAM_LOG=str(log), SWEEP_PROGRAM_HANG="2"),
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 300
     while not ((out / "trial-002" / "checkpoint.pt").exists() and "trial-002" in (out / "sweep.json").read_text()):
         assert time.monotonic() < deadline and runner.poll() is None, "trial 2 never started"
@@ -242,9 +251,13 @@ def test_interrupted_sweep_resumes_and_runs_only_the_rest(grid: dict[str, Any], 
 def test_a_trial_stopped_by_sigterm_is_killed_not_failed_and_resumed(grid: dict[str, Any], tmp_path: Path) -> None:
     """A trial stopped alone (SIGTERM: our scripts checkpoint, exit 143) is killed, not failed; --resume continues it."""
     path, out, log = write_sweep(tmp_path, "grid-test"), tmp_path / "out", tmp_path / "log"
-    runner = subprocess.Popen([sys.executable, "-m", "experiments.sweep", str(path), "--out", str(out), "--seed", "0"],
-                              cwd=tmp_path, env=quiet_env(tmp_path, SWEEP_PROGRAM_LOG=str(log), SWEEP_PROGRAM_HANG="2"),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    runner = subprocess.Popen(
+        [sys.executable, "-m", "experiments.sweep", str(path), "--out", str(out), "--seed", "0"],
+        cwd=tmp_path,
+        env=quiet_env(tmp_path, SWEEP_PROGRAM_LOG=str(log), SWEEP_PROGRAM_HANG="2"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 300
     while not (out / "trial-002" / "checkpoint.pt").exists():
         assert time.monotonic() < deadline and runner.poll() is None, "trial 2 never started"
@@ -337,18 +350,28 @@ def test_seed_summary_matches_a_hand_computation(tmp_path: Path) -> None:
         one = [score(x, y) + 0.1 * seed for seed in seeds]
         five = [score(x, y) / 2 + 0.05 * seed**2 for seed in seeds]
         assert group["metrics"]["1step score"] == {
-            "mean": pytest.approx(sum(one) / 3), "n": 3, "mean_ci95": pytest.approx((0.01 + 0.02 + 0.03) / 3),
+            "mean": pytest.approx(sum(one) / 3),
+            "n": 3,
+            "mean_ci95": pytest.approx((0.01 + 0.02 + 0.03) / 3),
             "std": pytest.approx((sum((v - sum(one) / 3) ** 2 for v in one) / 2) ** 0.5),
-        }  # fmt: skip
+        }
         assert group["metrics"]["5step score"] == {
-            "mean": pytest.approx(sum(five) / 3), "n": 3, "mean_ci95": pytest.approx(0.02 + 0.001 * x),
+            "mean": pytest.approx(sum(five) / 3),
+            "n": 3,
+            "mean_ci95": pytest.approx(0.02 + 0.001 * x),
             "std": pytest.approx(statistics.stdev(five)),
-        }  # fmt: skip
+        }
         assert group["train_seconds"] == pytest.approx(x + 1)  # x + seed, averaged
     markdown = (out / "summary.md").read_text()
     assert markdown in result.stdout and "| x=0.5 y=2 | 0.5167 +- 0.1 (CI 0.02, n=3) |" in markdown
-    shown = subprocess.run([sys.executable, "-m", "experiments.sweep", "--summarize", str(out)], cwd=tmp_path,
-                           env=quiet_env(tmp_path), capture_output=True, text=True, timeout=300)  # fmt: skip
+    shown = subprocess.run(
+        [sys.executable, "-m", "experiments.sweep", "--summarize", str(out)],
+        cwd=tmp_path,
+        env=quiet_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert shown.returncode == 0 and shown.stdout == markdown
 
 
@@ -361,7 +384,12 @@ def test_seed_summary_shows_a_diverged_run_as_nan(tmp_path: Path) -> None:
         (tmp_path / f"trial-00{seed}" / "results.json").write_text(json.dumps(results))
     summary, markdown = sweep_cli.summarize(tmp_path)
     metric = summary["groups"][0]["metrics"]["5shot mse"]
-    assert metric["n"] == 3 and math.isnan(metric["mean"]) and math.isnan(metric["std"]) and metric["mean_ci95"] == pytest.approx(0.1)
+    assert (
+        metric["n"] == 3
+        and math.isnan(metric["mean"])
+        and math.isnan(metric["std"])
+        and metric["mean_ci95"] == pytest.approx(0.1)
+    )
     assert "| a=1 | nan +- nan (CI 0.1, n=3) | 2 |" in markdown
 
 
@@ -401,7 +429,9 @@ def test_the_sweep_files_search_what_they_say() -> None:
     assert omniglot["algorithm"]["values"] == ["maml", "fomaml", "anil", "metasgd", "mamlpp"]
     # The reference protocol's own meta-batch (no override), and the same budget and seeds for the learn2learn row.
     peer = searched["omniglot-learn2learn.yaml"].config["parameters"]
-    assert omniglot["seed"]["values"] == peer["seed"]["values"] == [0, 1, 2] and peer["engine"]["value"] == "learn2learn"
+    assert (
+        omniglot["seed"]["values"] == peer["seed"]["values"] == [0, 1, 2] and peer["engine"]["value"] == "learn2learn"
+    )
     assert omniglot["iterations"] == peer["iterations"] and omniglot["val-every"] == peer["val-every"]
     assert "meta-batch" not in omniglot and "data" not in omniglot
 
@@ -416,15 +446,21 @@ BAD_INPUTS = {
     "grid over a range": ({"parameters": {"x": {"min": 0.0, "max": 1.0}}}, [], "cannot use these parameters"),
     "random without count": ({"method": "random"}, [], "pass --count"),
     "missing program": ({"program": "no/such/program.py"}, [], "not found"),
-    "unsupported macro": ({"command": ["${env}", "${interpreter}", "${program}", "${args_no_hyphens}"]}, [],
-                          "command macro ${args_no_hyphens} is not supported"),
-    "macro inside an argument": ({"command": ["${interpreter}", "${program}", "--a=${envvar:HOME}", "${args}"]}, [],
-                                 "command macro ${envvar:HOME} is not supported"),
+    "unsupported macro": (
+        {"command": ["${env}", "${interpreter}", "${program}", "${args_no_hyphens}"]},
+        [],
+        "command macro ${args_no_hyphens} is not supported",
+    ),
+    "macro inside an argument": (
+        {"command": ["${interpreter}", "${program}", "--a=${envvar:HOME}", "${args}"]},
+        [],
+        "command macro ${envvar:HOME} is not supported",
+    ),
     "count 0": ({}, ["--count", "0"], "--count and --jobs must be >= 1"),
     "jobs 0": ({}, ["--jobs", "0"], "--count and --jobs must be >= 1"),
     "count not a number": ({}, ["--count", "many"], "invalid int value: 'many'"),
     "resume of nothing": ({}, ["--resume"], "--resume: no sweep in"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", BAD_INPUTS, ids=list(BAD_INPUTS))
@@ -458,15 +494,23 @@ def test_a_grid_given_more_values_resumes_with_only_the_new_points(grid: dict[st
         (out / trial["name"]).mkdir(parents=True)
         (out / trial["name"] / "results.json").write_text("{}")
     (out / "sweep.json").write_text((grid["out"] / "sweep.json").read_text())
-    more = write_sweep(tmp_path, "grid-test", parameters={"x": {"values": GRID_X}, "y": {"values": [*GRID_Y, 3]},
-                                                          "fail-above": {"value": 10.0 ** 9}})  # fmt: skip
+    more = write_sweep(
+        tmp_path,
+        "grid-test",
+        parameters={"x": {"values": GRID_X}, "y": {"values": [*GRID_Y, 3]}, "fail-above": {"value": 10.0**9}},
+    )
     stderr = io.StringIO()
     assert sweep_cli.main([str(more), "--out", str(out), "--resume"], io.StringIO(), stderr) == 2  # fail-above changed
     assert "holds another sweep" in stderr.getvalue() and "beyond values added to a grid" in stderr.getvalue()
     moved = write_sweep(tmp_path, "grid-test", program="tests/other_program.py")
-    assert sweep_cli.main([str(moved), "--out", str(out), "--resume"], io.StringIO(), io.StringIO()) == 2  # program changed
-    more = write_sweep(tmp_path, "grid-test", parameters={"x": {"values": GRID_X}, "y": {"values": [*GRID_Y, 3]},
-                                                          "fail-above": {"value": FAIL_ABOVE}})  # fmt: skip
+    assert (
+        sweep_cli.main([str(moved), "--out", str(out), "--resume"], io.StringIO(), io.StringIO()) == 2
+    )  # program changed
+    more = write_sweep(
+        tmp_path,
+        "grid-test",
+        parameters={"x": {"values": GRID_X}, "y": {"values": [*GRID_Y, 3]}, "fail-above": {"value": FAIL_ABOVE}},
+    )
     result = run_cli([str(more), "--out", str(out), "--resume"], tmp_path, SWEEP_PROGRAM_LOG=str(log))
     assert result.returncode == 0, result.stderr
     assert [(start["trial"], start["argv"][1:3]) for start in launches(log)] == [
@@ -505,17 +549,31 @@ def test_dry_run_checks_parameter_names_against_the_programs_flags(tmp_path: Pat
 
 def test_dry_run_checks_an_experiment_scripts_flags_which_take_underscores(tmp_path: Path) -> None:
     command = ["${env}", "${interpreter}", "-m", "experiments.sine", "${args}"]
-    path = write_sweep(tmp_path, "sine-typo", program="experiments/sine.py", command=command, metric={"name": "val/mse"},
-                       parameters={"inner-rl": {"values": [0.01, 0.1]}, "meta_batch": {"value": 5}})  # fmt: skip
+    path = write_sweep(
+        tmp_path,
+        "sine-typo",
+        program="experiments/sine.py",
+        command=command,
+        metric={"name": "val/mse"},
+        parameters={"inner-rl": {"values": [0.01, 0.1]}, "meta_batch": {"value": 5}},
+    )
     stderr = io.StringIO()
     assert sweep_cli.main([str(path), "--dry-run"], io.StringIO(), stderr) == 2
     message = stderr.getvalue()
-    assert message.startswith(f"error: {path}: the parameter 'inner-rl' is not a flag of experiments/sine.py (did you "
-                              f"mean --inner-lr, ")  # fmt: skip
-    assert message.endswith("?); every trial would fail on it. Rename it under parameters (the program's --help lists "
-                            "its flags).\n")  # fmt: skip
-    fixed = write_sweep(tmp_path, "sine-ok", program="experiments/sine.py", command=command, metric={"name": "val/mse"},
-                        parameters={"inner_lr": {"values": [0.01, 0.1]}, "meta_batch": {"value": 5}})  # fmt: skip
+    assert message.startswith(
+        f"error: {path}: the parameter 'inner-rl' is not a flag of experiments/sine.py (did you mean --inner-lr, "
+    )
+    assert message.endswith(
+        "?); every trial would fail on it. Rename it under parameters (the program's --help lists its flags).\n"
+    )
+    fixed = write_sweep(
+        tmp_path,
+        "sine-ok",
+        program="experiments/sine.py",
+        command=command,
+        metric={"name": "val/mse"},
+        parameters={"inner_lr": {"values": [0.01, 0.1]}, "meta_batch": {"value": 5}},
+    )
     stdout = io.StringIO()
     assert sweep_cli.main([str(fixed), "--dry-run"], stdout, io.StringIO()) == 0  # --inner_lr is --inner-lr there
     assert "--inner_lr=0.01 --meta_batch=5 --out <out>/trial-001 --wandb offline" in stdout.getvalue()

@@ -6,10 +6,9 @@ import json
 import re
 from pathlib import Path
 
-import pytest
+from helpers import REPO
 
 from experiments import tables
-from helpers import REPO
 
 
 def test_the_readme_tables_are_their_rendering_from_results():
@@ -52,14 +51,23 @@ def test_the_seed_table_gives_mean_and_std_over_finished_seeds_and_names_the_pen
     names = [f"trial-{i:03d}" for i in range(1, 5)]
     (sweep).mkdir(parents=True)
     grid = {"parameters": {"algorithm": {"values": ["maml", "anil"]}, "seed": {"values": [0, 1]}}}
-    (sweep / "sweep.json").write_text(json.dumps({"sweep": {"file": "experiments/sweeps/x.yaml", "config": grid},
-                                                  "trials": [{"name": n, "params": p} for n, p in zip(names, params)]}))
+    (sweep / "sweep.json").write_text(
+        json.dumps(
+            {
+                "sweep": {"file": "experiments/sweeps/x.yaml", "config": grid},
+                "trials": [{"name": n, "params": p} for n, p in zip(names, params)],
+            }
+        )
+    )
     trial(sweep / names[0], "maml", 0, accuracy=0.80, best=0.90)
     trial(sweep / names[1], "maml", 1, accuracy=0.60, best=0.70)
     text = tables.omniglot_seeds([sweep])
     row = next(line for line in text.splitlines() if line.startswith("| `maml`"))
     # best validation: mean 80.0, std sqrt(2) * 10 = 14.1; last parameters: 70.0 +- 14.1
-    assert row == "| `maml` | 2 of 2 (0, 1) | 2000 | 80.0 +- 14.1 | 80.0 +- 14.1 | 80.0 +- 14.1 | 70.0 +- 14.1 | 1500, 1500 | 10 |"
+    assert (
+        row
+        == "| `maml` | 2 of 2 (0, 1) | 2000 | 80.0 +- 14.1 | 80.0 +- 14.1 | 80.0 +- 14.1 | 70.0 +- 14.1 | 1500, 1500 | 10 |"
+    )
     assert "Not yet run: `anil` (2 seeds); the sweeps resume with `--resume`." in text
     assert "Sweeps: `python -m experiments.sweep experiments/sweeps/x.yaml --out results/seeds`" in text
     assert "commit 0123456789; device cpu" not in text and "2026-11-24; commit 0123456789" in text
@@ -82,9 +90,23 @@ def test_check_says_which_line_is_stale_and_bad_blocks_are_one_line(tmp_path, ca
 def test_the_command_names_only_the_flags_that_differ_from_the_recipes_defaults():
     from experiments import omniglot
 
-    cfg = json.loads(json.dumps(omniglot.OmniglotConfig(algorithm="mamlpp", iterations=2000, val_every=100,
-                                                        data="x").resolved().__dict__))  # fmt: skip
-    cfg.update({"steps": 5, "learn_inner_lr": "per_layer_per_step", "loss": "mean", "inner_lr": 0.1, "meta_batch": 8,
-                "msl_fraction": 0.1, "first_order_fraction": 0.5, "meta_lr_schedule": "cosine"})  # the recipe's
+    cfg = json.loads(
+        json.dumps(
+            omniglot.OmniglotConfig(algorithm="mamlpp", iterations=2000, val_every=100, data="x").resolved().__dict__
+        )
+    )
+    cfg.update(
+        {
+            "steps": 5,
+            "learn_inner_lr": "per_layer_per_step",
+            "loss": "mean",
+            "inner_lr": 0.1,
+            "meta_batch": 8,
+            "msl_fraction": 0.1,
+            "first_order_fraction": 0.5,
+            "meta_lr_schedule": "cosine",
+        }
+    )  # the recipe's
     assert tables.command({"experiment": "omniglot", "config": cfg}) == (
-        "python -m experiments.omniglot --iterations 2000 --algorithm mamlpp --val-every 100 --data x")
+        "python -m experiments.omniglot --iterations 2000 --algorithm mamlpp --val-every 100 --data x"
+    )

@@ -6,12 +6,11 @@ import random
 
 import pytest
 import torch
+from helpers import omniglot_root
 from torch import nn
 
 import maml
 import tasks
-from helpers import omniglot_root
-
 
 
 @pytest.fixture(scope="module")
@@ -23,6 +22,7 @@ def omni(tmp_path_factory: pytest.TempPathFactory) -> tasks.Omniglot:
 
 def test_batches_from_a_real_learn2learn_task_dataset(omni: tasks.Omniglot) -> None:
     import learn2learn as l2l  # a peer installed by scripts/setup.sh; imported here as it takes seconds
+
     transforms = l2l.data.transforms
     keep = omni.labels < 60
     images, labels = omni.images[keep].unsqueeze(1).float() / 255, omni.labels[keep]

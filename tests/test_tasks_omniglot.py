@@ -6,13 +6,13 @@ import os
 import zipfile
 from pathlib import Path
 
+import helpers
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 from torch import nn
 
-import helpers
 import maml
 import tasks
 
