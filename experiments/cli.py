@@ -1,7 +1,7 @@
 """The command line of the experiment scripts: how a flag's words become a value, and the one-line errors.
 
 The flags come from the config dataclasses through tyro (``config.parse_args``): each field is a
-kebab-case flag (``--inner-lr``; ``--inner_lr`` too, as ``wandb agent`` passes it) and a YAML key,
+kebab-case flag (``--inner-lr``; ``--inner_lr`` too, as a W&B sweep passes it) and a YAML key,
 and its attribute docstring is its ``--help`` text. Before tyro parses a command line,
 :func:`check_argv` reads it with the same value readers (tyro's constructor registry,
 :data:`REGISTRY`) and turns anything tyro would reject into a :class:`UsageError` of one line that

@@ -2,7 +2,7 @@
 
 The file is wandb's format (``method``, ``metric``, ``parameters``, ``command``, ``program``,
 ``run_cap``); W&B's own search engine (the ``sweeps`` package) picks each trial's parameters,
-and a trial runs as ``wandb agent`` would run it (see ``experiments.sweep``).
+and a trial runs as W&B's own sweeps run it (see ``experiments.sweep``).
 """
 
 from __future__ import annotations
