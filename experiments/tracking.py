@@ -24,7 +24,9 @@ if TYPE_CHECKING:
 __all__ = ["WANDB_MODES", "wandb_mode", "default_wandb_mode", "init_wandb", "finish_wandb"]
 
 WANDB_MODES = ("offline", "online", "disabled")  # --wandb's choices
-_OLD_NAMES = {"dryrun": "offline", "run": "online"}  # what $WANDB_MODE may also say, as wandb accepts
+# What $WANDB_MODE may also say, as wandb accepts: old names, and "shared" (several processes logging
+# to one run online; a script's run is logged by one process, so online).
+_OLD_NAMES = {"dryrun": "offline", "run": "online", "shared": "online"}
 
 
 def wandb_mode(given: str | None) -> str:

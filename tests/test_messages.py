@@ -484,7 +484,7 @@ def test_an_unknown_wandb_mode_is_a_usage_error_before_anything_is_written(capsy
     err = exits(capsys, sine.run, argv, 2)
     assert (
         err
-        == "error: WANDB_MODE 'offlne' is not one of offline, online, disabled, dryrun, run; set it to one of them, or unset it."
+        == "error: WANDB_MODE 'offlne' is not one of offline, online, disabled, dryrun, run, shared; set it to one of them, or unset it."
     )
     assert not out.exists()
 
