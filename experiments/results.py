@@ -55,7 +55,11 @@ def provenance() -> dict[str, Any]:
             return None
 
     commit = git("rev-parse", "HEAD")
-    dirty = bool(git("status", "--porcelain", "--untracked-files=no")) if commit else None
+    # Changed code, not changed results: a committed sweep resumed in place rewrites its own
+    # results/ files (sweep.json) while it runs, which says nothing about the code.
+    dirty = (
+        bool(git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)results")) if commit else None
+    )
     return {
         "versions": versions,
         "git_commit": commit,

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
 import signal
 import sys
 import time
@@ -17,7 +15,7 @@ import torch
 import maml
 from experiments.config import RunOptions
 from experiments.divergence import DivergenceWatch
-from experiments.files import atomic_write, writing
+from experiments.logbook import Logbook
 from experiments.recipes import Schedule
 from experiments.rundir import BEST_FILE, DATA_KEYS, METRICS_FILE, data_identity, write_state
 from experiments.runtime import catch_stop_signals
@@ -112,56 +110,19 @@ class Trainer:
         The last iteration is always logged and validated, however short the run. A checkpoint
         at or past ``iterations`` (a run shortened on ``--resume``) trains nothing: the run
         evaluates the checkpoint's parameters, and ``iterations`` becomes the checkpoint's.
-
-        Rank 0 writes every logged row to ``metrics.jsonl`` as well as to wandb: on a start the
-        file is rewritten with the checkpoint's history, so after a kill it holds each logged
-        iteration once, up to the checkpoint, and no rows of iterations that are then redone.
-        A resumed wandb run gets those rows again, from wandb's own next step on (0 offline,
-        where the killed run's file may hold nothing; after the server's last row online). When
-        stderr is not a terminal (a batch job, ``nohup``), tqdm stays silent and a plain
-        progress line per log window goes to stderr instead.
+        Rank 0 logs every row to ``metrics.jsonl`` and wandb (:class:`~experiments.logbook.Logbook`).
         """
         from tqdm import tqdm
 
         generator = torch.Generator().manual_seed(self.seed)
-        start = 0
-        if resumed is not None:
-            self.learner.load_state_dict(resumed["learner"])
-            self.optimizer.load_state_dict(resumed["optimizer"])
-            generator.set_state(resumed["generator"])
-            torch.set_rng_state(resumed["torch_rng"])
-            if resumed["cuda_rng"] is not None and torch.cuda.is_available():
-                torch.cuda.set_rng_state_all(resumed["cuda_rng"])
-            self.history = resumed["history"]
-            self.window, self.step_time = resumed["window"]
-            self.train_seconds = resumed["train_seconds"]
-            self.best = resumed.get("best", {})
-            start = resumed["iteration"]
+        start = self._restore(resumed, generator, opts.main)
         wandb_id = getattr(run, "id", None)
-        main, sharded = opts.main, opts.world_size > 1
-        if start >= self.iterations:
-            if main:
-                print(
-                    f"the checkpoint is at iteration {start}, at or past --iterations {self.iterations}: no "
-                    f"training; evaluating its parameters",
-                    file=sys.stderr,
-                )
-            self.iterations = start
-        metrics_path = opts.out / METRICS_FILE
-        metrics_file, wandb_from = None, 0
-        if main:
+        log = None
+        if opts.main:
             # Where the data is and what files it holds, for the checkpoints: --resume then accepts the
             # same files under another path (computed once: a folder of images has thousands of files).
             self.data_files = {k: data_identity(v) for k in DATA_KEYS if isinstance(v := getattr(cfg, k, None), str)}
-            atomic_write(metrics_path, lambda p: p.write_text("".join(json.dumps(row) + "\n" for row in self.history)))
-            with writing(metrics_path):
-                metrics_file = metrics_path.open("a")
-            # wandb's next step: 0 offline; online, past the last row its server holds. It drops (with a
-            # warning) a row of an earlier step, which it has from the run before: the same row.
-            wandb_from = run.starting_step
-            for row in self.history:
-                if row["iteration"] >= wandb_from:
-                    run.log(row, step=row["iteration"])
+            log = Logbook.open(opts.out / METRICS_FILE, self.history, run, start)
 
         # Ctrl-C and SIGTERM (kill, a cluster's pre-emption; torchrun passes them on) stop the run after this
         # iteration, whose checkpoint is then consistent; a second Ctrl-C stops at once (the last one stays valid).
@@ -174,88 +135,19 @@ class Trainer:
             desc="meta-train",
             dynamic_ncols=True,
             mininterval=0.5,
-            disable=None if main else True,
+            disable=None if opts.main else True,
         )
-        # tqdm switches itself off without a terminal (disable=None); then a plain line per log window.
-        plain = main and sys.stderr is not None and not sys.stderr.isatty()
-        window_began, window_start = time.perf_counter(), start
         try:
             for iteration in bar:
-                # The full meta-batch on every rank, whatever their number: the same trajectory.
-                batch = maml.shard(self.sample(generator)).to(self.device)
-                t0 = time.perf_counter()
-                weights = (
-                    None if self.schedule is None else self.schedule.apply(iteration, self.learner, self.optimizer)
-                )
-                out = self.run_batch(batch, step_weights=weights)
-                self.optimizer.zero_grad(set_to_none=True)
-                out.loss.backward()
-                if sharded:
-                    # One all-reduce carries the meta-gradients, the meta-loss and whether a rank was
-                    # signalled; ranks get signals at different moments, and deciding on the shared
-                    # vote makes them all stop after the same iteration (none left in a collective).
-                    votes = torch.stack([out.loss.detach(), out.loss.new_tensor(float(bool(stop)))])
-                    loss, vote = maml.all_reduce_grads(self.learner.parameters(), votes).tolist()
-                    stopping = vote > 0
-                else:
-                    loss, stopping = float(out.loss.detach()), bool(stop)
-                last = iteration + 1 == self.iterations
-                logging = (iteration + 1) % self.log_every == 0 or last  # a run shorter than log_every logs too
-                if logging:
-                    grads = [p.grad for p in self.learner.parameters() if p.grad is not None]
-                    grad_norm = float(
-                        torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-                    )
-                self.optimizer.step()
-                self.watch.check_step(self.optimizer)  # a NaN/Inf meta-parameter: Diverged, before the checkpoint
-                self.step_time += time.perf_counter() - t0
-                self.window.append(loss)
-                if logging:
-                    inner, metrics = self._inner_losses(out, batch), self.metrics(out, batch)
-                    row = {
-                        "iteration": iteration + 1,
-                        "train/meta_loss": sum(self.window) / len(self.window),
-                        "train/meta_grad_norm": grad_norm,
-                        "train/step_time_ms": 1e3 * self.step_time / len(self.window),
-                        **inner,
-                        **self._rates(),
-                        **metrics,
-                    }
-                    if sharded:  # means over this rank's tasks -> means over the meta-batch
-                        shard_means = torch.tensor(
-                            [*inner.values(), *metrics.values()], dtype=torch.float64, device=self.device
-                        )
-                        row.update(zip([*inner, *metrics], maml.all_reduce_mean(shard_means).tolist()))
-                    if main and ((iteration + 1) % self.val_every == 0 or last):
-                        validation = self.validate()
-                        row.update(validation)
-                        self._keep_if_best(opts.out, iteration + 1, validation)
-                    self.history.append(row)
-                    if main:
-                        with writing(metrics_path):
-                            metrics_file.write(json.dumps(row) + "\n")  # type: ignore[union-attr]
-                            metrics_file.flush()  # a kill loses no row the process logged
-                        if iteration + 1 >= wandb_from:
-                            run.log(row, step=iteration + 1)
+                stopping, row = self._iteration(iteration, generator, stop, opts, log)
+                if row is not None:
                     bar.set_postfix(meta_loss=f"{row['train/meta_loss']:.4f}")
-                    self.window, self.step_time = [], 0.0
-                    if plain:
-                        now = time.perf_counter()
-                        rate = (iteration + 1 - window_start) / max(now - window_began, 1e-9)
-                        eta = round((self.iterations - iteration - 1) / rate)
-                        print(
-                            f"meta-train {iteration + 1}/{self.iterations} ({100 * (iteration + 1) // self.iterations} %): "
-                            f"meta-loss {row['train/meta_loss']:.4g}, {rate:.1f} it/s, "
-                            f"ETA {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}",
-                            file=sys.stderr,
-                            flush=True,
-                        )
-                        window_began, window_start = now, iteration + 1
-                if main and (stopping or (iteration + 1) % self.checkpoint_every == 0 or last):
+                last = iteration + 1 == self.iterations
+                if opts.main and (stopping or (iteration + 1) % self.checkpoint_every == 0 or last):
                     write_state(opts.out / "checkpoint.pt", self.state(iteration + 1, generator, cfg, wandb_id))
                 if stopping:
                     bar.close()
-                    if main:
+                    if opts.main:
                         finish_wandb(run)
                         print(
                             f"\nstopped after iteration {iteration + 1}; continue with the same command plus --resume",
@@ -266,16 +158,102 @@ class Trainer:
         finally:
             restore_signals()
             bar.close()
-            if metrics_file is not None:
-                with contextlib.suppress(OSError):
-                    metrics_file.close()
+            if log is not None:
+                log.close()
         self.train_seconds += time.perf_counter() - self._began
         # The validation of the last iteration: logged with it, or (a run that trained nothing,
         # stopped past its last log row) of the checkpoint's parameters now.
         last_row = self.history[-1] if self.history else {}
         self.final_val = {k: v for k, v in last_row.items() if k.startswith("val/")}
-        if main and (last_row.get("iteration") != self.iterations or not self.final_val):
+        if opts.main and (last_row.get("iteration") != self.iterations or not self.final_val):
             self.final_val = self.validate()
+
+    def _restore(self, resumed: dict[str, Any] | None, generator: torch.Generator, main: bool) -> int:
+        """Loads a checkpoint's state (``resumed``) into the learner, optimizer, generators and logs; the iteration to start at."""
+        if resumed is None:
+            return 0
+        self.learner.load_state_dict(resumed["learner"])
+        self.optimizer.load_state_dict(resumed["optimizer"])
+        generator.set_state(resumed["generator"])
+        torch.set_rng_state(resumed["torch_rng"])
+        if resumed["cuda_rng"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(resumed["cuda_rng"])
+        self.history = resumed["history"]
+        self.window, self.step_time = resumed["window"]
+        self.train_seconds = resumed["train_seconds"]
+        self.best = resumed.get("best", {})
+        start = resumed["iteration"]
+        if start >= self.iterations:
+            if main:
+                print(
+                    f"the checkpoint is at iteration {start}, at or past --iterations {self.iterations}: no "
+                    f"training; evaluating its parameters",
+                    file=sys.stderr,
+                )
+            self.iterations = start
+        return start
+
+    def _iteration(
+        self, iteration: int, generator: torch.Generator, stop: list[int], opts: RunOptions, log: Logbook | None
+    ) -> tuple[bool, dict[str, float] | None]:
+        """One meta-training step: whether a stop signal ends the run after it, and its log row when one was due."""
+        sharded = opts.world_size > 1
+        # The full meta-batch on every rank, whatever their number: the same trajectory.
+        batch = maml.shard(self.sample(generator)).to(self.device)
+        t0 = time.perf_counter()
+        weights = None if self.schedule is None else self.schedule.apply(iteration, self.learner, self.optimizer)
+        out = self.run_batch(batch, step_weights=weights)
+        self.optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+        if sharded:
+            # One all-reduce carries the meta-gradients, the meta-loss and whether a rank was
+            # signalled; ranks get signals at different moments, and deciding on the shared
+            # vote makes them all stop after the same iteration (none left in a collective).
+            votes = torch.stack([out.loss.detach(), out.loss.new_tensor(float(bool(stop)))])
+            loss, vote = maml.all_reduce_grads(self.learner.parameters(), votes).tolist()
+            stopping = vote > 0
+        else:
+            loss, stopping = float(out.loss.detach()), bool(stop)
+        last = iteration + 1 == self.iterations
+        logging = (iteration + 1) % self.log_every == 0 or last  # a run shorter than log_every logs too
+        if logging:
+            grads = [p.grad for p in self.learner.parameters() if p.grad is not None]
+            grad_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+        self.optimizer.step()
+        self.watch.check_step(self.optimizer)  # a NaN/Inf meta-parameter: Diverged, before the checkpoint
+        self.step_time += time.perf_counter() - t0
+        self.window.append(loss)
+        if logging:
+            row = self._row(iteration + 1, out, batch, grad_norm, sharded)
+            if opts.main and ((iteration + 1) % self.val_every == 0 or last):
+                validation = self.validate()
+                row.update(validation)
+                self._keep_if_best(opts.out, iteration + 1, validation)
+            self.history.append(row)
+            if log is not None:
+                log.write(row, self.iterations)
+            self.window, self.step_time = [], 0.0
+            return stopping, row
+        return stopping, None
+
+    def _row(
+        self, iteration: int, out: maml.MetaOutput, batch: maml.TaskBatch, grad_norm: float, sharded: bool
+    ) -> dict[str, float]:
+        """The training part of a log row: the window's means, the inner losses, the rates and the script's metrics."""
+        inner, metrics = self._inner_losses(out, batch), self.metrics(out, batch)
+        row = {
+            "iteration": iteration,
+            "train/meta_loss": sum(self.window) / len(self.window),
+            "train/meta_grad_norm": grad_norm,
+            "train/step_time_ms": 1e3 * self.step_time / len(self.window),
+            **inner,
+            **self._rates(),
+            **metrics,
+        }
+        if sharded:  # means over this rank's tasks -> means over the meta-batch
+            shard_means = torch.tensor([*inner.values(), *metrics.values()], dtype=torch.float64, device=self.device)
+            row.update(zip([*inner, *metrics], maml.all_reduce_mean(shard_means).tolist()))
+        return row
 
     def run_batch(self, batch: maml.TaskBatch, phase: str | None = None, **kwargs: Any) -> maml.MetaOutput:
         """``learner.run(batch, **kwargs)``; the engine's NaN/Inf check (FloatingPointError) raises Diverged, explained.

@@ -423,6 +423,47 @@ class _ForwardOverReverse:
         return [g if need else None for g, need in zip(pulled, needs)]
 
 
+def _chunk_graph(
+    p: _Pass,
+    c: int,
+    params: Params,
+    others: list[Tensor],
+    kept: dict[int, list[Tensor]],
+    final_state: list[Tensor],
+    scores: list[Tensor],
+    final: tuple[Tensor, Tensor, list[Tensor] | None],
+    every: int,
+    hvp: str,
+) -> tuple[list[Tensor], Tensor, list[Tensor]]:
+    """Chunk ``c``'s nodes: one per segment of ``every`` steps, then one for its query loss.
+
+    Returns the chunk's fast weights, ``(T_c,)`` query losses and the ``(T_c,)`` query score
+    after each step but the last, each on the graph back to ``params`` and ``others``.
+    """
+    n_fast, steps = len(p.names), p.steps
+    n_kept = len(kept[0]) if steps else n_fast
+    # The forward-over-reverse pullback of a segment scored after its last step reads that step's output.
+    keep_outputs = n_fast if hvp == "forward_over_reverse" and p.every_step else 0
+    # The initial fast weights as a view of the parameters, so that the gradient reaches them.
+    inputs = [*per_task(params, p.parts[c].num_tasks).values(), *(p.chunk(kept[0], c)[n_fast:] if steps else [])]
+    chunk_scores: list[Tensor] = []
+    for start in range(0, steps, every):
+        count = min(every, steps - start)
+        end = start + count
+        after = p.chunk(kept[end] if end < steps else final_state, c)
+        extra = [p.chunk([scores[s]], c)[0] for s in range(start, end) if s < steps - 1] if p.every_step else []
+        if hvp == "forward_over_reverse":
+            pullback: Pullback = _ForwardOverReverse(p, c, start, count, n_kept)
+        else:
+            pullback = _by_autograd(_replay_segment(p, c, start, count), n_kept)
+        outs = _Segment.apply(pullback, keep_outputs, (*after, *extra), *inputs, *others)
+        inputs, chunk_scores = list(outs[:n_kept]), chunk_scores + list(outs[n_kept:])
+    losses, _, grads = final
+    pull_query = _scaled(grads) if grads is not None else _by_autograd(_replay_query(p, c), n_fast)
+    (loss,) = _Segment.apply(pull_query, 0, (losses,), *inputs[:n_fast], *others)
+    return inputs[:n_fast], loss, chunk_scores
+
+
 def run(
     loop: InnerLoop,
     params: Params,
@@ -476,34 +517,11 @@ def run(
     final = _final_query(p, done.fast, r_consts, grads_now)
 
     # ---- the graph: per chunk, one node per segment, then one for the query loss
-    n_fast = len(names)
-    n_kept = len(kept[0]) if steps else n_fast
-    # The forward-over-reverse pullback of a segment scored after its last step reads that step's output.
-    keep_outputs = n_fast if hvp == "forward_over_reverse" and p.every_step else 0
-    fast_parts, query_parts, score_parts = [], [], []
-    for c, part in enumerate(p.parts):
-        # The initial fast weights as a view of the parameters, so that the gradient reaches them.
-        inputs = [*per_task(params, part.num_tasks).values(), *(p.chunk(kept[0], c)[n_fast:] if steps else [])]
-        scores: list[Tensor] = []
-        for start in range(0, steps, every):
-            count = min(every, steps - start)
-            end = start + count
-            after = p.chunk(kept[end] if end < steps else final_state, c)
-            extra = (
-                [p.chunk([done.scores[s]], c)[0] for s in range(start, end) if s < steps - 1] if p.every_step else []
-            )
-            if hvp == "forward_over_reverse":
-                pullback: Pullback = _ForwardOverReverse(p, c, start, count, n_kept)
-            else:
-                pullback = _by_autograd(_replay_segment(p, c, start, count), n_kept)
-            outs = _Segment.apply(pullback, keep_outputs, (*after, *extra), *inputs, *others)
-            inputs, scores = list(outs[:n_kept]), scores + list(outs[n_kept:])
-        losses, _, grads = final[c]
-        pull_query = _scaled(grads) if grads is not None else _by_autograd(_replay_query(p, c), n_fast)
-        (loss,) = _Segment.apply(pull_query, 0, (losses,), *inputs[:n_fast], *others)
-        fast_parts.append(inputs[:n_fast])
-        query_parts.append(loss)
-        score_parts.append(scores)
+    chunks = [
+        _chunk_graph(p, c, params, others, kept, final_state, done.scores, final[c], every, hvp)
+        for c in range(len(p.parts))
+    ]
+    fast_parts, query_parts, score_parts = zip(*chunks)
     query_losses = torch.cat(query_parts)
     per_step = None
     if p.every_step:
