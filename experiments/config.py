@@ -33,6 +33,7 @@ __all__ = [
     "parse_args",
     "load_yaml",
     "load_config",
+    "config_text",
     "save_config",
 ]
 
@@ -224,6 +225,11 @@ def parse_args(
         "Args", [("run", RunFlags), (experiment, Annotated[cls, tyro.conf.FlagConversionOff])]
     )
     argv = [a for a in argv if a != "--"]  # the end of the flags, with nothing after it (check_argv saw to that)
+    if any(
+        a == "--out=" or (a == "--out" and i + 1 < len(argv) and not argv[i + 1].strip()) for i, a in enumerate(argv)
+    ):
+        # Path("") is the current folder, where --overwrite would delete run files: say so instead.
+        raise UsageError('--out is empty; pass a folder, e.g. --out runs/try (or "." for this one).')
     args = cli.tyro_cli(
         args_cls,
         argv,
@@ -261,7 +267,9 @@ def load_yaml(path: Path, cls: type) -> dict[str, Any]:
     if not path.is_file():
         raise UsageError(f"--config {path}: no such file.")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as e:
+        raise UsageError(f"--config {path}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8.") from None
     except yaml.YAMLError as e:
         raise UsageError(f"--config {path}: not valid YAML: {e}") from None
     if not isinstance(data, dict):
@@ -282,16 +290,15 @@ def load_yaml(path: Path, cls: type) -> dict[str, Any]:
     return cli.read_items(items, types_, name=str, where=f"--config {path}: ")
 
 
+def config_text(cfg: Any) -> str:
+    """``cfg`` as ``config.yaml`` holds it."""
+    values = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(cfg).items()}
+    return yaml.safe_dump(values, sort_keys=False)
+
+
 def save_config(out: Path, cfg: Any) -> None:
     """Writes ``cfg`` to ``out/config.yaml``, which ``--config`` reads back."""
-    atomic_write(
-        out / "config.yaml",
-        lambda p: p.write_text(
-            yaml.safe_dump(
-                {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(cfg).items()}, sort_keys=False
-            )
-        ),
-    )
+    atomic_write(out / "config.yaml", lambda p: p.write_text(config_text(cfg)))
 
 
 def load_config(cls: type, path: Path) -> Any:

@@ -34,7 +34,7 @@ from experiments.cli import UsageError
 from experiments.config import RunOptions, parse_args
 from experiments.divergence import DivergenceWatch, stop_on_divergence
 from experiments.results import finish
-from experiments.rundir import prepare_out, take_out
+from experiments.rundir import prepare_out, take_out, unlock_folders
 from experiments.runtime import check_shards
 from experiments.tracking import init_wandb
 from experiments.trainer import Trainer
@@ -199,6 +199,7 @@ def main(run: Callable[[Sequence[str] | None], None], argv: Sequence[str] | None
         together = e.code in (130, 143)  # the stop that every rank voted for after one iteration
         raise
     finally:
+        unlock_folders()  # a script run in a process that goes on (tests, notebooks)
         if dist.is_available() and dist.is_initialized():
             if together:
                 # Ranks > 0 finish before rank 0 (which evaluates and writes); a rank that tore down

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
+import fcntl
 import hashlib
 import io
 import json
@@ -24,7 +26,7 @@ import torch
 
 from experiments import recipes
 from experiments.cli import UsageError, flag
-from experiments.config import RunOptions, save_config
+from experiments.config import RunOptions, config_text, save_config
 from experiments.files import atomic_write, writing
 from experiments.runtime import broadcast, check_device
 
@@ -40,6 +42,8 @@ __all__ = [
     "fingerprint",
     "data_identity",
     "write_state",
+    "lock_folder",
+    "unlock_folders",
 ]
 
 BEST_FILE = "best.pt"  # the meta-parameters of the best validation so far (Trainer.select)
@@ -56,6 +60,59 @@ RESUMABLE = ("iterations", "log_every", "val_every", "checkpoint_every")
 DATA_KEYS = ("data",)
 _TEMPORARY = re.compile(r"\..+\.tmp(\d+)")  # atomic_write's temporary files, .NAME.tmpPID
 _WANDB_FILES = re.compile(r"(offline-)?run-\d{8}_\d{6}-\w+|latest-run|debug(-internal)?\.log")  # under --out/wandb
+
+
+_LOCKS: dict[Path, int] = {}  # the folders this process holds, and the descriptors that hold them
+
+
+def lock_folder(folder: Path, what: str = "--out") -> None:
+    """Makes ``folder`` this process's until it exits: another process that asks for it gets a UsageError.
+
+    The lock is ``flock`` on the folder itself (nothing is written in it), which the kernel drops
+    when its holder dies however it dies (SIGKILL too), so a folder left by a dead run is taken
+    over. Its holder's PID comes from ``/proc/locks``. Idempotent within a process; the folder
+    must exist.
+
+    Raises:
+        UsageError: another live process holds the folder.
+    """
+    folder = folder.resolve()
+    if folder in _LOCKS:
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return  # a file system without flock: no lock, as before
+        holder = _lock_holder(folder)
+        by = f"process {holder}" if holder else "another process"
+        raise UsageError(
+            f"{what} {folder} is in use by {by}, a run still going; wait for it to end, stop it, or pass another {what}."
+        ) from None
+    os.set_inheritable(fd, False)
+    _LOCKS[folder] = fd
+
+
+def unlock_folders() -> None:
+    """Gives back every folder this process holds (:func:`lock_folder`): its run ended, the process goes on."""
+    while _LOCKS:
+        os.close(_LOCKS.popitem()[1])
+
+
+def _lock_holder(folder: Path) -> int | None:
+    """The PID holding a ``flock`` on ``folder``, from ``/proc/locks`` (Linux); None where that cannot tell."""
+    try:
+        st = folder.stat()
+        inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+        for line in Path("/proc/locks").read_text().splitlines():
+            fields = line.split()
+            if "FLOCK" in fields and fields[-3] == inode:
+                return int(fields[-4])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def prepare_out(opts: RunOptions, cfg: Any) -> dict[str, Any] | None:
@@ -91,8 +148,17 @@ def _check_out(opts: RunOptions, cfg: Any) -> dict[str, Any] | None:
     if opts.resume and opts.overwrite:
         raise UsageError("--resume and --overwrite contradict each other; pick one.")
     _check_writable(out)
+    if out.is_dir():
+        lock_folder(out)  # before reading it: a run still writing there would change what the checks see
+    unstarted = _unstarted(out, cfg)
     if opts.resume:
         path = out / "checkpoint.pt"
+        if not path.is_file() and unstarted:
+            print(
+                f"--resume: {out} holds no checkpoint, as its run ended before the first; starting it from the beginning",
+                file=sys.stderr,
+            )
+            return None
         if not path.is_file():
             raise UsageError(f"--resume: no checkpoint at {path}; start the run without --resume.")
         try:
@@ -129,12 +195,29 @@ def _check_out(opts: RunOptions, cfg: Any) -> dict[str, Any] | None:
             )
         return state
     taken = [f for f in RUN_FILES if (out / f).exists()]
+    if taken and not opts.overwrite and unstarted:
+        print(f"--out {out} holds this run, ended before its first checkpoint: starting it again", file=sys.stderr)
+        return None
     if taken and not opts.overwrite:
         raise UsageError(
             f"--out {out} already holds a run ({', '.join(taken)}); pass --resume to continue it, "
             f"--overwrite to replace it, or another --out."
         )
     return None
+
+
+def _unstarted(out: Path, cfg: Any) -> bool:
+    """Whether ``out`` holds a run of ``cfg`` that ended before its first checkpoint: nothing to resume, all to redo.
+
+    Only its ``config.yaml`` (this config's, to the letter) and what a start writes before the
+    first checkpoint (metrics, a best.pt, wandb files), no checkpoint and no results. The folder
+    is locked by now, so that run is not going on.
+    """
+    try:
+        same = (out / "config.yaml").read_text() == config_text(cfg)
+    except (OSError, UnicodeDecodeError):
+        return False
+    return same and not (out / "checkpoint.pt").exists() and not (out / "results.json").exists()
 
 
 def _length_scheduled(config: dict[str, Any]) -> bool:
@@ -219,7 +302,9 @@ def take_out(opts: RunOptions, cfg: Any) -> None:
     made = not out.exists()
     with writing(out):
         out.mkdir(parents=True, exist_ok=True)
-        if opts.overwrite:
+        lock_folder(out)  # a folder made just now: two runs that both found it missing meet here
+        # A run that ended before its first checkpoint starts again as if overwritten (_unstarted).
+        if opts.overwrite or ((out / "config.yaml").exists() and not (out / "checkpoint.pt").exists()):
             for name in (*RUN_FILES, METRICS_FILE, *PLOTS):
                 (out / name).unlink(missing_ok=True)
             runs = out / "wandb"

@@ -65,6 +65,8 @@ def parse_device(name: str) -> torch.device:
         raise UsageError(f"--device {name!r} is not a torch device; use cpu, cuda or cuda:N.") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device {name}: CUDA is not available on this machine; use --device cpu.")
+    if device.type == "meta":
+        raise UsageError(f"--device {name} holds shapes without data, so nothing can train on it; use --device cpu.")
     return device
 
 

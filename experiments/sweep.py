@@ -39,6 +39,7 @@ import numpy as np
 
 from experiments.cli import UsageError
 from experiments.files import atomic_write
+from experiments.rundir import unlock_folders
 from experiments.sweep_file import Sweep, SweepError, Trial, build_command, check_parameters, load_sweep, next_trial
 from experiments.sweep_runner import best_metric, open_out, run_sweep, write_report
 
@@ -191,6 +192,8 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None, stderr
     except (SweepError, UsageError) as error:
         print(f"error: {error}", file=stderr)
         return 2
+    finally:
+        unlock_folders()  # the sweep's folder, for a caller that goes on (tests)
     print(f"[sweep] {len(trials)} trial(s) in {out / 'sweep.json'}", file=stderr)
     return 1 if trials and all(trial.state != "finished" for trial in trials) else 0
 

@@ -15,8 +15,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, TextIO
 
+from experiments.cli import UsageError
 from experiments.files import atomic_write
-from experiments.rundir import METRICS_FILE
+from experiments.rundir import METRICS_FILE, lock_folder
 from experiments.sweep_file import DONE, REPO_ROOT, Sweep, SweepError, Trial, build_command, next_trial, trial_env
 
 __all__ = [
@@ -66,7 +67,20 @@ def start_trial(sweep: Sweep, trial: Trial, out: Path, threads: int | None) -> s
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
+            preexec_fn=_stop_with_parent if sys.platform == "linux" else None,
         )
+
+
+def _stop_with_parent() -> None:
+    """In a trial's process before it runs: SIGTERM when the runner dies, however it dies (``kill -9`` too).
+
+    Our scripts stop on SIGTERM after the iteration, with a checkpoint, so no trial goes on as an
+    orphan writing into a sweep that a resumed runner is about to run again.
+    """
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def end_trial(sweep: Sweep, trial: Trial, out: Path, code: int, note: Callable[[str], None]) -> bool:
@@ -148,6 +162,14 @@ def run_sweep(
         raise
 
 
+def _lock(out: Path) -> None:
+    """The sweep's folder, this runner's alone (``rundir.lock_folder``): a second runner on it is refused."""
+    try:
+        lock_folder(out, "the sweep folder")
+    except UsageError as e:
+        raise SweepError(str(e)) from None
+
+
 def open_out(out: Path | None, sweep: Sweep, resume: bool) -> tuple[Path, list[Trial], int | None]:
     """The sweep's folder, created; on ``--resume`` also its trials (cut ones pending again) and its seed."""
     out = (out or Path("runs") / "sweeps" / f"{sweep.name}-{datetime.now():%Y%m%d-%H%M%S}").resolve()
@@ -155,7 +177,10 @@ def open_out(out: Path | None, sweep: Sweep, resume: bool) -> tuple[Path, list[T
         if (out / "sweep.json").exists() or any(out.glob("trial-*")):
             raise SweepError(f"{out} already holds a sweep; pass --resume to continue it, or a new --out folder")
         out.mkdir(parents=True, exist_ok=True)
+        _lock(out)
         return out, [], None
+    if out.is_dir():
+        _lock(out)  # before reading sweep.json: a runner still going there rewrites it
     try:
         report = json.loads((out / "sweep.json").read_text())
     except (OSError, ValueError):

@@ -1,0 +1,193 @@
+"""A run folder belongs to one live process (issue 22): two runs or two sweep runners on one folder,
+a lock left by a dead process, a sweep runner killed with SIGKILL, a run that ended before its first
+checkpoint, and the environment errors a new user met (an empty --out, --device meta, a config file
+that is not UTF-8). Each shows the line a user sees, the exit code and the files left in --out.
+
+The concurrency tests run two real processes: a long tiny sine run is the live one.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import REPO
+from test_experiments import env, script
+from test_run_faults import TINY
+
+from experiments.rundir import _lock_holder
+
+LONG = [*TINY, "--wandb", "disabled", "--iterations", "1000000", "--checkpoint-every", "1000000"]
+
+
+def wait_for(condition, what: str, seconds: float = 120) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def last_line(proc: subprocess.Popen, code: int) -> str:
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == code, err[-3000:]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert "Traceback" not in err, err[-3000:]
+    return lines[-1]
+
+
+def test_a_second_run_in_a_live_runs_folder_is_refused_and_a_dead_runs_folder_is_taken_over(tmp_path):
+    out = tmp_path / "run"
+    first = script("experiments.sine", [*LONG, "--out", str(out)], tmp_path)
+    try:
+        wait_for(lambda: (out / "metrics.jsonl").exists(), "the first run to start")
+        files, config = sorted(p.name for p in out.iterdir()), (out / "config.yaml").read_text()
+        expected = (
+            f"error: --out {out.resolve()} is in use by process {first.pid}, a run still going; wait for it to "
+            f"end, stop it, or pass another --out."
+        )
+        for extra in (["--overwrite", "--seed", "1"], ["--resume"], []):
+            second = script("experiments.sine", [*TINY, "--wandb", "disabled", "--out", str(out), *extra], tmp_path)
+            assert last_line(second, 2) == expected
+        # The second runs wrote nothing: the folder holds the first run's files alone, its config unchanged.
+        assert sorted(p.name for p in out.iterdir()) == files and (out / "config.yaml").read_text() == config
+        assert first.poll() is None
+    finally:
+        first.kill()  # SIGKILL: no handler runs, the kernel drops the lock
+        first.communicate()
+    third = script(
+        "experiments.sine",
+        [*TINY, "--wandb", "disabled", "--iterations", "3", "--out", str(out), "--overwrite"],
+        tmp_path,
+    )
+    assert "error" not in last_line(third, 0)
+    assert (out / "results.json").is_file()
+
+
+def test_a_run_that_ended_before_its_first_checkpoint_starts_again_with_or_without_resume(tmp_path):
+    for resume, said in (
+        ([], "--out {out} holds this run, ended before its first checkpoint: starting it again"),
+        (
+            ["--resume"],
+            "--resume: {out} holds no checkpoint, as its run ended before the first; starting it from the beginning",
+        ),
+    ):
+        out = tmp_path / f"run{len(resume)}"
+        args = [*TINY, "--wandb", "disabled", "--iterations", "400", "--checkpoint-every", "400", "--out", str(out)]
+        first = script("experiments.sine", args, tmp_path)
+        wait_for(lambda out=out: (out / "config.yaml").exists(), "the first run to start")
+        first.kill()
+        first.communicate()
+        assert not (out / "checkpoint.pt").exists()
+        again = script("experiments.sine", [*args, *resume], tmp_path)
+        _, err = again.communicate(timeout=600)
+        assert again.returncode == 0, err[-3000:]
+        assert said.format(out=out) in err.splitlines()
+        assert (out / "results.json").is_file() and (out / "checkpoint.pt").is_file()
+
+
+def test_a_folder_with_only_another_configs_config_yaml_is_still_refused(tmp_path):
+    out = tmp_path / "run"
+    args = [*TINY, "--wandb", "disabled", "--iterations", "400", "--checkpoint-every", "400", "--out", str(out)]
+    first = script("experiments.sine", args, tmp_path)
+    wait_for(lambda: (out / "config.yaml").exists(), "the first run to start")
+    first.kill()
+    first.communicate()
+    config = (out / "config.yaml").read_text()
+    second = script("experiments.sine", [*args, "--seed", "7"], tmp_path)
+    assert last_line(second, 2) == (
+        f"error: --out {out} already holds a run (config.yaml); pass --resume to continue it, --overwrite to "
+        f"replace it, or another --out."
+    )
+    assert (out / "config.yaml").read_text() == config
+
+
+SWEEP = """\
+name: long
+program: experiments/sine.py
+command:
+  - ${env}
+  - ${interpreter}
+  - -m
+  - experiments.sine
+  - ${args}
+method: grid
+metric: {name: val/mse, goal: minimize}
+parameters:
+  seed: {values: [0, 1]}
+  iterations: {value: 1000000}
+  checkpoint-every: {value: 1000000}
+  compile: {value: "false"}
+  meta-batch: {value: 2}
+  hidden: {value: 8}
+  val-tasks: {value: 4}
+  wandb: {value: disabled}
+"""
+
+
+def test_a_second_sweep_runner_is_refused_and_a_killed_runner_leaves_no_trial_running(tmp_path):
+    (tmp_path / "sweep.yaml").write_text(SWEEP)
+    out = tmp_path / "sweep"
+    runner = script("experiments.sweep", [str(tmp_path / "sweep.yaml"), "--out", str(out)], tmp_path)
+    trial = out / "trial-001"
+    try:
+        wait_for(lambda: (trial / "metrics.jsonl").exists(), "the first trial to start", 300)
+        second = script("experiments.sweep", [str(tmp_path / "sweep.yaml"), "--out", str(out), "--resume"], tmp_path)
+        assert last_line(second, 2) == (
+            f"error: the sweep folder {out.resolve()} is in use by process {runner.pid}, a run still going; wait "
+            f"for it to end, stop it, or pass another the sweep folder."
+        )
+        holder = _lock_holder(trial.resolve())
+        assert holder is not None and holder != runner.pid
+    finally:
+        runner.kill()  # SIGKILL: the runner cannot stop its trial itself
+        runner.communicate()
+    # The trial was told (SIGTERM when its parent died) and stops after its iteration, with a checkpoint.
+    wait_for(lambda: not os.path.exists(f"/proc/{holder}") or _zombie(holder), "the orphaned trial to stop", 120)
+    assert (trial / "checkpoint.pt").is_file()
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (["--out", ""], 'error: --out is empty; pass a folder, e.g. --out runs/try (or "." for this one).'),
+        (["--out="], 'error: --out is empty; pass a folder, e.g. --out runs/try (or "." for this one).'),
+        (
+            ["--device", "meta"],
+            "error: --device meta holds shapes without data, so nothing can train on it; use --device cpu.",
+        ),
+    ],
+)
+def test_an_empty_out_and_the_meta_device_are_one_line_and_write_nothing(tmp_path, args, line):
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.sine", "--wandb", "disabled", *args],
+        cwd=tmp_path,
+        env={**env(tmp_path), "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == line, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["cache"] if (tmp_path / "cache").exists() else [])
+
+
+def test_a_config_file_that_is_not_utf8_is_one_line(tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_bytes(b"iterations: 2\nhidden: \xff\n")
+    out = tmp_path / "run"
+    proc = script("experiments.sine", ["--config", str(config), "--out", str(out)], tmp_path)
+    assert last_line(proc, 2) == (
+        f"error: --config {config}: not UTF-8 text (byte 22: invalid start byte); save it as UTF-8."
+    )
+    assert not out.exists()
