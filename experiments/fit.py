@@ -33,8 +33,9 @@ from experiments import peers, recipes
 from experiments.cli import UsageError
 from experiments.config import RunOptions, parse_args
 from experiments.divergence import DivergenceWatch, stop_on_divergence
+from experiments.lock import unlock_folders
 from experiments.results import finish
-from experiments.rundir import prepare_out, take_out, unlock_folders
+from experiments.rundir import prepare_out, take_out
 from experiments.runtime import check_shards
 from experiments.tracking import init_wandb
 from experiments.trainer import Trainer

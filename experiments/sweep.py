@@ -39,7 +39,7 @@ import numpy as np
 
 from experiments.cli import UsageError
 from experiments.files import atomic_write
-from experiments.rundir import unlock_folders
+from experiments.lock import unlock_folders
 from experiments.sweep_file import Sweep, SweepError, Trial, build_command, check_parameters, load_sweep, next_trial
 from experiments.sweep_runner import best_metric, open_out, run_sweep, write_report
 

@@ -17,7 +17,8 @@ from typing import Any, TextIO
 
 from experiments.cli import UsageError
 from experiments.files import atomic_write
-from experiments.rundir import METRICS_FILE, lock_folder
+from experiments.lock import lock_folder
+from experiments.rundir import METRICS_FILE
 from experiments.sweep_file import DONE, REPO_ROOT, Sweep, SweepError, Trial, build_command, next_trial, trial_env
 
 __all__ = [

@@ -19,7 +19,7 @@ from helpers import REPO
 from test_experiments import env, script
 from test_run_faults import TINY
 
-from experiments.rundir import _lock_holder
+from experiments.lock import lock_holder
 
 LONG = [*TINY, "--wandb", "disabled", "--iterations", "1000000", "--checkpoint-every", "1000000"]
 
@@ -140,7 +140,7 @@ def test_a_second_sweep_runner_is_refused_and_a_killed_runner_leaves_no_trial_ru
             f"error: the sweep folder {out.resolve()} is in use by process {runner.pid}, a run still going; wait "
             f"for it to end, stop it, or pass another the sweep folder."
         )
-        holder = _lock_holder(trial.resolve())
+        holder = lock_holder(trial.resolve())
         assert holder is not None and holder != runner.pid
     finally:
         runner.kill()  # SIGKILL: the runner cannot stop its trial itself
