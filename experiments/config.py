@@ -188,6 +188,16 @@ def check_config(cfg: Any, positive: Sequence[str] = ()) -> None:
             )
             big = " (in float32, the parameters' precision)" if math.isfinite(value) and value > 0 else ""
             raise ValueError(f"{flag(key)} {value:g} must be a finite number > 0{big}{fix}.")
+    if cfg.rate_meta_lr is not None and cfg.learn_inner_lr is None:
+        raise ValueError(
+            f"--rate-meta-lr {cfg.rate_meta_lr:g} is the Adam lr of learned inner rates, and none are learned; "
+            f"drop it, or learn them with --learn-inner-lr."
+        )
+    if cfg.meta_lr_schedule == "cosine" and cfg.min_meta_lr > cfg.meta_lr:
+        raise ValueError(
+            f"--min-meta-lr {cfg.min_meta_lr:g} is above --meta-lr {cfg.meta_lr:g}, where the cosine schedule "
+            f"starts: it would anneal the meta-lr upwards; pass a --min-meta-lr below --meta-lr."
+        )
     if cfg.compile and cfg.mode == "checkpointed":
         raise ValueError(
             "compile applies to mode second_order or first_order, not checkpointed; drop --compile or "
@@ -257,6 +267,21 @@ def parse_args(
     return cfg, RunOptions(experiment, run.out, run.resume, run.overwrite, wandb, device, run.config, rank, world_size)
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (yaml.safe_load keeps the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} is given twice; keep one", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def load_yaml(path: Path, cls: type) -> dict[str, Any]:
     """The keys of a ``--config`` file, read as their flags are.
 
@@ -267,9 +292,13 @@ def load_yaml(path: Path, cls: type) -> dict[str, Any]:
     if not path.is_file():
         raise UsageError(f"--config {path}: no such file.")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeys) or {}
     except UnicodeDecodeError as e:
         raise UsageError(f"--config {path}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8.") from None
+    except yaml.MarkedYAMLError as e:  # one line: where, and what
+        mark = e.problem_mark
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise UsageError(f"--config {path}: not valid YAML{at}: {e.problem}.") from None
     except yaml.YAMLError as e:
         raise UsageError(f"--config {path}: not valid YAML: {e}") from None
     if not isinstance(data, dict):

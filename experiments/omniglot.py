@@ -119,6 +119,8 @@ class OmniglotConfig(ExperimentConfig):
 def validate_config(cfg: OmniglotConfig) -> None:
     """Raises ValueError naming the key for an invalid value."""
     check_config(cfg, positive=("ways", "filters", "eval_chunk"))
+    if cfg.ways < 2:
+        raise ValueError(f"--ways {cfg.ways}: a task needs at least 2 classes to tell apart; pass --ways 2 or more.")
     fractions = ",".join(f"{f:g}" for f in cfg.split_fractions)
     if len(cfg.split_fractions) != 3 or not all(math.isfinite(f) and f >= 0 for f in cfg.split_fractions):
         raise ValueError(

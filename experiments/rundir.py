@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 from experiments import recipes
 from experiments.cli import UsageError, flag
@@ -137,6 +138,13 @@ def _check_out(opts: RunOptions, cfg: Any) -> dict[str, Any] | None:
                 f"--resume: the config differs from the run in {out}: {', '.join(diff)}. Resume with the same "
                 f"flags (only {allowed} may change), or --config {out / 'config.yaml'}."
             )
+        edited = _edited_keys(out / "config.yaml", saved)
+        if edited:
+            print(
+                f"note: {out / 'config.yaml'} was edited ({', '.join(edited)}); --resume continues with the run's "
+                f"config, kept in its checkpoint, and writes config.yaml anew (a resumable key changes by its flag)",
+                file=sys.stderr,
+            )
         return state
     taken = [f for f in RUN_FILES if (out / f).exists()]
     if taken and not opts.overwrite and unstarted:
@@ -148,6 +156,18 @@ def _check_out(opts: RunOptions, cfg: Any) -> dict[str, Any] | None:
             f"--overwrite to replace it, or another --out."
         )
     return None
+
+
+def _edited_keys(path: Path, saved: dict[str, Any]) -> list[str]:
+    """The keys whose values in ``path`` (a run's config.yaml) differ from the checkpoint's config ``saved``."""
+    try:
+        written = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return []  # unreadable: rewritten from the run's config, as always
+    if not isinstance(written, dict):
+        return []
+    kept = {k: list(v) if isinstance(v, tuple) else v for k, v in saved.items()}
+    return [k for k in {**kept, **written} if written.get(k) != kept.get(k)]
 
 
 def _unstarted(out: Path, cfg: Any) -> bool:

@@ -140,6 +140,11 @@ class Adam:
 
 def make_rule(name: str, options: Mapping[str, Any] | None) -> UpdateRule:
     """The rule ``name`` (``"sgd"``, ``"momentum"``, ``"adam"``) built from ``options``, validated."""
+    if options is not None and not isinstance(options, Mapping):
+        raise TypeError(
+            f"inner_optimizer_options must be a mapping of option names to values, e.g. {{'momentum': 0.9}}, "
+            f"got {type(options).__name__} {options!r}."
+        )
     options = dict(options or {})
     allowed = {"sgd": (), "momentum": ("momentum", "nesterov"), "adam": ("betas", "eps")}[name]
     unknown = sorted(set(options) - set(allowed))
@@ -160,6 +165,11 @@ def make_rule(name: str, options: Mapping[str, Any] | None) -> UpdateRule:
         nesterov = options.get("nesterov", False)
         if not isinstance(nesterov, bool):
             raise TypeError(f"inner_optimizer_options['nesterov'] must be True or False, got {nesterov!r}.")
+        if nesterov and mu == 0:  # as torch.optim.SGD, which the rule follows, refuses it
+            raise ValueError(
+                "inner_optimizer_options={'momentum': 0, 'nesterov': True}: Nesterov momentum needs a momentum "
+                "> 0 (torch.optim.SGD refuses it too); pass a momentum in (0, 1), or nesterov=False."
+            )
         return Momentum(float(mu), nesterov)
     betas = options.get("betas", (0.9, 0.999))
     if (

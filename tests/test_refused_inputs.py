@@ -1,0 +1,73 @@
+"""Inputs that used to be accepted without a word (issue 22): each is now one line naming the flag, the
+value and the fix (exit 2, nothing written), or a note where the input is kept but overridden."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_run_faults import one_error, run_sine
+
+import maml
+from experiments import omniglot
+
+
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (
+            ["--rate-meta-lr", "0.1"],
+            "error: --rate-meta-lr 0.1 is the Adam lr of learned inner rates, and none are learned; drop it, or "
+            "learn them with --learn-inner-lr.",
+        ),
+        (
+            ["--meta-lr-schedule", "cosine", "--min-meta-lr", "0.01"],
+            "error: --min-meta-lr 0.01 is above --meta-lr 0.001, where the cosine schedule starts: it would anneal "
+            "the meta-lr upwards; pass a --min-meta-lr below --meta-lr.",
+        ),
+    ],
+)
+def test_flags_that_would_do_nothing_or_the_opposite_are_refused(capsys, tmp_path, args, line):
+    out = tmp_path / "run"
+    assert one_error(run_sine(capsys, [*args, "--out", str(out)], code=2)) == line
+    assert not out.exists()
+
+
+def test_one_way_tasks_are_refused(capsys, tmp_path):
+    out = tmp_path / "run"
+    err = run_sine(capsys, ["--ways", "1", "--out", str(out)], code=2, module=omniglot)
+    assert one_error(err) == "error: --ways 1: a task needs at least 2 classes to tell apart; pass --ways 2 or more."
+    assert not out.exists()
+
+
+def test_a_key_given_twice_in_a_config_file_is_refused(capsys, tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("iterations: 2\nhidden: 8\niterations: 3\n")
+    line = one_error(run_sine(capsys, ["--config", str(config), "--out", str(tmp_path / "run")], code=2))
+    assert line == (
+        f"error: --config {config}: not valid YAML at line 3, column 1: the key 'iterations' is given twice; keep one."
+    )
+
+
+def test_resume_says_that_a_hand_edited_config_yaml_is_not_what_it_continues(capsys, tmp_path):
+    out = tmp_path / "run"
+    args = ["--iterations", "2", "--eval-tasks", "2", "--out", str(out)]
+    run_sine(capsys, args)
+    path = out / "config.yaml"
+    path.write_text(path.read_text().replace("hidden: 8", "hidden: 9"))
+    err = run_sine(capsys, [*args[:1], "3", *args[2:], "--resume"])
+    assert (
+        f"note: {path} was edited (hidden); --resume continues with the run's config, kept in its checkpoint, "
+        f"and writes config.yaml anew (a resumable key changes by its flag)"
+    ) in err.splitlines()
+    assert "hidden: 8" in path.read_text()
+
+
+def test_inner_optimizer_options_are_checked_as_torch_optim_checks_them():
+    model = torch.nn.Linear(2, 1)
+    loss = torch.nn.functional.mse_loss
+    with pytest.raises(ValueError, match=r"Nesterov momentum needs a momentum > 0 \(torch.optim.SGD refuses it too\)"):
+        maml.MetaLearner(
+            model, loss, 0.1, inner_optimizer="momentum", inner_optimizer_options={"momentum": 0.0, "nesterov": True}
+        )
+    with pytest.raises(TypeError, match="inner_optimizer_options must be a mapping of option names to values"):
+        maml.MetaLearner(model, loss, 0.1, inner_optimizer="momentum", inner_optimizer_options=[("momentum", 0.9)])
