@@ -26,8 +26,8 @@ class TaskBatch:
 
     Raises:
         TypeError: a field is not a tensor.
-        ValueError: the fields disagree on the number of tasks, or x and y disagree on the
-            number of examples.
+        ValueError: the fields disagree on the number of tasks or the device, x and y disagree on
+            the number of examples, or support and query examples differ in shape.
     """
 
     support_x: Tensor
@@ -57,6 +57,19 @@ class TaskBatch:
                 raise ValueError(
                     f"TaskBatch: {name} has {n} tasks (size of dimension 0) but support_x has {tasks}; "
                     f"support and query sets must come from the same tasks, stacked in the same order."
+                )
+        devices = {name: getattr(self, name).device for name in _FIELDS}
+        if len(set(devices.values())) > 1:
+            where = ", ".join(f"{name} on {device}" for name, device in devices.items())
+            raise ValueError(
+                f"TaskBatch: its tensors are on different devices ({where}); move them with batch.to(device)."
+            )
+        for kind in ("x", "y"):
+            support, query = getattr(self, f"support_{kind}"), getattr(self, f"query_{kind}")
+            if support.shape[2:] != query.shape[2:]:
+                raise ValueError(
+                    f"TaskBatch: support_{kind} examples have shape {tuple(support.shape[2:])} but query_{kind} "
+                    f"examples {tuple(query.shape[2:])}; the support and query sets of a task must be alike."
                 )
         for split in ("support", "query"):
             x, y = getattr(self, f"{split}_x"), getattr(self, f"{split}_y")

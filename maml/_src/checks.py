@@ -246,3 +246,28 @@ def step_weights(weights: Any, steps: int, like: Tensor) -> Tensor:
     if not weights.is_floating_point():
         raise TypeError(f"step_weights must be floating point, got {weights.dtype}.")
     return weights.to(dtype=like.dtype, device=like.device)
+
+
+def examples(support: int, query: int | None, steps: int) -> None:
+    """Refuses an empty query set, and an empty support set where the inner loop takes a step (sizes a task)."""
+    if query == 0:
+        raise ValueError(
+            "the batch's query set is empty (query_x has 0 examples a task), so there is no meta-loss to "
+            "compute; give each task at least one query example."
+        )
+    if steps and support == 0:
+        raise ValueError(
+            f"the batch's support set is empty (support_x has 0 examples a task), so the inner loop has no "
+            f"loss to take {steps} step(s) on; give each task support examples, or pass steps=0."
+        )
+
+
+def still_trainable(params: dict[str, Tensor]) -> None:
+    """Refuses adapted parameters frozen (``requires_grad_(False)``) after the learner was built."""
+    frozen = [name for name, p in params.items() if not p.requires_grad]
+    if frozen:
+        raise ValueError(
+            f"the parameter(s) {', '.join(map(repr, frozen))} were frozen (requires_grad=False) after the "
+            f"learner was built, which adapts them; build the MetaLearner after freezing (frozen parameters are "
+            f"then used as they are), or unfreeze them."
+        )

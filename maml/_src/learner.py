@@ -284,8 +284,23 @@ class MetaLearner:
         checks.grad_mode_possible("run")
         steps = self.steps if steps is None else steps
         checks.integer("steps", steps, 0)
+        own = params is None
         params, consts = self._split(params, batch.support_x, batch.query_x)
+        checks.examples(batch.support_x.shape[1], batch.query_x.shape[1], steps)
+        if own:
+            checks.still_trainable(params)
         if step_weights is not None:
+            if (
+                self.compile
+                and torch.is_grad_enabled()
+                and isinstance(step_weights, Tensor)
+                and step_weights.requires_grad
+            ):
+                raise ValueError(
+                    "step_weights require grad, but with compile=True the compiled step differentiates the "
+                    "meta-parameters only and they would get no gradient; pass step_weights.detach(), or build "
+                    "the learner with compile=False to learn them."
+                )
             step_weights = checks.step_weights(step_weights, steps, params[self._adapted[0]])
         self._probe(params, consts, batch)
         self._example_shape = batch.support_x.shape[2:]
@@ -378,8 +393,12 @@ class MetaLearner:
         checks.one_task(support_x, self._example_shape)
         steps = self.steps if steps is None else steps
         checks.integer("steps", steps, 0)
+        own = params is None
         params, consts = self._split(params, support_x)
+        if own:
+            checks.still_trainable(params)
         x, y = support_x.unsqueeze(0), support_y.unsqueeze(0)
+        checks.examples(support_x.shape[0], None, steps)
         self._probe(params, consts, TaskBatch(x, y, x, y))
         self._example_shape = support_x.shape[1:]
         with self._attention():

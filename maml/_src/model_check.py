@@ -17,6 +17,7 @@ buffers and the random stream are left as they were:
 from __future__ import annotations
 
 import traceback
+import warnings
 
 import torch
 from torch import Tensor, nn
@@ -51,7 +52,21 @@ def check_model(
         copies = {**consts, **{k: consts[k].clone() for k in buffers}}
         # An in-place write increments the version counter; assigning `.data` swaps the storage.
         before = {k: (copies[k]._version, copies[k].data_ptr()) for k in buffers}
-        forward(fast, copies, x, y, batching="loop")
+        try:
+            _, out = forward(fast, copies, x, y, batching="loop")
+        except IndexError as e:  # e.g. cross_entropy's "Target 5 is out of bounds."
+            raise ValueError(
+                f"loss_fn(output, support_y) failed on the first task: {e} Class labels must be in [0, C) for a "
+                f"model of C outputs; check support_y and query_y."
+            ) from e
+        if y.is_floating_point() and out.shape != y.shape:
+            warnings.warn(
+                f"the model's output for one task has shape {tuple(out.shape[1:])} but its targets "
+                f"{tuple(y.shape[1:])}; loss_fn broadcasts them (F.mse_loss compares every output with every "
+                f"target), which is rarely meant: give the targets the output's shape.",
+                UserWarning,
+                stacklevel=4,
+            )
         written = [k for k in buffers if (copies[k]._version, copies[k].data_ptr()) != before[k]]
         if written:
             raise ValueError(_writes_state(model, written))
