@@ -20,7 +20,9 @@ exit code 2::
 from __future__ import annotations
 
 import dataclasses
+import signal
 import sys
+import threading
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, Literal
 
@@ -119,6 +121,7 @@ def fit(experiment: Experiment, argv: Sequence[str] | None = None) -> None:
         SystemExit: 1 when training diverged (after one line on stderr); 130 or 143 when stopped by
             a signal (after a checkpoint).
     """
+    _STAGE[:] = ["start-up"]
     cfg, opts = parse_args(
         experiment.name, experiment.config, argv, experiment.description, experiment.check, threads=experiment.threads
     )
@@ -170,10 +173,12 @@ def fit(experiment: Experiment, argv: Sequence[str] | None = None) -> None:
     )
     name = experiment.run_name(cfg) if experiment.run_name is not None else experiment.name
     wandb_run = init_wandb(opts, cfg, name, resumed["wandb_id"] if resumed else None) if opts.main else None
+    _STAGE[:] = ["training", str(opts.out)]
     with stop_on_divergence(
         opts.out, wandb_run, opts.main
     ):  # a NaN/Inf: one line naming the loop and the flag, exit code 1
         trainer.run(opts, cfg, resumed, wandb_run)
+    _STAGE[0] = "the final evaluation"
     if not opts.main:
         return  # rank 0 tests and writes the results
     with stop_on_divergence(opts.out, wandb_run):
@@ -182,15 +187,45 @@ def fit(experiment: Experiment, argv: Sequence[str] | None = None) -> None:
     print(results.summary)
 
 
+_STAGE: list[str] = ["start-up"]  # where fit() is, for the line a stop prints: [stage, --out once known]
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM outside the training loop: unwinds as Ctrl-C does (atomic writes leave nothing half-written)."""
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise _Terminated
+
+
+def _stopped_line() -> str:
+    """What a stop outside the training loop leaves, and the command that goes on from it."""
+    stage, *out = _STAGE
+    if stage == "start-up":
+        return "stopped during start-up, before training: nothing to resume; run the same command again."
+    if stage == "training":  # a second Ctrl-C, at once: the last checkpoint is whole
+        return f"stopped at once; the last checkpoint in {out[0]} is whole: the same command plus --resume goes on."
+    return (
+        f"stopped during the final evaluation; training is complete in {out[0]}: the same command plus --resume "
+        f"evaluates it."
+    )
+
+
 def main(run: Callable[[Sequence[str] | None], None], argv: Sequence[str] | None = None) -> None:
     """Runs an experiment's entry point, turning UsageError into a message and exit code 2.
 
     Leaves the process group that ``parse_args`` joined under torchrun, however the run ends.
     """
     together = False  # whether every rank ends here at the same point of the run
+    # SIGTERM outside the training loop (which stops by its own handlers) unwinds as Ctrl-C does.
+    main_thread = threading.current_thread() is threading.main_thread()
+    sigterm = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
     try:
         run(argv)
         together = True
+    except KeyboardInterrupt as e:  # Ctrl-C (or SIGTERM) outside the training loop, or a second one in it
+        print(f"\n{_stopped_line()}", file=sys.stderr)
+        raise SystemExit(143 if isinstance(e, _Terminated) else 130) from None
     except UsageError as e:
         # Under torchrun every rank may print it; the rank says which process did.
         where = f" (rank {dist.get_rank()})" if dist.is_available() and dist.is_initialized() else ""
@@ -200,6 +235,8 @@ def main(run: Callable[[Sequence[str] | None], None], argv: Sequence[str] | None
         together = e.code in (130, 143)  # the stop that every rank voted for after one iteration
         raise
     finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, sigterm)
         unlock_folders()  # a script run in a process that goes on (tests, notebooks)
         if dist.is_available() and dist.is_initialized():
             if together:

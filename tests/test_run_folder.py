@@ -9,6 +9,7 @@ The concurrency tests run two real processes: a long tiny sine run is the live o
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -191,3 +192,56 @@ def test_a_config_file_that_is_not_utf8_is_one_line(tmp_path):
         f"error: --config {config}: not UTF-8 text (byte 22: invalid start byte); save it as UTF-8."
     )
     assert not out.exists()
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_before_training_or_in_the_final_evaluation_is_one_line_and_its_exit_code(tmp_path, sig, code):
+    out = tmp_path / "run"
+    slow = tmp_path / "slow"
+    slow.mkdir()
+    # The stage made slow: wandb's start-up (before training) or the writing of results (after the test).
+    (slow / "sitecustomize.py").write_text(  # imported by Python at start-up
+        "import os, time\n"
+        "import experiments.fit as fit\n"
+        "name = {'start': 'init_wandb', 'final': 'finish'}[os.environ['SLOW_STAGE']]\n"
+        "original = getattr(fit, name)\n"
+        "def slow(*args, **kwargs):\n"
+        "    open(os.environ['SLOW_MARK'], 'w').close()\n"
+        "    time.sleep(60)\n"
+        "    return original(*args, **kwargs)\n"
+        "setattr(fit, name, slow)\n"
+    )
+    for stage, line in (
+        ("start", "stopped during start-up, before training: nothing to resume; run the same command again."),
+        (
+            "final",
+            f"stopped during the final evaluation; training is complete in {out}: the same command plus --resume "
+            f"evaluates it.",
+        ),
+    ):
+        mark = tmp_path / f"mark-{stage}"
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "experiments.sine",
+                *TINY,
+                "--wandb",
+                "disabled",
+                "--iterations",
+                "2",
+                "--out",
+                str(out),
+                "--overwrite",
+            ],
+            cwd=REPO,
+            env={**env(tmp_path), "PYTHONPATH": f"{slow}:{REPO}", "SLOW_STAGE": stage, "SLOW_MARK": str(mark)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        wait_for(mark.exists, f"the {stage} stage")
+        proc.send_signal(sig)
+        assert last_line(proc, code) == line
+        if stage == "final":
+            assert (out / "checkpoint.pt").is_file() and not (out / "results.json").exists()
