@@ -231,8 +231,11 @@ def adapt_set(adapt: Any, model: nn.Module) -> list[str]:
     return names
 
 
-def step_weights(weights: Any, steps: int, like: Tensor) -> Tensor:
-    """``weights`` as a ``(steps,)`` tensor in ``like``'s dtype and device, or an error that says what is expected."""
+def step_weights(weights: Any, steps: int, like: Tensor, *, compiled: bool = False) -> Tensor:
+    """``weights`` as a ``(steps,)`` tensor in ``like``'s dtype and device, or an error that says what is expected.
+
+    ``compiled``: the call runs the compiled step, which differentiates the meta-parameters only.
+    """
     if not isinstance(weights, Tensor):
         raise TypeError(
             f"step_weights must be a tensor of shape ({steps},), one weight per inner step, got {weights!r}."
@@ -245,6 +248,12 @@ def step_weights(weights: Any, steps: int, like: Tensor) -> Tensor:
         )
     if not weights.is_floating_point():
         raise TypeError(f"step_weights must be floating point, got {weights.dtype}.")
+    if compiled and weights.requires_grad:
+        raise ValueError(
+            "step_weights require grad, but with compile=True the compiled step differentiates the "
+            "meta-parameters only and they would get no gradient; pass step_weights.detach(), or build "
+            "the learner with compile=False to learn them."
+        )
     return weights.to(dtype=like.dtype, device=like.device)
 
 

@@ -290,18 +290,8 @@ class MetaLearner:
         if own:
             checks.still_trainable(params)
         if step_weights is not None:
-            if (
-                self.compile
-                and torch.is_grad_enabled()
-                and isinstance(step_weights, Tensor)
-                and step_weights.requires_grad
-            ):
-                raise ValueError(
-                    "step_weights require grad, but with compile=True the compiled step differentiates the "
-                    "meta-parameters only and they would get no gradient; pass step_weights.detach(), or build "
-                    "the learner with compile=False to learn them."
-                )
-            step_weights = checks.step_weights(step_weights, steps, params[self._adapted[0]])
+            compiled_step = self.compile and torch.is_grad_enabled()
+            step_weights = checks.step_weights(step_weights, steps, params[self._adapted[0]], compiled=compiled_step)
         self._probe(params, consts, batch)
         self._example_shape = batch.support_x.shape[2:]
         rate_values = dict(self.rate_parameters)
