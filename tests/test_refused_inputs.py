@@ -75,7 +75,7 @@ def test_inner_optimizer_options_are_checked_as_torch_optim_checks_them():
 
 # ---------------------------------------------------------------------------- the engine's API
 
-X, Y = torch.randn(2, 5, 4), torch.randint(0, 3, (2, 5))
+X, Y = torch.randn(2, 5, 4), torch.tensor([[0, 1, 2, 0, 1]] * 2)
 
 
 def learner(loss=torch.nn.functional.cross_entropy, **kwargs) -> maml.MetaLearner:
@@ -96,7 +96,7 @@ def learner(loss=torch.nn.functional.cross_entropy, **kwargs) -> maml.MetaLearne
             "give each task at least one query example.",
         ),
         (
-            lambda: maml.TaskBatch(X, Y + 3, X, Y),
+            lambda: maml.TaskBatch(X, torch.full_like(Y, 3), X, Y),
             "loss_fn(output, support_y) failed on the first task: Target 3 is out of bounds. Class labels must be "
             "in [0, C) for a model of C outputs; check support_y and query_y.",
         ),
