@@ -239,6 +239,9 @@ def test_a_signal_before_training_or_in_the_final_evaluation_is_one_line_and_its
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            # A job started in the background (nohup ... &, some CI runners) inherits SIGINT ignored, and
+            # Python then installs no Ctrl-C handler: give the child a terminal's default.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         wait_for(mark.exists, f"the {stage} stage")
         proc.send_signal(sig)
