@@ -225,7 +225,7 @@ class MetaLearner:
 
         Settled by the first call: ``"auto"`` times both on its batch and keeps the faster, and
         moves a model whose forward pass vmap cannot batch (recurrent layers, ``.item()``) to the
-        loop (see ``probe.py``); before it, ``"vmap"``.
+        loop (see ``model_check.py``); before it, ``"vmap"``.
         """
         return self._forward.resolve(next(self.model.parameters()).device)
 
