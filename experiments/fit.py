@@ -20,10 +20,13 @@ exit code 2::
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 import signal
 import sys
 import threading
 from collections.abc import Callable, Collection, Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -36,9 +39,10 @@ from experiments.cli import UsageError
 from experiments.config import RunOptions, parse_args
 from experiments.divergence import DivergenceWatch, stop_on_divergence
 from experiments.lock import unlock_folders
+from experiments.memory import Need, check_fits, parameter_bytes
 from experiments.results import finish
 from experiments.rundir import prepare_out, take_out
-from experiments.runtime import check_shards
+from experiments.runtime import Terminated, check_shards
 from experiments.tracking import init_wandb
 from experiments.trainer import Trainer
 
@@ -108,6 +112,8 @@ class Experiment:
     load: Callable[[Any], Any] | None = None  # reads the data (UsageError if it cannot), before anything is written
     notes: Callable[[Any, Any], Sequence[str]] | None = None  # notes(cfg, data): lines for stderr once the run starts
     run_name: Callable[[Any], str] | None = None  # the wandb run's name (default: NAME)
+    # needs(cfg, parameter bytes or None): lower bounds on memory held at one moment, checked before writing
+    needs: Callable[[Any, int | None], Sequence[Need]] | None = None
 
 
 def fit(experiment: Experiment, argv: Sequence[str] | None = None) -> None:
@@ -128,6 +134,8 @@ def fit(experiment: Experiment, argv: Sequence[str] | None = None) -> None:
     if experiment.resolve is not None:
         cfg = experiment.resolve(cfg)
     check_shards(cfg.meta_batch, opts)
+    if experiment.needs is not None:  # sizes whose tensors cannot fit: one line, before anything is written
+        check_fits(experiment.needs(cfg, parameter_bytes(lambda: experiment.model(cfg).module)), opts.device)
     resumed = prepare_out(opts, cfg)  # before writing anything
     data = experiment.load(cfg) if experiment.load is not None else None
     if opts.main:
@@ -190,12 +198,25 @@ def fit(experiment: Experiment, argv: Sequence[str] | None = None) -> None:
 _STAGE: list[str] = ["start-up"]  # where fit() is, for the line a stop prints: [stage, --out once known]
 
 
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM outside the training loop: unwinds as Ctrl-C does (atomic writes leave nothing half-written)."""
-
-
 def _terminated(signum: int, frame: Any) -> None:
-    raise _Terminated
+    """SIGTERM outside the training loop: unwinds as Ctrl-C does (atomic writes leave nothing half-written)."""
+    raise Terminated
+
+
+def _leave_process_group_run(code: int) -> None:
+    """Ends a finished torchrun process now, skipping the interpreter's teardown.
+
+    Gloo's worker threads can still release tensors of the last collective after it completed;
+    one that does so while the interpreter tears down takes the GIL during finalization, and the
+    process dies of SIGABRT ("terminate called without an active exception") after a complete
+    run, and torchrun then kills the other ranks (seen in CI; pytorch/pytorch#179291 describes
+    the race). Nothing is left to do at this point: files are written atomically and closed, the
+    wandb run is finished, the folder lock is released.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
 
 
 def _stopped_line() -> str:
@@ -203,7 +224,9 @@ def _stopped_line() -> str:
     stage, *out = _STAGE
     if stage == "start-up":
         return "stopped during start-up, before training: nothing to resume; run the same command again."
-    if stage == "training":  # a second Ctrl-C, at once: the last checkpoint is whole
+    if stage == "training":  # a second Ctrl-C, or an iteration past the patience: the last checkpoint is whole
+        if not (Path(out[0]) / "checkpoint.pt").is_file():
+            return "stopped at once, before the first checkpoint: nothing to resume; run the same command again."
         return f"stopped at once; the last checkpoint in {out[0]} is whole: the same command plus --resume goes on."
     return (
         f"stopped during the final evaluation; training is complete in {out[0]}: the same command plus --resume "
@@ -216,32 +239,34 @@ def main(run: Callable[[Sequence[str] | None], None], argv: Sequence[str] | None
 
     Leaves the process group that ``parse_args`` joined under torchrun, however the run ends.
     """
-    together = False  # whether every rank ends here at the same point of the run
+    together: int | None = None  # the exit code of an end that every rank reaches at the same point
     # SIGTERM outside the training loop (which stops by its own handlers) unwinds as Ctrl-C does.
     main_thread = threading.current_thread() is threading.main_thread()
     sigterm = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
     try:
         run(argv)
-        together = True
+        together = 0
     except KeyboardInterrupt as e:  # Ctrl-C (or SIGTERM) outside the training loop, or a second one in it
         print(f"\n{_stopped_line()}", file=sys.stderr)
-        raise SystemExit(143 if isinstance(e, _Terminated) else 130) from None
+        raise SystemExit(143 if isinstance(e, Terminated) else 130) from None
     except UsageError as e:
         # Under torchrun every rank may print it; the rank says which process did.
         where = f" (rank {dist.get_rank()})" if dist.is_available() and dist.is_initialized() else ""
         print(f"error{where}: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     except SystemExit as e:
-        together = e.code in (130, 143)  # the stop that every rank voted for after one iteration
+        if e.code in (130, 143):  # the stop that every rank voted for after one iteration
+            together = e.code
         raise
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, sigterm)
         unlock_folders()  # a script run in a process that goes on (tests, notebooks)
         if dist.is_available() and dist.is_initialized():
-            if together:
-                # Ranks > 0 finish before rank 0 (which evaluates and writes); a rank that tore down
-                # its gloo connections while rank 0 still held them has died of SIGABRT at exit.
-                # Leaving together is the shutdown that gloo and NCCL expect.
+            if together is not None:
+                # Ranks > 0 finish before rank 0 (which evaluates and writes): they wait for it, so that
+                # no rank tears down its gloo connections while another still uses them.
                 dist.barrier()
             dist.destroy_process_group()
+            if together is not None:
+                _leave_process_group_run(together)

@@ -33,6 +33,7 @@ from experiments import fit, peers
 from experiments.cli import UsageError
 from experiments.config import ExperimentConfig, check_config
 from experiments.files import atomic_write
+from experiments.memory import FLOAT_BYTES, Need
 from experiments.omniglot_data import Data, load, notes, shares
 from experiments.omniglot_net import LOSSES, NETWORKS, accuracy, build_model, loss_function, meta_only
 from experiments.results import mean_ci95
@@ -233,6 +234,27 @@ def resolve(cfg: OmniglotConfig) -> OmniglotConfig:
     return cfg
 
 
+def memory_needs(cfg: OmniglotConfig, params: int | None) -> list[Need]:
+    """Lower bounds on what an Omniglot run holds at one moment (:mod:`experiments.memory`)."""
+    image = 28 * 28 * FLOAT_BYTES
+    per_task = cfg.ways * (cfg.shots + cfg.query)  # images of one task
+    first_layer = cfg.ways * max(cfg.shots, cfg.query) * cfg.filters * 14 * 14 * FLOAT_BYTES  # of one pass
+    return [
+        Need(
+            "the network's weights, meta-gradient, and one task's support gradient and fast weights",
+            "--filters, --ways",
+            None if params is None else 4 * params,
+        ),
+        Need(
+            "the training meta-batch's images and one task's first feature maps",
+            "--meta-batch, --ways, --shots, --query, --filters",
+            cfg.meta_batch * per_task * image + first_layer,
+        ),
+        Need("the validation tasks' images", "--val-tasks, --ways, --shots, --query", cfg.val_tasks * per_task * image),
+        Need("the test tasks' images", "--eval-tasks, --ways, --shots, --query", cfg.eval_tasks * per_task * image),
+    ]
+
+
 def make_model(cfg: OmniglotConfig) -> fit.Model:
     net = build_model(cfg.ways, cfg.filters, cfg.network)
     return fit.Model(net, loss_function(cfg.loss, cfg.ways), meta_only(net), engine=cfg.engine)
@@ -314,6 +336,7 @@ def run(argv: Sequence[str] | None = None) -> None:
             load=load,
             notes=notes,
             run_name=lambda cfg: f"omniglot-{cfg.ways}way-{cfg.shots}shot",
+            needs=memory_needs,
         ),
         argv,
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,8 @@ __all__ = [
     "check_shards",
     "broadcast",
     "catch_stop_signals",
+    "STOP_PATIENCE_S",
+    "Terminated",
 ]
 
 
@@ -37,7 +40,7 @@ def set_threads(threads: int | None) -> None:
     """Sets this process's CPU threads (intra-op, and inter-op where PyTorch still allows it); None keeps PyTorch's.
 
     Raises:
-        UsageError: ``threads < 1``.
+        UsageError: ``threads < 1``, or more threads than the CPUs this process may run on.
     """
     if threads is None:
         return
@@ -46,6 +49,9 @@ def set_threads(threads: int | None) -> None:
             f"--threads {threads} must be >= 1, or null for PyTorch's default "
             f"({torch.get_num_threads()} on this machine)."
         )
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if threads > cpus:  # more threads than CPUs only wait on each other
+        raise UsageError(f"--threads {threads} is more than the {cpus} CPUs this process may run on; pass 1 to {cpus}.")
     torch.set_num_threads(threads)
     try:
         torch.set_num_interop_threads(threads)
@@ -162,22 +168,43 @@ def broadcast(value: Any, opts: RunOptions) -> Any:
     return box[0]
 
 
-def catch_stop_signals() -> tuple[list[int], Callable[[], None]]:
+STOP_PATIENCE_S = 20.0  # how long a stop request waits for the running iteration to end
+
+
+class Terminated(KeyboardInterrupt):
+    """A stop by SIGTERM that unwinds at once: as Ctrl-C does, but the script exits with 143 instead of 130."""
+
+
+def catch_stop_signals(main: bool = True, patience: float | None = None) -> tuple[list[int], Callable[[], None]]:
     """Catches Ctrl-C and SIGTERM: returns the list they are recorded in, and the function that restores the handlers.
 
     The first signal is appended to the list, for the training loop to stop at the end of its
-    iteration; a second one raises KeyboardInterrupt at once.
+    iteration. An iteration that does not end within ``patience`` seconds (default
+    :data:`STOP_PATIENCE_S`: a very long inner loop or validation) is interrupted, as is the
+    iteration at a second signal: :class:`KeyboardInterrupt` (:class:`Terminated` for SIGTERM)
+    is raised at once, and the last checkpoint is what the run keeps. ``main``: whether this
+    process prints the line that says so.
     """
     stop: list[int] = []
+    wait = STOP_PATIENCE_S if patience is None else patience
+
+    def at_once() -> None:
+        raise Terminated if stop[0] == signal.SIGTERM else KeyboardInterrupt
 
     def request_stop(signum: int, frame: Any) -> None:
         if stop:
-            raise KeyboardInterrupt
+            at_once()
         stop.append(signum)
+        signal.setitimer(signal.ITIMER_REAL, wait)
+        if main:
+            again = "Ctrl-C again" if signum == signal.SIGINT else "a second signal"
+            print(f"\nstopping after this iteration (or at once: in {wait:g} s, or at {again})", file=sys.stderr)
 
     handlers = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    handlers[signal.SIGALRM] = signal.signal(signal.SIGALRM, lambda signum, frame: at_once())
 
     def restore() -> None:
+        signal.setitimer(signal.ITIMER_REAL, 0)  # a stop being honoured is not interrupted by the timer
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
 

@@ -125,8 +125,9 @@ class Trainer:
             log = Logbook.open(opts.out / METRICS_FILE, self.history, run, start)
 
         # Ctrl-C and SIGTERM (kill, a cluster's pre-emption; torchrun passes them on) stop the run after this
-        # iteration, whose checkpoint is then consistent; a second Ctrl-C stops at once (the last one stays valid).
-        stop, restore_signals = catch_stop_signals()
+        # iteration, whose checkpoint is then consistent; a second Ctrl-C, or an iteration that outlasts the
+        # patience, stops at once (the last checkpoint stays valid).
+        stop, restore_signals = catch_stop_signals(opts.main)
         self._began = time.perf_counter()
         bar = tqdm(
             range(start, self.iterations),
@@ -143,6 +144,8 @@ class Trainer:
                 if row is not None:
                     bar.set_postfix(meta_loss=f"{row['train/meta_loss']:.4f}")
                 last = iteration + 1 == self.iterations
+                if stopping:
+                    restore_signals()  # the stop is honoured: no timer interrupts its checkpoint
                 if opts.main and (stopping or (iteration + 1) % self.checkpoint_every == 0 or last):
                     write_state(opts.out / "checkpoint.pt", self.state(iteration + 1, generator, cfg, wandb_id))
                 if stopping:

@@ -3,12 +3,16 @@ value and the fix (exit 2, nothing written), or a note where the input is kept b
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+from helpers import omniglot_root
 from test_run_faults import one_error, run_sine
 
 import maml
-from experiments import omniglot
+from experiments import memory, omniglot
+from experiments.cli import UsageError
 
 
 @pytest.mark.parametrize(
@@ -37,6 +41,61 @@ def test_one_way_tasks_are_refused(capsys, tmp_path):
     err = run_sine(capsys, ["--ways", "1", "--out", str(out)], code=2, module=omniglot)
     assert one_error(err) == "error: --ways 1: a task needs at least 2 classes to tell apart; pass --ways 2 or more."
     assert not out.exists()
+
+
+TRILLION = "1000000000000"
+
+
+@pytest.mark.parametrize(
+    "flag, needs",
+    [
+        ("--hidden", "--hidden: the network's weights, meta-gradient, and one task's support gradient and fast weights "
+         "need more than PyTorch can count"),
+        ("--meta-batch", "--meta-batch, --shots, --query, --hidden: the training meta-batch's points and one task's "
+         "first hidden layer need at least 160.0 TB"),
+        ("--shots", "--val-tasks, --shots, --query: the validation tasks' points need at least 800.0 TB"),
+        ("--query", "--val-tasks, --shots, --query: the validation tasks' points need at least 800.0 TB"),
+        ("--val-tasks", "--val-tasks, --shots, --query: the validation tasks' points need at least 160.0 TB"),
+        ("--eval-tasks", "--eval-tasks, --eval-shots, --eval-query: the test tasks' points need at least 840.0 TB"),
+        ("--eval-shots", "--eval-tasks, --eval-shots, --eval-query: the test tasks' points need at least 4.8 PB"),
+        ("--eval-query", "--eval-tasks, --eval-shots, --eval-query: the test tasks' points need at least 4.8 PB"),
+    ],
+)  # fmt: skip  # one flag and its line per row
+def test_a_size_whose_tensors_cannot_fit_is_one_line_with_its_estimate(capsys, tmp_path, flag, needs):
+    out = tmp_path / "run"
+    # The defaults of the sine script, with one size at 10^12 (the tests' small sizes would change the estimates).
+    args = ["--hidden", "40", "--meta-batch", "25", "--val-tasks", "100", "--eval-tasks", "600", "--eval-query", "100"]
+    line = one_error(run_sine(capsys, [*args, flag, TRILLION, "--out", str(out)], code=2))
+    assert line.startswith(f"error: {needs}, and this machine has "), line
+    assert line.endswith(" of memory free; lower " + ("it." if flag == "--hidden" else "the one set too high."))
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("flag", ["--filters", "--meta-batch", "--eval-tasks"])
+def test_an_omniglot_size_whose_tensors_cannot_fit_is_one_line(capsys, tmp_path, flag):
+    out = tmp_path / "run"
+    args = ["--data", str(omniglot_root()), flag, TRILLION, "--out", str(out)]
+    line = one_error(run_sine(capsys, args, code=2, module=omniglot))
+    assert line.startswith(f"error: {flag}") and "of memory free; lower the one set too high." in line, line
+    assert not out.exists()
+
+
+def test_more_threads_than_cpus_are_refused(capsys, tmp_path):
+    out = tmp_path / "run"
+    cpus = len(os.sched_getaffinity(0))
+    line = one_error(run_sine(capsys, ["--threads", TRILLION, "--out", str(out)], code=2))
+    assert (
+        line == f"error: --threads {TRILLION} is more than the {cpus} CPUs this process may run on; pass 1 to {cpus}."
+    )
+    assert not out.exists()
+
+
+def test_the_memory_check_refuses_only_what_cannot_fit():
+    free = memory.free_bytes(torch.device("cpu"))
+    assert free is not None and free > 0
+    memory.check_fits([memory.Need("a small thing", "--small", free // 2)], torch.device("cpu"))
+    with pytest.raises(UsageError, match=r"^--big: a big thing need at least .*; lower it\.$"):
+        memory.check_fits([memory.Need("a big thing", "--big", 2 * free)], torch.device("cpu"))
 
 
 def test_a_key_given_twice_in_a_config_file_is_refused(capsys, tmp_path):

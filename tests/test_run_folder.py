@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import REPO
 from test_experiments import env, script
 from test_run_faults import TINY
@@ -34,6 +35,7 @@ def wait_for(condition, what: str, seconds: float = 120) -> None:
 
 def last_line(proc: subprocess.Popen, code: int) -> str:
     _, err = proc.communicate(timeout=300)
+    proc.stderr_text = err  # for the assertions on the other lines
     assert proc.returncode == code, err[-3000:]
     lines = [line for line in err.splitlines() if line.strip()]
     assert "Traceback" not in err, err[-3000:]
@@ -194,13 +196,29 @@ def test_a_config_file_that_is_not_utf8_is_one_line(tmp_path):
     assert not out.exists()
 
 
+def patched_run(tmp_path: Path, patch: str, args: list[str], **environ: str) -> subprocess.Popen:
+    """``python -m experiments.sine ARGS`` with ``patch`` run at the child's start-up (a sitecustomize.py)."""
+    site = tmp_path / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(patch)  # imported by Python at start-up
+    return subprocess.Popen(
+        [sys.executable, "-m", "experiments.sine", *TINY, "--wandb", "disabled", *args],
+        cwd=REPO,
+        env={**env(tmp_path), "PYTHONPATH": f"{site}:{REPO}", **environ},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        # A job started in the background (nohup ... &, some CI runners) inherits SIGINT ignored, and
+        # Python then installs no Ctrl-C handler: give the child a terminal's default.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+
+
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_a_signal_before_training_or_in_the_final_evaluation_is_one_line_and_its_exit_code(tmp_path, sig, code):
     out = tmp_path / "run"
-    slow = tmp_path / "slow"
-    slow.mkdir()
     # The stage made slow: wandb's start-up (before training) or the writing of results (after the test).
-    (slow / "sitecustomize.py").write_text(  # imported by Python at start-up
+    patch = (
         "import os, time\n"
         "import experiments.fit as fit\n"
         "name = {'start': 'init_wandb', 'final': 'finish'}[os.environ['SLOW_STAGE']]\n"
@@ -220,31 +238,54 @@ def test_a_signal_before_training_or_in_the_final_evaluation_is_one_line_and_its
         ),
     ):
         mark = tmp_path / f"mark-{stage}"
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "experiments.sine",
-                *TINY,
-                "--wandb",
-                "disabled",
-                "--iterations",
-                "2",
-                "--out",
-                str(out),
-                "--overwrite",
-            ],
-            cwd=REPO,
-            env={**env(tmp_path), "PYTHONPATH": f"{slow}:{REPO}", "SLOW_STAGE": stage, "SLOW_MARK": str(mark)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            # A job started in the background (nohup ... &, some CI runners) inherits SIGINT ignored, and
-            # Python then installs no Ctrl-C handler: give the child a terminal's default.
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-        )
+        args = ["--iterations", "2", "--out", str(out), "--overwrite"]
+        proc = patched_run(tmp_path, patch, args, SLOW_STAGE=stage, SLOW_MARK=str(mark))
         wait_for(mark.exists, f"the {stage} stage")
         proc.send_signal(sig)
         assert last_line(proc, code) == line
         if stage == "final":
             assert (out / "checkpoint.pt").is_file() and not (out / "results.json").exists()
+
+
+# The stop's patience made 1 s; a mark file once training is in its first iteration (or the one named).
+PATIENCE = (
+    "import os, time\n"
+    "import experiments.runtime, experiments.trainer as trainer\n"
+    "experiments.runtime.STOP_PATIENCE_S = 1.0\n"
+    "original = trainer.Trainer._iteration\n"
+    "def iteration(self, i, *args):\n"
+    "    if i == int(os.environ.get('SLOW_ITERATION', 0)):\n"
+    "        open(os.environ['SLOW_MARK'], 'w').close()\n"
+    "        if 'SLOW_ITERATION' in os.environ:\n"
+    "            time.sleep(600)\n"
+    "    return original(self, i, *args)\n"
+    "trainer.Trainer._iteration = iteration\n"
+)
+
+
+def test_one_ctrl_c_stops_an_inner_loop_of_a_trillion_steps_after_the_patience(tmp_path):
+    out, mark = tmp_path / "run", tmp_path / "mark"
+    proc = patched_run(tmp_path, PATIENCE, ["--steps", "1000000000000", "--out", str(out)], SLOW_MARK=str(mark))
+    wait_for(mark.exists, "the first iteration")
+    time.sleep(1)  # well inside its inner loop
+    began = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    assert last_line(proc, 130) == (
+        "stopped at once, before the first checkpoint: nothing to resume; run the same command again."
+    )
+    assert time.monotonic() - began < 30  # the patience (1 s) and the exit, not the loop
+    assert "stopping after this iteration (or at once: in 1 s, or at Ctrl-C again)" in proc.stderr_text
+    assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "metrics.jsonl"]
+
+
+def test_a_sigterm_in_an_iteration_that_outlasts_the_patience_keeps_the_last_checkpoint(tmp_path):
+    out, mark = tmp_path / "run", tmp_path / "mark"
+    args = ["--iterations", "5", "--checkpoint-every", "1", "--out", str(out)]
+    proc = patched_run(tmp_path, PATIENCE, args, SLOW_MARK=str(mark), SLOW_ITERATION="2")
+    wait_for(mark.exists, "iteration 2")
+    proc.send_signal(signal.SIGTERM)
+    assert last_line(proc, 143) == (
+        f"stopped at once; the last checkpoint in {out} is whole: the same command plus --resume goes on."
+    )
+    assert "stopping after this iteration (or at once: in 1 s, or at a second signal)" in proc.stderr_text
+    assert torch.load(out / "checkpoint.pt", weights_only=False)["iteration"] == 2
