@@ -7,11 +7,12 @@ learner.meta_loss(batch).backward()
 """
 
 from ._src.batch import TaskBatch
+from ._src.curvature import MetaCurvature
 from ._src.distributed import all_reduce_grads, all_reduce_mean, shard
 from ._src.learner import BATCHINGS, CHECKPOINT_HVPS, MODES, MetaLearner
 from ._src.loop import MetaOutput
 from ._src.rates import LEARN_INNER_LR
-from ._src.rules import INNER_OPTIMIZERS
+from ._src.rules import INNER_OPTIMIZERS, SGD, Adam, AdamState, Momentum, MomentumState, UpdateRule
 
 __all__ = [
     "BATCHINGS",
@@ -19,9 +20,16 @@ __all__ = [
     "INNER_OPTIMIZERS",
     "LEARN_INNER_LR",
     "MODES",
+    "SGD",
+    "Adam",
+    "AdamState",
+    "MetaCurvature",
     "MetaLearner",
     "MetaOutput",
+    "Momentum",
+    "MomentumState",
     "TaskBatch",
+    "UpdateRule",
     "all_reduce_grads",
     "all_reduce_mean",
     "shard",

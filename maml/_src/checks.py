@@ -27,6 +27,21 @@ def one_of(arg: str, value: Any, choices: tuple[Any, ...]) -> None:
         raise ValueError(f"{arg}={value!r} is not supported{hint}; choose one of {', '.join(map(repr, choices))}.")
 
 
+def update_rule(rule: Any, options: Any) -> None:
+    """Checks an ``inner_optimizer`` given as an object: the ``UpdateRule`` contract, and no name's options."""
+    missing = [m for m in ("init", "update") if not callable(getattr(rule, m, None))]
+    if missing:
+        raise TypeError(
+            f"inner_optimizer={rule!r} is neither a rule's name ('sgd', 'momentum', 'adam') nor an update rule: "
+            f"it has no {' or '.join(missing)} method; see maml.UpdateRule for the contract."
+        )
+    if options is not None:
+        raise ValueError(
+            f"inner_optimizer_options={options!r} configure a rule given by name; inner_optimizer is a "
+            f"{type(rule).__name__} object: give it its options instead."
+        )
+
+
 def integer(arg: str, value: Any, minimum: int, *, optional: bool = False) -> None:
     if optional and value is None:
         return

@@ -59,7 +59,7 @@ from torch import Tensor
 
 from .forward import Params, TaskForward
 from .rates import InnerRates
-from .rules import State, UpdateRule
+from .rules import BoundRule, State
 
 __all__ = ["HessianProducts", "rule_vjp", "step_vjp", "support_hvp"]
 
@@ -120,7 +120,7 @@ def support_hvp(
 
 
 def rule_vjp(
-    rule: UpdateRule,
+    rule: BoundRule,
     rates: InnerRates,
     rate_values: Params,
     step: int,
@@ -152,7 +152,7 @@ def rule_vjp(
         state_in = tuple({k: v.detach().requires_grad_(wrt_inputs) for k, v in s.items()} for s in state)
         grads_in = {k: v.detach().requires_grad_(wrt_inputs) for k, v in grads.items()}
         rates_in = {k: v.detach().requires_grad_(wrt_rates) for k, v in rate_values.items()}
-        new_fast, new_state = rule.update(grads_in, state_in, fast_in, step, rates.at(rates_in, step))
+        new_fast, new_state = rule.update(rates_in, grads_in, state_in, fast_in, step, rates.at(rates_in, step))
         inputs: list[Tensor] = []
         if wrt_inputs:
             inputs += [*fast_in.values(), *(s[k] for s in state_in for k in names), *grads_in.values()]
@@ -177,7 +177,7 @@ def rule_vjp(
 def step_vjp(
     hvp: HessianProducts,
     support_grad: Callable[[Params], Params],
-    rule: UpdateRule,
+    rule: BoundRule,
     rates: InnerRates,
     rate_values: Params,
     step: int,

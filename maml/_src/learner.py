@@ -22,7 +22,7 @@ from .forward import LossFn, Params, TaskForward, check_finite, exact_attention
 from .loop import InnerLoop, MetaOutput
 from .model_check import check_model
 from .rates import LEARN_INNER_LR, InnerRates
-from .rules import INNER_OPTIMIZERS, make_rule
+from .rules import INNER_OPTIMIZERS, BoundRule, UpdateRule, make_rule, rule_tensors
 
 Mode = Literal["second_order", "first_order", "checkpointed"]
 Batching = Literal["auto", "vmap", "loop"]
@@ -95,10 +95,14 @@ class MetaLearner:
             predicate ``name -> bool`` (default: every trainable parameter). Trainable parameters
             outside it are not updated by the inner loop but are meta-learned, with the exact
             meta-gradient (ANIL: adapt the head; BOIL: adapt the body).
-        inner_optimizer: the update rule: ``"sgd"``, ``"momentum"`` or ``"adam"``, following
+        inner_optimizer: the update rule: an object with the :class:`~maml.UpdateRule` contract
+            (``init(params) -> state``, ``update(grads, state, params, step, rates) -> (params,
+            state)``), or a name: ``"sgd"``, ``"momentum"`` or ``"adam"``, following
             ``torch.optim.SGD(momentum=...)`` and ``torch.optim.Adam`` step for step, differentiable,
-            with its state kept per task.
-        inner_optimizer_options: the rule's options: momentum ``{"momentum": 0.9, "nesterov": False}``,
+            with its state kept per task. A rule that is an ``nn.Module`` (e.g.
+            :class:`~maml.MetaCurvature`) is meta-learned with the model: its parameters are in
+            :meth:`parameters` and :meth:`state_dict` and get exact meta-gradients in every mode.
+        inner_optimizer_options: a named rule's options: momentum ``{"momentum": 0.9, "nesterov": False}``,
             adam ``{"betas": (0.9, 0.999), "eps": 1e-8}``.
     """
 
@@ -118,7 +122,7 @@ class MetaLearner:
         check_finite: bool = True,
         compile: bool = False,
         adapt: Sequence[str] | Callable[[str], bool] | None = None,
-        inner_optimizer: InnerOptimizer = "sgd",
+        inner_optimizer: InnerOptimizer | UpdateRule = "sgd",
         inner_optimizer_options: Mapping[str, Any] | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -130,7 +134,10 @@ class MetaLearner:
         checks.one_of("mode", mode, MODES)
         checks.one_of("batching", batching, BATCHINGS)
         checks.one_of("learn_inner_lr", learn_inner_lr, LEARN_INNER_LR)
-        checks.one_of("inner_optimizer", inner_optimizer, INNER_OPTIMIZERS)
+        if isinstance(inner_optimizer, str):
+            checks.one_of("inner_optimizer", inner_optimizer, INNER_OPTIMIZERS)
+        else:
+            checks.update_rule(inner_optimizer, inner_optimizer_options)
         checks.integer("chunk_size", chunk_size, 1, optional=True)
         checks.integer("checkpoint_every", checkpoint_every, 1, optional=True)
         if checkpoint_hvp is not None:
@@ -152,7 +159,9 @@ class MetaLearner:
             raise TypeError(f"compile must be True or False, got {compile!r} ({type(compile).__name__}).")
         self.compile = compile
         self._check_mode(mode)
-        rule = make_rule(inner_optimizer, inner_optimizer_options)
+        rule = (
+            make_rule(inner_optimizer, inner_optimizer_options) if isinstance(inner_optimizer, str) else inner_optimizer
+        )
         adapted = checks.adapt_set(adapt, model)
 
         self.model = model
@@ -164,6 +173,7 @@ class MetaLearner:
         self.chunk_size = chunk_size
         self.learn_inner_lr = learn_inner_lr
         self.inner_optimizer = inner_optimizer
+        self.rule = rule
         self.checkpoint_every = checkpoint_every or 1
         self._checkpoint_hvp: str = checkpoint_hvp or "reverse_over_reverse"
         self.check_finite = check_finite
@@ -178,7 +188,7 @@ class MetaLearner:
         forward = TaskForward(model, loss_fn, "vmap" if batching == "auto" and chunked else batching, chunk_size)
         self._forward = forward
         rates = InnerRates(learn_inner_lr, self.inner_lr, tuple(adapted))
-        self._loop = InnerLoop(forward, rule, rates, self._check)
+        self._loop = InnerLoop(forward, BoundRule(rule), rates, self._check)
         params = dict(model.named_parameters())
         self.rate_parameters: dict[str, nn.Parameter] = {
             k: nn.Parameter(v) for k, v in rates.init(params, steps).items()
@@ -215,9 +225,10 @@ class MetaLearner:
         self._checkpoint_hvp = value
 
     def parameters(self) -> Iterator[nn.Parameter]:
-        """The meta-parameters: the model's parameters, then the learnable inner rates."""
+        """The meta-parameters: the model's parameters, the learnable inner rates, then the rule's own tensors."""
         yield from self.model.parameters()
         yield from self.rate_parameters.values()
+        yield from rule_tensors(self.rule).values()
 
     @property
     def resolved_batching(self) -> str:
@@ -294,7 +305,7 @@ class MetaLearner:
             step_weights = checks.step_weights(step_weights, steps, params[self._adapted[0]], compiled=compiled_step)
         self._probe(params, consts, batch)
         self._example_shape = batch.support_x.shape[2:]
-        rate_values = dict(self.rate_parameters)
+        rate_values = self._rate_values()
         grad = torch.is_grad_enabled()
         with self._attention():
             if self.compile and grad:
@@ -395,7 +406,7 @@ class MetaLearner:
             fast, _, _ = eager.adapt(
                 self._loop,
                 params,
-                dict(self.rate_parameters),
+                self._rate_values(),
                 consts,
                 x,
                 y,
@@ -406,12 +417,15 @@ class MetaLearner:
         return {**frozen, **{k: v[0] for k, v in fast.items()}}
 
     def state_dict(self) -> dict[str, Any]:
-        """The model's and the learnable inner rates' state, and what ``batching="auto"`` chose, for checkpoints."""
-        return {
+        """The model's, the learnable inner rates' and a module rule's state, and what ``batching="auto"`` chose."""
+        state = {
             "model": self.model.state_dict(),
             "inner_lrs": {k: v.detach().clone() for k, v in self.rate_parameters.items()},
             "batching": self._forward.chosen,
         }
+        if isinstance(self.rule, nn.Module):
+            state["rule"] = self.rule.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Loads what :meth:`state_dict` returned."""
@@ -425,10 +439,19 @@ class MetaLearner:
             for k, v in state["inner_lrs"].items():
                 self.rate_parameters[k].copy_(v)
         self._forward.chosen = state.get("batching", {})  # absent from checkpoints of earlier versions
+        if isinstance(self.rule, nn.Module):
+            if "rule" not in state:
+                raise ValueError(
+                    f"state has no 'rule' entry, but this learner's rule {type(self.rule).__name__} is a module "
+                    f"with a state of its own; load a state_dict saved by a learner with the same rule."
+                )
+            self.rule.load_state_dict(state["rule"])
 
     def to(self, *args: Any, **kwargs: Any) -> MetaLearner:
-        """Moves the model and the learnable inner rates, like ``nn.Module.to``."""
+        """Moves the model, the learnable inner rates and a module rule, like ``nn.Module.to``."""
         self.model.to(*args, **kwargs)
+        if isinstance(self.rule, nn.Module):
+            self.rule.to(*args, **kwargs)
         for p in self.rate_parameters.values():
             p.data = p.data.to(*args, **kwargs)
         return self
@@ -441,6 +464,10 @@ class MetaLearner:
         )
 
     # ------------------------------------------------------------------ internals
+
+    def _rate_values(self) -> Params:
+        """The learnable rates and the rule's own tensors: the meta-parameters every path threads beside the model's."""
+        return {**self.rate_parameters, **rule_tensors(self.rule)}
 
     def _check_mode(self, mode: str) -> None:
         if self.compile and mode == "checkpointed":

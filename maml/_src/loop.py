@@ -29,7 +29,7 @@ from torch import Tensor
 
 from .forward import Params, TaskForward
 from .rates import InnerRates
-from .rules import State, UpdateRule
+from .rules import BoundRule, State
 
 __all__ = [
     "Adapted",
@@ -75,13 +75,13 @@ class InnerLoop:
 
     Attributes:
         forward: the per-task forward pass.
-        rule: the update rule.
+        rule: the update rule, bound (its own tensors come from the rates' values).
         rates: the rates' layout; ``rates.at(values, step)`` gives a step's rates.
         check: ``check(losses (T,), step, steps)`` raises on a NaN/Inf support loss, or ``None``.
     """
 
     forward: TaskForward
-    rule: UpdateRule
+    rule: BoundRule
     rates: InnerRates
     check: Callable[[Tensor, int, int], None] | None
 
@@ -104,7 +104,7 @@ class InnerLoop:
             support_grad: how the support gradient is taken (see the module docstring).
             fast: ``(T, *shape)`` fast weights entering step ``start``.
             state: the rule's state entering it.
-            rate_values: the learnable rates (see ``InnerRates``).
+            rate_values: the learnable rates (see ``InnerRates``) and the rule's own tensors.
             steps: the loop's length: the check names it, and no score follows the last step.
             score: the query losses after each step but the last (MAML++'s multi-step loss).
             keep: what the path keeps of each step's result (see the module docstring).
@@ -113,7 +113,7 @@ class InnerLoop:
         scores: list[Tensor] = []
         for step in range(start, steps if stop is None else stop):
             grads, losses = support_grad(fast, step)
-            fast, state = self.rule.update(grads, state, fast, step, self.rates.at(rate_values, step))
+            fast, state = self.rule.update(rate_values, grads, state, fast, step, self.rates.at(rate_values, step))
             if self.check is not None:
                 self.check(losses, step, steps)
             support_losses.append(losses)

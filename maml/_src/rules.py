@@ -3,9 +3,15 @@
 A rule in the optax manner: ``init(params) -> state`` and ``update(grads, state, params, step,
 rates) -> (new_params, new_state)``. Every tensor is a function of its inputs (nothing is
 written in place), so the meta-gradient flows through the rule and through its state. The
-state is a tuple of dicts keyed like the parameters and shaped like them, so it stacks per
-task exactly as the fast weights do (``(T, *shape)``) and the checkpointed mode can keep it
-beside the kept iterates.
+state is a tuple (a NamedTuple names its fields: :class:`MomentumState`, :class:`AdamState`)
+of dicts keyed like the parameters and shaped like them, so it stacks per task exactly as the
+fast weights do (``(T, *shape)``) and the checkpointed mode can keep it beside the kept iterates.
+
+A rule that is an ``nn.Module`` may hold tensors of its own that the outer loop learns (its
+parameters, e.g. :class:`~maml.MetaCurvature`'s curvature matrices). The engine passes them
+beside the learnable rates, keyed ``"rule." + name``, through every execution path, and
+:class:`BoundRule` puts them back into the rule by ``torch.func.functional_call`` at each
+update: so they get exact meta-gradients wherever the rates do.
 
 Momentum and Adam follow ``torch.optim.SGD(momentum=...)`` and ``torch.optim.Adam`` step for
 step: with zero dampening, SGD's first momentum buffer is the gradient itself, which is what a
@@ -17,16 +23,31 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.func import functional_call
 
 Params = dict[str, Tensor]
 State = tuple[Params, ...]
 StepRates = Mapping[str, float | Tensor]
 
-__all__ = ["INNER_OPTIMIZERS", "Adam", "Momentum", "SGD", "UpdateRule", "make_rule"]
+__all__ = [
+    "INNER_OPTIMIZERS",
+    "RULE_PREFIX",
+    "Adam",
+    "AdamState",
+    "BoundRule",
+    "Momentum",
+    "MomentumState",
+    "SGD",
+    "UpdateRule",
+    "make_rule",
+    "rule_tensors",
+]
+
+RULE_PREFIX = "rule."  # the keys of a rule's own tensors among the learnable rates
 
 INNER_OPTIMIZERS: tuple[str, ...] = ("sgd", "momentum", "adam")
 
@@ -78,6 +99,12 @@ class SGD:
         return {k: _scaled(p, rates[k], grads[k]) for k, p in params.items()}, ()
 
 
+class MomentumState(NamedTuple):
+    """:class:`Momentum`'s state: the momentum buffer of every parameter."""
+
+    buffer: Params
+
+
 @dataclasses.dataclass(frozen=True)
 class Momentum:
     """``torch.optim.SGD(momentum=momentum, nesterov=nesterov)`` (no dampening, no weight decay)."""
@@ -87,15 +114,17 @@ class Momentum:
     momentum: float = 0.9
     nesterov: bool = False
 
-    def init(self, params: Params) -> State:
-        return ({k: torch.zeros_like(p) for k, p in params.items()},)
+    def init(self, params: Params) -> MomentumState:
+        return MomentumState({k: torch.zeros_like(p) for k, p in params.items()})
 
-    def update(self, grads: Params, state: State, params: Params, step: int, rates: StepRates) -> tuple[Params, State]:
-        (buf,) = state
+    def update(
+        self, grads: Params, state: MomentumState, params: Params, step: int, rates: StepRates
+    ) -> tuple[Params, MomentumState]:
+        buf = state.buffer
         # torch.optim.SGD starts the buffer at the first gradient: mu * 0 + g is the same value.
         buf = {k: torch.add(g, buf[k], alpha=self.momentum) if step else g for k, g in grads.items()}
         direction = {k: torch.add(g, buf[k], alpha=self.momentum) for k, g in grads.items()} if self.nesterov else buf
-        return {k: _scaled(p, rates[k], direction[k]) for k, p in params.items()}, (buf,)
+        return {k: _scaled(p, rates[k], direction[k]) for k, p in params.items()}, MomentumState(buf)
 
 
 def _safe_sqrt(v: Tensor) -> Tensor:
@@ -111,6 +140,13 @@ def _safe_sqrt(v: Tensor) -> Tensor:
     return torch.where(positive, torch.where(positive, v, 1.0).sqrt(), 0.0)
 
 
+class AdamState(NamedTuple):
+    """:class:`Adam`'s state: the moving averages of the gradient and of its square (``torch.optim.Adam``'s names)."""
+
+    exp_avg: Params
+    exp_avg_sq: Params
+
+
 @dataclasses.dataclass(frozen=True)
 class Adam:
     """``torch.optim.Adam(betas=betas, eps=eps)`` (no weight decay, no amsgrad), bias-corrected."""
@@ -120,11 +156,13 @@ class Adam:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
 
-    def init(self, params: Params) -> State:
+    def init(self, params: Params) -> AdamState:
         zeros = {k: torch.zeros_like(p) for k, p in params.items()}
-        return zeros, dict(zeros)
+        return AdamState(zeros, dict(zeros))
 
-    def update(self, grads: Params, state: State, params: Params, step: int, rates: StepRates) -> tuple[Params, State]:
+    def update(
+        self, grads: Params, state: AdamState, params: Params, step: int, rates: StepRates
+    ) -> tuple[Params, AdamState]:
         exp_avg, exp_avg_sq = state
         beta1, beta2 = self.betas
         t = step + 1
@@ -135,7 +173,56 @@ class Adam:
         for k, p in params.items():
             denom = _safe_sqrt(v[k]) / root_correction2 + self.eps
             new[k] = _scaled(p, rates[k], m[k] / (correction1 * denom))
-        return new, (m, v)
+        return new, AdamState(m, v)
+
+
+def rule_tensors(rule: UpdateRule) -> dict[str, nn.Parameter]:
+    """A rule's own meta-learned tensors, keyed ``RULE_PREFIX + name`` (empty unless it is an ``nn.Module``)."""
+    if not isinstance(rule, nn.Module):
+        return {}
+    return {RULE_PREFIX + name: p for name, p in rule.named_parameters()}
+
+
+class _Update(nn.Module):
+    """A rule's ``update`` as a forward pass, for ``functional_call`` (its parameters are ``rule.*``)."""
+
+    def __init__(self, rule: nn.Module) -> None:
+        super().__init__()
+        self.rule = rule
+
+    def forward(self, grads: Params, state: State, params: Params, step: int, rates: StepRates) -> tuple[Params, State]:
+        return self.rule.update(grads, state, params, step, rates)
+
+
+class BoundRule:
+    """A rule as the inner loop calls it: its own tensors taken from the rates' values, its state's type kept.
+
+    The execution paths rebuild the state from flat tensors (the checkpointed mode keeps and
+    restores it), so :meth:`update` gives the rule its state as the type its ``init`` returns
+    (a NamedTuple stays one).
+    """
+
+    def __init__(self, rule: UpdateRule) -> None:
+        self.rule = rule
+        self.linear: bool = bool(getattr(rule, "linear", False))
+        self._module = _Update(rule) if rule_tensors(rule) else None
+        self._buffers = {RULE_PREFIX + k: b for k, b in rule.named_buffers()} if isinstance(rule, nn.Module) else {}
+        empty = rule.init({})
+        self._make = getattr(type(empty), "_make", tuple)
+
+    def init(self, params: Params) -> State:
+        return self.rule.init(params)
+
+    def update(
+        self, values: Params, grads: Params, state: State, params: Params, step: int, rates: StepRates
+    ) -> tuple[Params, State]:
+        """The rule's step, with its own tensors from ``values`` (keys ``RULE_PREFIX + name``)."""
+        state = self._make(state)
+        if self._module is None:
+            return self.rule.update(grads, state, params, step, rates)
+        own = {k: v for k, v in values.items() if k.startswith(RULE_PREFIX)}
+        # strict: every tensor of the rule comes from ``values``, none silently from the module itself
+        return functional_call(self._module, {**self._buffers, **own}, (grads, state, params, step, rates), strict=True)
 
 
 def make_rule(name: str, options: Mapping[str, Any] | None) -> UpdateRule:
