@@ -6,6 +6,7 @@ learner = maml.MetaLearner(model, loss_fn, inner_lr=0.4, steps=1)
 learner.meta_loss(batch).backward()
 """
 
+from . import nn
 from ._src.batch import TaskBatch
 from ._src.curvature import MetaCurvature
 from ._src.distributed import all_reduce_grads, all_reduce_mean, shard
@@ -31,6 +32,7 @@ __all__ = [
     "TaskBatch",
     "UpdateRule",
     "all_reduce_grads",
+    "nn",
     "all_reduce_mean",
     "shard",
 ]

@@ -49,6 +49,7 @@ from .loop import (
     autograd_support_grad,
     flatten_state,
     per_task,
+    query_step,
     stacked,
     unflatten_state,
 )
@@ -182,7 +183,7 @@ def _values_pass(
             p.rng["query", c, step] = _rng_state(p.device)
             with torch.no_grad():
                 chunk = dict(zip(names, p.chunk(list(fast.values()), c)))
-                losses.append(forward(chunk, consts, part.query_x, part.query_y)[0])
+                losses.append(forward(chunk, consts, part.query_x, part.query_y, step=step)[0])
         return _join(losses)
 
     def keep(step: int, fast: Params, state: State) -> tuple[Params, State]:
@@ -216,14 +217,15 @@ def _final_query(
             kept_grads = [torch.empty_like(v) for v in values]  # before the activations (module docstring)
             with torch.enable_grad():
                 leaves = {k: v.detach().requires_grad_() for k, v in zip(p.names, values)}
-                losses, out = p.forward(leaves, consts, part.query_x, part.query_y)
+                losses, out = p.forward(leaves, consts, part.query_x, part.query_y, step=query_step(p.steps))
                 grads = torch.autograd.grad(
                     losses.sum(), list(leaves.values()), allow_unused=True, materialize_grads=True
                 )
             results.append((losses.detach(), out.detach(), [k.copy_(g) for k, g in zip(kept_grads, grads)]))
         else:
             with torch.no_grad():
-                losses, out = p.forward(dict(zip(p.names, values)), consts, part.query_x, part.query_y)
+                fast_c = dict(zip(p.names, values))
+                losses, out = p.forward(fast_c, consts, part.query_x, part.query_y, step=query_step(p.steps))
             results.append((losses, out, None))
     return results
 
@@ -267,7 +269,7 @@ def _replay_segment(p: _Pass, c: int, start: int, count: int) -> Replay:
 
         def score(fast: Params, step: int) -> Tensor:
             _set_rng(p.rng["query", c, step])
-            return p.forward(fast, seg_consts, part.query_x, part.query_y)[0]
+            return p.forward(fast, seg_consts, part.query_x, part.query_y, step=step)[0]
 
         fast, state = dict(zip(names, kept_in[: len(names)])), unflatten_state(kept_in[len(names) :], names)
         with _rng_forked(p.device), exact_attention():
@@ -294,7 +296,8 @@ def _replay_query(p: _Pass, c: int) -> Replay:
         _, seg_consts = p.unpack(other)
         with _rng_forked(p.device), exact_attention():
             _set_rng(p.rng["query", c, p.steps])
-            return [p.forward(dict(zip(p.names, kept_in)), seg_consts, part.query_x, part.query_y)[0]]
+            last = query_step(p.steps)
+            return [p.forward(dict(zip(p.names, kept_in)), seg_consts, part.query_x, part.query_y, step=last)[0]]
 
     return replay
 
@@ -340,7 +343,8 @@ class _ForwardOverReverse:
     def _hvp(self, step: int, fixed: Params, phi: Params) -> HessianProducts:
         def products(fast: Params, tangent: Params) -> tuple[Params, Params, Params]:
             _set_rng(self.p.rng["support", self.c, step])
-            return support_hvp(self.p.forward, fixed, phi, self.part.support_x, self.part.support_y, fast, tangent)
+            x, y = self.part.support_x, self.part.support_y
+            return support_hvp(self.p.forward, fixed, phi, x, y, fast, tangent, step=step)
 
         return products
 
@@ -350,7 +354,8 @@ class _ForwardOverReverse:
         with torch.enable_grad():
             leaves = {k: v.detach().requires_grad_() for k, v in fast.items()}
             phi_leaves = {k: v.detach().requires_grad_() for k, v in phi.items()}
-            losses, _ = self.p.forward(leaves, {**fixed, **phi_leaves}, self.part.query_x, self.part.query_y)
+            x, y = self.part.query_x, self.part.query_y
+            losses, _ = self.p.forward(leaves, {**fixed, **phi_leaves}, x, y, step=step)
             pulled = torch.autograd.grad(
                 losses, [*leaves.values(), *phi_leaves.values()], cot, allow_unused=True, materialize_grads=True
             )

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from .batch import TaskBatch
 from .forward import Params
-from .loop import InnerLoop, MetaOutput, func_support_grad, meta_objective, per_task, stacked
+from .loop import InnerLoop, MetaOutput, func_support_grad, meta_objective, per_task, query_step, stacked
 
 __all__ = ["meta_step", "run"]
 
@@ -61,9 +61,9 @@ def meta_step(loop: InnerLoop, first_order: bool) -> Step:
         tasks = sx.shape[0]
         fast = per_task(params, tasks)
         support_grad = func_support_grad(loop.forward, consts, sx, sy, first_order=first_order)
-        score = None if step_weights is None else (lambda fast, step: loop.forward(fast, consts, qx, qy)[0])
+        score = None if step_weights is None else (lambda fast, step: loop.forward(fast, consts, qx, qy, step=step)[0])
         done = loop.run(support_grad, fast, loop.rule.init(fast), rate_values, steps, score=score)
-        query_losses, query_out = loop.forward(done.fast, consts, qx, qy)
+        query_losses, query_out = loop.forward(done.fast, consts, qx, qy, step=query_step(steps))
         support = stacked(done.support_losses, tasks, sx)
         # Without step weights an empty stand-in: the transforms' outputs must all be tensors.
         per_step = query_losses.new_zeros(0) if step_weights is None else torch.stack([*done.scores, query_losses])

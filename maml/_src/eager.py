@@ -11,7 +11,7 @@ from torch import Tensor
 
 from .batch import TaskBatch
 from .forward import Params
-from .loop import InnerLoop, MetaOutput, autograd_support_grad, per_task, stacked
+from .loop import InnerLoop, MetaOutput, autograd_support_grad, per_task, query_step, stacked
 from .rules import State
 
 __all__ = ["adapt", "run"]
@@ -66,7 +66,7 @@ def adapt(
             consts = {k: v.detach() for k, v in consts.items()}
             first_order = True
         support_grad = autograd_support_grad(loop.forward, consts, x, y, create_graph=not first_order)
-        score = None if query is None else (lambda fast, step: loop.forward(fast, consts, *query)[0])
+        score = None if query is None else (lambda fast, step: loop.forward(fast, consts, *query, step=step)[0])
         done = loop.run(
             support_grad,
             fast,
@@ -105,6 +105,6 @@ def run(
         first_order=first_order,
         query=query if every_step else None,
     )
-    query_losses, query_out = loop.forward(fast, consts, *query)
+    query_losses, query_out = loop.forward(fast, consts, *query, step=query_step(steps))
     per_step = torch.stack([*step_query, query_losses]) if every_step else None
     return MetaOutput.of(query_losses, query_out, support, fast, per_step, step_weights)

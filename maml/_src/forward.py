@@ -10,6 +10,7 @@ reverse-over-reverse batching rules under ``vmap`` are wrong (pytorch/functorch#
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
 from collections.abc import Callable, Sequence
 from typing import Literal
@@ -103,6 +104,7 @@ class TaskForward:
         self.loss_fn = loss_fn
         self.batching = batching
         self.chunk_size = chunk_size
+        self.takes_step = takes_step(model)
         self._chosen: dict[torch.device, str] = {}
 
     def resolve(self, device: torch.device) -> str:
@@ -151,9 +153,10 @@ class TaskForward:
     def chosen(self, chosen: dict[str, str]) -> None:
         self._chosen.update({torch.device(device): batching for device, batching in chosen.items()})
 
-    def _one(self, fast: Params, consts: Params, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+    def _one(self, fast: Params, consts: Params, x: Tensor, y: Tensor, step: int) -> tuple[Tensor, Tensor]:
         """One task: ``x (n, *x_shape)``, ``y (n, *y_shape)`` -> loss ``()``, output ``(n, ...)``."""
-        out = functional_call(self.model, {**fast, **consts}, (x,), strict=True)
+        kwargs = {"step": step} if self.takes_step else None
+        out = functional_call(self.model, {**fast, **consts}, (x,), kwargs, strict=True)
         loss = self.loss_fn(out, y)
         if not isinstance(loss, Tensor) or loss.ndim != 0:
             got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else type(loss).__name__
@@ -165,7 +168,7 @@ class TaskForward:
         return loss, out
 
     def __call__(
-        self, fast: Params, consts: Params, x: Tensor, y: Tensor, batching: str | None = None
+        self, fast: Params, consts: Params, x: Tensor, y: Tensor, batching: str | None = None, *, step: int = 0
     ) -> tuple[Tensor, Tensor]:
         """All tasks.
 
@@ -175,6 +178,8 @@ class TaskForward:
             x: ``(T, n, *x_shape)`` inputs.
             y: ``(T, n, *y_shape)`` targets.
             batching: ``"vmap"`` or ``"loop"`` for this call (default: :meth:`resolve`'s).
+            step: the inner step the pass belongs to (0-based), for a model whose ``forward``
+                takes ``step`` (:func:`takes_step`).
 
         Returns:
             ``(T,)`` losses and ``(T, n, ...)`` model outputs.
@@ -187,7 +192,7 @@ class TaskForward:
 
             # Only tensors cross the vmap boundary (a tuple, not dicts): fewer pytree passes per call.
             def one(values: tuple[Tensor, ...], xt: Tensor, yt: Tensor) -> tuple[Tensor, Tensor]:
-                return self._one(dict(zip(names, values)), shared, xt, yt)
+                return self._one(dict(zip(names, values)), shared, xt, yt, step)
 
             # randomness="different": dropout draws independent masks for every task, as a loop would.
             batched = torch.func.vmap(one, randomness="different", chunk_size=self.chunk_size)
@@ -195,8 +200,23 @@ class TaskForward:
         # unbind has one backward node that stacks the task gradients; indexing p[t] would
         # build T full-size zero tensors per parameter in the backward pass.
         per_task = [dict(zip(fast, values)) for values in zip(*(v.unbind(0) for v in fast.values()))]
-        losses, outs = zip(*(self._one(f, consts, xt, yt) for f, xt, yt in zip(per_task, x.unbind(0), y.unbind(0))))
+        tasks = zip(per_task, x.unbind(0), y.unbind(0))
+        losses, outs = zip(*(self._one(f, consts, xt, yt, step) for f, xt, yt in tasks))
         return torch.stack(losses), torch.stack(outs)
+
+
+def takes_step(model: nn.Module) -> bool:
+    """Whether ``model.forward`` takes a keyword argument ``step``: then every pass gets the inner step's index.
+
+    The support pass that computes update ``k`` and the query pass after update ``k`` both get
+    ``step=k`` (MAML++'s per-step batch norm indexes its weights so); a query pass with no update
+    before it gets ``step=0``.
+    """
+    try:
+        parameter = inspect.signature(model.forward).parameters.get("step")
+    except (TypeError, ValueError):  # a forward without a signature Python can read
+        return False
+    return parameter is not None and parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)
 
 
 def check_finite(losses: Tensor, step: int, steps: int, rates_hint: str) -> None:

@@ -74,7 +74,15 @@ _UNSUPPORTED = ("forward AD", "functorch transforms", "saved tensor hooks")
 
 
 def support_hvp(
-    forward: TaskForward, consts: Params, trained: Params, x: Tensor, y: Tensor, fast: Params, tangent: Params
+    forward: TaskForward,
+    consts: Params,
+    trained: Params,
+    x: Tensor,
+    y: Tensor,
+    fast: Params,
+    tangent: Params,
+    *,
+    step: int = 0,
 ) -> tuple[Params, Params, Params]:
     """The support gradient at ``fast`` and the support loss's Hessian times ``tangent``, forward over reverse.
 
@@ -86,6 +94,7 @@ def support_hvp(
         y: ``(T, n, *y_shape)`` support targets.
         fast: ``(T, *shape)`` fast weights (values).
         tangent: ``(T, *shape)`` the direction ``u``.
+        step: the inner step (for a model that takes ``step``).
 
     Returns:
         ``grad_theta L`` ``(T, *shape)``, ``H_theta_theta u`` ``(T, *shape)`` and ``H_phi_theta u``
@@ -93,7 +102,7 @@ def support_hvp(
     """
 
     def loss(theta: Params, phi: Params, target: Tensor) -> Tensor:
-        losses, _ = forward(theta, {**consts, **phi}, x, target)  # (T,)
+        losses, _ = forward(theta, {**consts, **phi}, x, target, step=step)  # (T,)
         return losses.sum()
 
     def gradients(theta: Params, target: Tensor) -> tuple[Params, Params]:

@@ -41,6 +41,7 @@ __all__ = [
     "func_support_grad",
     "meta_objective",
     "per_task",
+    "query_step",
     "stacked",
     "unflatten_state",
 ]
@@ -128,6 +129,11 @@ class InnerLoop:
         return dataclasses.replace(self, check=None)
 
 
+def query_step(steps: int) -> int:
+    """The step index of the query pass after the last of ``steps`` updates (0 when there is none)."""
+    return max(steps - 1, 0)
+
+
 def autograd_support_grad(
     forward: TaskForward, consts: Params, x: Tensor, y: Tensor, *, create_graph: bool
 ) -> SupportGrad:
@@ -137,7 +143,7 @@ def autograd_support_grad(
     """
 
     def support_grad(fast: Params, step: int) -> tuple[Params, Tensor]:
-        losses, _ = forward(fast, consts, x, y)
+        losses, _ = forward(fast, consts, x, y, step=step)
         # The tasks' losses depend on disjoint slices of `fast`, so the gradient of their sum
         # holds every task's own gradient in its slice.
         grads = torch.autograd.grad(
@@ -151,12 +157,12 @@ def autograd_support_grad(
 def func_support_grad(forward: TaskForward, consts: Params, x: Tensor, y: Tensor, *, first_order: bool) -> SupportGrad:
     """The support gradient by ``torch.func.grad``, for traced code; ``first_order`` detaches it."""
 
-    def support_loss(fast: Params) -> tuple[Tensor, Tensor]:
-        losses, _ = forward(fast, consts, x, y)
+    def support_loss(fast: Params, step: int) -> tuple[Tensor, Tensor]:
+        losses, _ = forward(fast, consts, x, y, step=step)
         return losses.sum(), losses
 
     def support_grad(fast: Params, step: int) -> tuple[Params, Tensor]:
-        grads, losses = torch.func.grad(support_loss, has_aux=True)(fast)
+        grads, losses = torch.func.grad(support_loss, has_aux=True)(fast, step)
         if first_order:
             grads = {k: g.detach() for k, g in grads.items()}
         return grads, losses

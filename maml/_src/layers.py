@@ -1,0 +1,46 @@
+"""Layers for models that know the inner step: MAML++'s per-step batch-norm weights and biases (BNWB).
+
+A model whose ``forward`` takes ``step`` gets the inner step's index in every pass of the
+inner loop (``forward.takes_step``); it hands it to these layers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["StepBatchNorm2d"]
+
+
+class StepBatchNorm2d(nn.Module):
+    """Batch norm over ``(N, C, H, W)`` with a weight and a bias for each inner step (Antoniou et al., 2019).
+
+    Normalises with the batch's statistics (every pass: support and query sets alike, as
+    MAML++'s code does with its per-step statistics off), then scales and shifts by the step's
+    row of ``weight`` and ``bias``, both ``(steps, C)``. A step past the last row uses the last
+    row (more steps at test time than in training). Nothing is written during a pass, so it is
+    exact in every mode of the engine.
+
+    Args:
+        num_features: channels ``C``.
+        steps: inner steps with their own weights (the learner's ``steps``).
+        eps: added to the variance.
+    """
+
+    def __init__(self, num_features: int, steps: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        for name, value in (("num_features", num_features), ("steps", steps)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"StepBatchNorm2d: {name}={value!r} must be an int >= 1.")
+        self.num_features, self.steps, self.eps = num_features, steps, eps
+        self.weight = nn.Parameter(torch.ones(steps, num_features))
+        self.bias = nn.Parameter(torch.zeros(steps, num_features))
+
+    def forward(self, x: Tensor, step: int = 0) -> Tensor:
+        """``x`` ``(N, C, H, W)`` normalised, then scaled and shifted by inner step ``step``'s weight and bias."""
+        k = min(step, self.steps - 1)
+        return F.batch_norm(x, None, None, self.weight[k], self.bias[k], training=True, eps=self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_features}, steps={self.steps}, eps={self.eps}"
