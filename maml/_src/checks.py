@@ -127,7 +127,7 @@ def warn_weight_norm(model: nn.Module, mode: str) -> None:
     (the derivative of its fused backward is wrong), so a meta-gradient through it is off by tens
     of percent; the same norm in plain torch ops is exact (tests/test_model_support.py).
     """
-    if mode == "first_order":
+    if mode in ("first_order", "reptile"):  # no second derivative taken
         return
     found = []
     for name, m in model.named_modules():

@@ -169,21 +169,27 @@ class _WithGradient(torch.autograd.Function):
     """``value``, whose gradient with respect to ``inputs`` is ``grads``, computed already."""
 
     @staticmethod
-    def forward(ctx: Any, value: Tensor, grads: tuple[Tensor, ...], *inputs: Tensor) -> Tensor:
-        ctx.grads = grads
+    def forward(ctx: Any, value: Tensor, grads: tuple[Tensor, ...], what: str, *inputs: Tensor) -> Tensor:
+        ctx.grads, ctx.what = grads, what
         return value.clone()
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
         if torch.is_grad_enabled():  # create_graph=True: the gradient is a constant here, not a function
-            raise RuntimeError(
-                "the meta-gradient of a MetaLearner with compile=True is computed by the compiled step "
-                "and cannot be differentiated again (backward with create_graph=True); build the "
-                "learner with compile=False to take higher derivatives of the meta-loss."
-            )
-        return (None, None, *(grad_output * g for g in ctx.grads))
+            raise RuntimeError(ctx.what)
+        return (None, None, None, *(grad_output * g for g in ctx.grads))
 
 
-def with_gradient(value: Tensor, inputs: list[Tensor], grads: list[Tensor]) -> Tensor:
-    """``value`` joined to the autograd graph of ``inputs``, with ``d value / d inputs = grads``."""
-    return _WithGradient.apply(value, tuple(grads), *inputs)
+_NOT_AGAIN = (
+    "the meta-gradient of a MetaLearner with compile=True is computed by the compiled step and cannot be "
+    "differentiated again (backward with create_graph=True); build the learner with compile=False to take "
+    "higher derivatives of the meta-loss."
+)
+
+
+def with_gradient(value: Tensor, inputs: list[Tensor], grads: list[Tensor], error: str = _NOT_AGAIN) -> Tensor:
+    """``value`` joined to the autograd graph of ``inputs``, with ``d value / d inputs = grads``.
+
+    ``error``: the message of differentiating it again (its gradient is a constant).
+    """
+    return _WithGradient.apply(value, tuple(grads), error, *inputs)

@@ -16,7 +16,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from . import checkpointed, checks, compiled, eager
+from . import checkpointed, checks, compiled, eager, reptile
 from .batch import TaskBatch
 from .forward import LossFn, Params, TaskForward, check_finite, exact_attention
 from .loop import InnerLoop, MetaOutput
@@ -24,13 +24,13 @@ from .model_check import check_model
 from .rates import LEARN_INNER_LR, InnerRates
 from .rules import INNER_OPTIMIZERS, BoundRule, UpdateRule, make_rule, rule_tensors
 
-Mode = Literal["second_order", "first_order", "checkpointed"]
+Mode = Literal["second_order", "first_order", "checkpointed", "reptile"]
 Batching = Literal["auto", "vmap", "loop"]
 LearnInnerLr = Literal["scalar", "per_parameter", "per_layer_per_step"] | None
 InnerOptimizer = Literal["sgd", "momentum", "adam"]
 CheckpointHvp = Literal["reverse_over_reverse", "forward_over_reverse"]
 
-MODES: tuple[str, ...] = ("second_order", "first_order", "checkpointed")
+MODES: tuple[str, ...] = ("second_order", "first_order", "checkpointed", "reptile")
 BATCHINGS: tuple[str, ...] = ("auto", "vmap", "loop")
 CHECKPOINT_HVPS: tuple[str, ...] = ("reverse_over_reverse", "forward_over_reverse")
 
@@ -56,7 +56,11 @@ class MetaLearner:
         mode: ``"second_order"`` (exact), ``"first_order"`` (FOMAML: inner gradients are
             constants) or ``"checkpointed"`` (exact, keeps only every ``checkpoint_every``-th
             fast weights and recomputes the rest in the backward pass, with the same dropout
-            masks as second order). Settable on a live learner (derivative-order annealing).
+            masks as second order), or ``"reptile"`` (Nichol et al. 2018: the inner loop is not
+            differentiated; ``meta_loss(batch).backward()`` leaves ``theta - mean_t phi_t``, the
+            initial minus the adapted weights averaged over tasks, in ``.grad``, and the loss is the
+            mean query loss at the adapted weights). Settable on a live learner (derivative-order
+            annealing).
         batching: ``"vmap"`` (tasks as one batched forward pass), ``"loop"`` (one task after
             another) or ``"auto"``: the faster of the two for this model, sizes and device, timed
             on the first batch on each device (forward and backward passes of its support and
@@ -158,7 +162,6 @@ class MetaLearner:
         if not isinstance(compile, bool):
             raise TypeError(f"compile must be True or False, got {compile!r} ({type(compile).__name__}).")
         self.compile = compile
-        self._check_mode(mode)
         rule = (
             make_rule(inner_optimizer, inner_optimizer_options) if isinstance(inner_optimizer, str) else inner_optimizer
         )
@@ -174,6 +177,7 @@ class MetaLearner:
         self.learn_inner_lr = learn_inner_lr
         self.inner_optimizer = inner_optimizer
         self.rule = rule
+        self._check_mode(mode)
         self.checkpoint_every = checkpoint_every or 1
         self._checkpoint_hvp: str = checkpoint_hvp or "reverse_over_reverse"
         self.check_finite = check_finite
@@ -199,7 +203,7 @@ class MetaLearner:
 
     @property
     def mode(self) -> str:
-        """``"second_order"``, ``"first_order"`` or ``"checkpointed"``; may be set between steps."""
+        """``"second_order"``, ``"first_order"``, ``"checkpointed"`` or ``"reptile"``; may be set between steps."""
         return self._mode
 
     @mode.setter
@@ -323,6 +327,13 @@ class MetaLearner:
                     chunk=self._tasks_per_chunk(batch.num_tasks),
                     step_weights=step_weights,
                 )
+            if self._mode == "reptile" and grad:
+                if step_weights is not None:
+                    raise ValueError(
+                        "step_weights weigh the query losses of a differentiated inner loop; mode='reptile' "
+                        "differentiates none: drop step_weights."
+                    )
+                return reptile.run(self._loop, params, rate_values, consts, batch, steps)
             if self._mode == "checkpointed" and grad:
                 return checkpointed.run(
                     self._loop,
@@ -470,6 +481,19 @@ class MetaLearner:
         return {**self.rate_parameters, **rule_tensors(self.rule)}
 
     def _check_mode(self, mode: str) -> None:
+        if mode == "reptile" and (self.compile or self.learn_inner_lr or rule_tensors(self.rule)):
+            what = (
+                "compile=True"
+                if self.compile
+                else f"learn_inner_lr={self.learn_inner_lr!r}"
+                if self.learn_inner_lr
+                else f"the rule {type(self.rule).__name__}'s own tensors"
+            )
+            raise ValueError(
+                f"mode='reptile' with {what}: Reptile moves the initialisation towards the adapted weights and "
+                f"differentiates nothing, so it has no gradient for learned rates or rule tensors and nothing to "
+                f"compile; drop it, or use mode='first_order'."
+            )
         if self.compile and mode == "checkpointed":
             raise ValueError(
                 "compile=True applies to mode='second_order' or 'first_order': the checkpointed mode "
@@ -479,7 +503,7 @@ class MetaLearner:
 
     def _attention(self) -> contextlib.AbstractContextManager[object]:
         """The math attention kernel where the inner steps are differentiated twice (exact modes, grad on)."""
-        exact = torch.is_grad_enabled() and self._mode != "first_order"
+        exact = torch.is_grad_enabled() and self._mode not in ("first_order", "reptile")
         return exact_attention() if exact else contextlib.nullcontext()
 
     def _check(self, losses: Tensor, step: int, steps: int) -> None:
