@@ -10,6 +10,7 @@ from . import nn
 from ._src.batch import TaskBatch
 from ._src.curvature import MetaCurvature
 from ._src.distributed import all_reduce_grads, all_reduce_mean, shard
+from ._src.implicit import Implicit
 from ._src.learner import BATCHINGS, CHECKPOINT_HVPS, MODES, MetaLearner
 from ._src.loop import MetaOutput
 from ._src.rates import LEARN_INNER_LR
@@ -19,6 +20,7 @@ __all__ = [
     "BATCHINGS",
     "CHECKPOINT_HVPS",
     "INNER_OPTIMIZERS",
+    "Implicit",
     "LEARN_INNER_LR",
     "MODES",
     "SGD",

@@ -16,21 +16,22 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from . import checkpointed, checks, compiled, eager, reptile
+from . import checkpointed, checks, compiled, eager, implicit, reptile
 from .batch import TaskBatch
 from .forward import LossFn, Params, TaskForward, check_finite, exact_attention
+from .implicit import Implicit
 from .loop import InnerLoop, MetaOutput
 from .model_check import check_model
 from .rates import LEARN_INNER_LR, InnerRates
 from .rules import INNER_OPTIMIZERS, BoundRule, UpdateRule, make_rule, rule_tensors
 
-Mode = Literal["second_order", "first_order", "checkpointed", "reptile"]
+Mode = Literal["second_order", "first_order", "checkpointed", "reptile", "implicit"]
 Batching = Literal["auto", "vmap", "loop"]
 LearnInnerLr = Literal["scalar", "per_parameter", "per_layer_per_step"] | None
 InnerOptimizer = Literal["sgd", "momentum", "adam"]
 CheckpointHvp = Literal["reverse_over_reverse", "forward_over_reverse"]
 
-MODES: tuple[str, ...] = ("second_order", "first_order", "checkpointed", "reptile")
+MODES: tuple[str, ...] = ("second_order", "first_order", "checkpointed", "reptile", "implicit")
 BATCHINGS: tuple[str, ...] = ("auto", "vmap", "loop")
 CHECKPOINT_HVPS: tuple[str, ...] = ("reverse_over_reverse", "forward_over_reverse")
 
@@ -59,8 +60,11 @@ class MetaLearner:
             masks as second order), or ``"reptile"`` (Nichol et al. 2018: the inner loop is not
             differentiated; ``meta_loss(batch).backward()`` leaves ``theta - mean_t phi_t``, the
             initial minus the adapted weights averaged over tasks, in ``.grad``, and the loss is the
-            mean query loss at the adapted weights). Settable on a live learner (derivative-order
-            annealing).
+            mean query loss at the adapted weights), or ``"implicit"`` (iMAML, Rajeswaran et al.
+            2019: the inner loop solves the proximally regularised support problem, values only,
+            and the meta-gradient ``(I + H/lambda)^-1 g`` comes from conjugate gradient on
+            Hessian-vector products; memory does not grow with ``steps``; options in
+            ``implicit``). Settable on a live learner (derivative-order annealing).
         batching: ``"vmap"`` (tasks as one batched forward pass), ``"loop"`` (one task after
             another) or ``"auto"``: the faster of the two for this model, sizes and device, timed
             on the first batch on each device (forward and backward passes of its support and
@@ -106,6 +110,8 @@ class MetaLearner:
             with its state kept per task. A rule that is an ``nn.Module`` (e.g.
             :class:`~maml.MetaCurvature`) is meta-learned with the model: its parameters are in
             :meth:`parameters` and :meth:`state_dict` and get exact meta-gradients in every mode.
+        implicit: iMAML's options (:class:`~maml.Implicit`: ``lam``, ``cg_iterations``,
+            ``cg_tolerance``) for ``mode="implicit"`` (default: ``Implicit()``).
         inner_optimizer_options: a named rule's options: momentum ``{"momentum": 0.9, "nesterov": False}``,
             adam ``{"betas": (0.9, 0.999), "eps": 1e-8}``.
     """
@@ -128,6 +134,7 @@ class MetaLearner:
         adapt: Sequence[str] | Callable[[str], bool] | None = None,
         inner_optimizer: InnerOptimizer | UpdateRule = "sgd",
         inner_optimizer_options: Mapping[str, Any] | None = None,
+        implicit: Implicit | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
@@ -177,6 +184,11 @@ class MetaLearner:
         self.learn_inner_lr = learn_inner_lr
         self.inner_optimizer = inner_optimizer
         self.rule = rule
+        if implicit is not None and not isinstance(implicit, Implicit):
+            raise TypeError(f"implicit must be a maml.Implicit, e.g. maml.Implicit(lam=1.0), got {implicit!r}.")
+        if implicit is not None and mode != "implicit":
+            raise ValueError(f"implicit={implicit!r} only applies to mode='implicit' (mode is {mode!r}); drop it.")
+        self.implicit = implicit or Implicit()
         self._check_mode(mode)
         self.checkpoint_every = checkpoint_every or 1
         self._checkpoint_hvp: str = checkpoint_hvp or "reverse_over_reverse"
@@ -334,6 +346,20 @@ class MetaLearner:
                         "differentiates none: drop step_weights."
                     )
                 return reptile.run(self._loop, params, rate_values, consts, batch, steps)
+            if self._mode == "implicit" and grad:
+                if step_weights is not None:
+                    raise ValueError(
+                        "step_weights weigh the query losses of an unrolled inner loop; mode='implicit' "
+                        "unrolls none: drop step_weights."
+                    )
+                unadapted = sorted(k for k, v in consts.items() if v.requires_grad and k in self._names)
+                if unadapted:
+                    raise ValueError(
+                        f"mode='implicit' needs every trainable parameter adapted (iMAML's meta-gradient is that of "
+                        f"the adapted weights); {', '.join(unadapted)} is trained but not adapted: adapt it, or "
+                        f"freeze it with requires_grad_(False)."
+                    )
+                return implicit.run(self._loop, self.implicit, params, rate_values, consts, batch, steps)
             if self._mode == "checkpointed" and grad:
                 return checkpointed.run(
                     self._loop,
@@ -481,7 +507,7 @@ class MetaLearner:
         return {**self.rate_parameters, **rule_tensors(self.rule)}
 
     def _check_mode(self, mode: str) -> None:
-        if mode == "reptile" and (self.compile or self.learn_inner_lr or rule_tensors(self.rule)):
+        if mode in ("reptile", "implicit") and (self.compile or self.learn_inner_lr or rule_tensors(self.rule)):
             what = (
                 "compile=True"
                 if self.compile
@@ -489,10 +515,14 @@ class MetaLearner:
                 if self.learn_inner_lr
                 else f"the rule {type(self.rule).__name__}'s own tensors"
             )
+            why = (
+                "Reptile moves the initialisation towards the adapted weights and differentiates nothing"
+                if mode == "reptile"
+                else "iMAML's meta-gradient depends on the inner problem's solution alone, not on how it was reached"
+            )
             raise ValueError(
-                f"mode='reptile' with {what}: Reptile moves the initialisation towards the adapted weights and "
-                f"differentiates nothing, so it has no gradient for learned rates or rule tensors and nothing to "
-                f"compile; drop it, or use mode='first_order'."
+                f"mode={mode!r} with {what}: {why}, so it has no gradient for learned rates or rule tensors and "
+                f"nothing to compile; drop it, or use mode='first_order'."
             )
         if self.compile and mode == "checkpointed":
             raise ValueError(
@@ -503,7 +533,7 @@ class MetaLearner:
 
     def _attention(self) -> contextlib.AbstractContextManager[object]:
         """The math attention kernel where the inner steps are differentiated twice (exact modes, grad on)."""
-        exact = torch.is_grad_enabled() and self._mode not in ("first_order", "reptile")
+        exact = torch.is_grad_enabled() and self._mode not in ("first_order", "reptile", "implicit")
         return exact_attention() if exact else contextlib.nullcontext()
 
     def _check(self, losses: Tensor, step: int, steps: int) -> None:

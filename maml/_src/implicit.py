@@ -1,0 +1,178 @@
+"""iMAML (Rajeswaran, Finn, Kakade & Levine, NeurIPS 2019): the implicit meta-gradient of a proximal inner problem.
+
+Each task's adapted weights solve, approximately, ``phi* = argmin_phi L_s(phi) + lam/2 |phi - theta|^2``:
+the inner loop runs its update rule on the gradient of that regularised loss, values only. At
+the solution ``d phi*/d theta = (I + H/lam)^-1`` with ``H`` the support loss's Hessian at
+``phi*``, so the meta-gradient is ``(I + H/lam)^-1 g`` with ``g`` the query loss's gradient at
+``phi*``. Conjugate gradient solves that system for all tasks at once (the tasks' systems are
+independent: every inner product and step size is per task) from Hessian-vector products:
+forward-over-reverse (``torch.func.jvp`` over ``torch.func.grad``, ``hvp.support_hvp``), or by
+double backward where a model's operators lack forward-mode derivatives. Nothing of the inner
+loop is kept, so memory does not grow with the number of steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from .batch import TaskBatch
+from .compiled import with_gradient
+from .forward import Params, TaskForward
+from .hvp import support_hvp
+from .loop import InnerLoop, MetaOutput, autograd_support_grad, per_task, query_step, stacked
+
+__all__ = ["Implicit", "run"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Implicit:
+    """iMAML's options.
+
+    Attributes:
+        lam: the proximal regularisation's strength ``lambda`` (the paper's 0.5-2 on Omniglot).
+        cg_iterations: conjugate-gradient iterations (the paper's 5).
+        cg_tolerance: stop a task's CG when its residual's norm falls below this.
+    """
+
+    lam: float = 1.0
+    cg_iterations: int = 5
+    cg_tolerance: float = 1e-10
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lam, bool) or not isinstance(self.lam, (int, float)) or not self.lam > 0:
+            raise ValueError(f"Implicit(lam={self.lam!r}): the regularisation must be a number > 0, e.g. 1.0.")
+        if isinstance(self.cg_iterations, bool) or not isinstance(self.cg_iterations, int) or self.cg_iterations < 1:
+            raise ValueError(f"Implicit(cg_iterations={self.cg_iterations!r}) must be an int >= 1, e.g. 5.")
+        if (
+            isinstance(self.cg_tolerance, bool)
+            or not isinstance(self.cg_tolerance, (int, float))
+            or self.cg_tolerance < 0
+        ):
+            raise ValueError(f"Implicit(cg_tolerance={self.cg_tolerance!r}) must be a number >= 0, e.g. 1e-10.")
+
+
+def _dot(a: Params, b: Params) -> Tensor:
+    """Per-task inner products of ``(T, *shape)`` dicts: ``(T,)``."""
+    return sum((a[k] * b[k]).flatten(1).sum(1) for k in a)  # type: ignore[return-value]
+
+
+def _scaled(a: Params, s: Tensor, b: Params) -> Params:
+    """``a + s * b`` with a per-task ``(T,)`` scale."""
+    return {k: a[k] + s.view(-1, *[1] * (a[k].dim() - 1)) * b[k] for k in a}
+
+
+def _hessian_products(forward: TaskForward, consts: Params, x: Tensor, y: Tensor, fast: Params, step: int):
+    """``u -> H u`` for every task's support loss at ``fast`` (``(T, *shape)``), forward over reverse if it can run."""
+    state = {"forward": True}
+
+    def by_double_backward(u: Params) -> Params:
+        with torch.enable_grad():
+            leaves = {k: v.detach().requires_grad_() for k, v in fast.items()}
+            losses, _ = forward(leaves, consts, x, y, step=step)
+            grads = torch.autograd.grad(losses.sum(), list(leaves.values()), create_graph=True)
+            dot = sum((g * u[k]).sum() for g, k in zip(grads, leaves))
+            return dict(
+                zip(leaves, torch.autograd.grad(dot, list(leaves.values()), allow_unused=True, materialize_grads=True))
+            )
+
+    def products(u: Params) -> Params:
+        if state["forward"]:
+            try:
+                return support_hvp(forward, consts, {}, x, y, fast, u, step=step)[1]
+            except RuntimeError as e:
+                if "forward_over_reverse" not in str(e):
+                    raise
+                state["forward"] = False  # an operator without forward-mode derivatives: double backward
+        return by_double_backward(u)
+
+    return products
+
+
+def conjugate_gradient(apply: callable, b: Params, iterations: int, tolerance: float) -> Params:  # type: ignore[valid-type]
+    """Solves ``apply(v) = b`` for every task at once (``(T, *shape)``), each with its own step sizes."""
+    v = {k: torch.zeros_like(t) for k, t in b.items()}
+    r = dict(b)
+    p = dict(b)
+    rr = _dot(r, r)
+    for _ in range(iterations):
+        if bool((rr.sqrt() <= tolerance).all()):
+            break
+        ap = apply(p)
+        pap = _dot(p, ap)
+        alpha = torch.where(rr > tolerance**2, rr / pap.clamp_min(torch.finfo(pap.dtype).tiny), 0.0)
+        v = _scaled(v, alpha, p)
+        r = _scaled(r, -alpha, ap)
+        rr_new = _dot(r, r)
+        beta = torch.where(rr > tolerance**2, rr_new / rr.clamp_min(torch.finfo(rr.dtype).tiny), 0.0)
+        p = _scaled(r, beta, p)
+        rr = rr_new
+    return v
+
+
+def run(
+    loop: InnerLoop,
+    options: Implicit,
+    params: Params,
+    rate_values: Params,
+    consts: Params,
+    batch: TaskBatch,
+    steps: int,
+) -> MetaOutput:
+    """Adapts to the proximal problem (values only), then returns the query loss carrying iMAML's meta-gradient."""
+    tasks, lam = batch.num_tasks, options.lam
+    x, y = batch.support_x, batch.support_y
+    anchor = per_task({k: v.detach() for k, v in params.items()}, tasks)
+    consts = {k: v.detach() for k, v in consts.items()}
+    rates = {k: v.detach() for k, v in rate_values.items()}
+    plain = autograd_support_grad(loop.forward, consts, x, y, create_graph=False)
+
+    def support_grad(fast: Params, step: int) -> tuple[Params, Tensor]:  # of the proximal loss
+        grads, losses = plain(fast, step)
+        return {k: g + lam * (fast[k] - anchor[k]) for k, g in grads.items()}, losses
+
+    def values(step: int, fast: Params, state: tuple) -> tuple[Params, tuple]:
+        return {k: v.detach().requires_grad_() for k, v in fast.items()}, tuple(
+            {k: v.detach() for k, v in s.items()} for s in state
+        )
+
+    with torch.enable_grad():
+        fast = {k: v.clone().requires_grad_() for k, v in anchor.items()}
+        done = loop.run(support_grad, fast, loop.rule.init(fast), rates, steps, keep=values)
+        fast = {k: v.detach() for k, v in done.fast.items()}
+        last = query_step(steps)
+        leaves = {k: v.clone().requires_grad_() for k, v in fast.items()}
+        query_losses, query_out = loop.forward(leaves, consts, batch.query_x, batch.query_y, step=last)
+        g = dict(
+            zip(
+                leaves,
+                torch.autograd.grad(
+                    query_losses.sum(), list(leaves.values()), allow_unused=True, materialize_grads=True
+                ),
+            )
+        )
+    hessian = _hessian_products(loop.forward, consts, x, y, fast, last)
+    meta = conjugate_gradient(lambda u: _plus(u, hessian(u), 1 / lam), g, options.cg_iterations, options.cg_tolerance)
+    grads = [meta[k].sum(0) / tasks for k in params]  # the mean over tasks of each task's meta-gradient
+    loss = with_gradient(
+        query_losses.detach().mean(),
+        list(params.values()),
+        grads,
+        "mode='implicit' computes iMAML's meta-gradient by conjugate gradient; it cannot be differentiated "
+        "again (backward with create_graph=True).",
+    )
+    return MetaOutput(
+        loss=loss,
+        query_losses=query_losses.detach(),
+        query_out=query_out.detach(),
+        support_losses=stacked(done.support_losses, tasks, x),
+        fast=fast,
+        step_query_losses=None,
+    )
+
+
+def _plus(a: Params, b: Params, scale: float) -> Params:
+    """``a + scale * b``."""
+    return {k: a[k] + scale * b[k] for k in a}
