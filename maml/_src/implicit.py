@@ -102,11 +102,12 @@ def conjugate_gradient(apply: callable, b: Params, iterations: int, tolerance: f
             break
         ap = apply(p)
         pap = _dot(p, ap)
-        alpha = torch.where(rr > tolerance**2, rr / pap.clamp_min(torch.finfo(pap.dtype).tiny), 0.0)
+        # I + H/lam is indefinite where the support loss is not convex: CG's step stays defined while p'Ap != 0.
+        alpha = torch.where((rr > tolerance**2) & (pap != 0), rr / torch.where(pap != 0, pap, 1.0), 0.0)
         v = _scaled(v, alpha, p)
         r = _scaled(r, -alpha, ap)
         rr_new = _dot(r, r)
-        beta = torch.where(rr > tolerance**2, rr_new / rr.clamp_min(torch.finfo(rr.dtype).tiny), 0.0)
+        beta = torch.where(rr > tolerance**2, rr_new / torch.where(rr > 0, rr, 1.0), 0.0)
         p = _scaled(r, beta, p)
         rr = rr_new
     return v

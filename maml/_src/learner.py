@@ -285,6 +285,38 @@ class MetaLearner:
         loss = self.run(batch, step_weights=step_weights).loss
         return loss if torch.is_grad_enabled() else checks.evaluation_loss(loss)
 
+    def backward(self, batch: TaskBatch, step_weights: Tensor | None = None, *, chunk: int | None = None) -> Tensor:
+        """``meta_loss(batch).backward()`` a few tasks at a time: the same ``.grad``, one chunk's graph in memory.
+
+        Each chunk's meta-loss, weighted by its share of the tasks, is backpropagated as soon as
+        it is computed, and the gradients accumulate in ``.grad``; so second order keeps one
+        chunk's inner-loop graph at a time instead of the whole meta-batch's. The gradients equal
+        ``meta_loss(batch).backward()``'s to float rounding, except for a model that draws random
+        numbers (dropout), whose draws fall differently over chunks.
+
+        Args:
+            batch: ``T`` tasks.
+            step_weights: as in :meth:`meta_loss`.
+            chunk: tasks per backward pass (default: ``chunk_size`` if set, else one task with
+                the loop batching and all of them with ``"vmap"``).
+
+        Returns:
+            The meta-loss over all tasks, detached.
+        """
+        if not isinstance(batch, TaskBatch):
+            raise TypeError(f"batch must be a maml.TaskBatch, got {type(batch).__name__}.")
+        tasks = batch.num_tasks
+        checks.integer("chunk", chunk, 1, optional=True)
+        size = self._tasks_per_chunk(tasks) if chunk is None else chunk
+        total = None
+        for lo in range(0, tasks, size):
+            part = batch[lo : lo + size]
+            loss = self.meta_loss(part, step_weights=step_weights) * (part.num_tasks / tasks)
+            loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        assert total is not None
+        return total
+
     def run(
         self,
         batch: TaskBatch,

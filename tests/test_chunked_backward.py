@@ -1,0 +1,46 @@
+"""``learner.backward(batch)`` (issue 23): the meta-gradient a chunk of tasks at a time equals ``meta_loss().backward()``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import make
+
+import maml
+
+CASES = [
+    pytest.param({"batching": "vmap"}, "sgd", id="second_order-vmap"),
+    pytest.param({"batching": "loop"}, "adam", id="second_order-loop-adam"),
+    pytest.param({"mode": "first_order"}, "momentum", id="first_order-momentum"),
+    pytest.param({"mode": "checkpointed", "checkpoint_every": 2}, "sgd", id="checkpointed"),
+    pytest.param({"learn_inner_lr": "per_layer_per_step"}, "sgd", id="lslr"),
+    pytest.param({}, "metacurvature", id="meta-curvature"),
+    pytest.param({"mode": "reptile"}, "sgd", id="reptile"),
+    pytest.param({"mode": "implicit"}, "sgd", id="implicit"),
+]
+
+
+@pytest.mark.parametrize("options, rule", CASES)
+@pytest.mark.parametrize("multi_step", [False, True], ids=["last", "msl"])
+def test_backward_by_chunks_equals_one_backward(options, rule, multi_step):
+    if multi_step and options.get("mode") in ("reptile", "implicit"):
+        pytest.skip("no multi-step loss without an unrolled inner loop")
+    weights = torch.tensor([0.3, 0.7], dtype=torch.float64) if multi_step else None
+
+    def grads(chunked: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        torch.set_default_dtype(torch.float64)
+        try:
+            model, batch, loss_fn = make("conv_groupnorm")
+        finally:
+            torch.set_default_dtype(torch.float32)
+        inner = maml.MetaCurvature(model) if rule == "metacurvature" else rule
+        learner = maml.MetaLearner(model, loss_fn, 0.1, 2, inner_optimizer=inner, **options)
+        loss = learner.backward(batch, weights, chunk=2) if chunked else learner.meta_loss(batch, weights)
+        if not chunked:
+            loss.backward()
+        return loss.detach(), [p.grad for p in learner.parameters()]
+
+    (loss, ours), (ref_loss, ref) = grads(True), grads(False)
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=1e-12)
+    for a, b in zip(ours, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
