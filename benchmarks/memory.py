@@ -85,7 +85,16 @@ WAYS, SHOTS, QUERY, TASKS, SIDE = 5, 5, 15, 8, 28
 INNER_LR, META_LR = 0.4, 1e-3
 STEPS = (1, 5, 10, 20, 40)
 FORWARD_OVER_REVERSE = "checkpointed_forward_over_reverse"
-ENGINE = ("second_order", "checkpointed", "checkpointed_chunk1", FORWARD_OVER_REVERSE, "first_order")
+CHUNKED = "second_order_chunked"  # learner.backward(batch, chunk=1): one task's graph at a time
+ENGINE = (
+    "second_order",
+    CHUNKED,
+    "checkpointed",
+    "checkpointed_chunk1",
+    FORWARD_OVER_REVERSE,
+    "first_order",
+    "implicit",
+)
 PEERS = ("learn2learn", "higher")
 METHODS = (*ENGINE, *PEERS)
 # checkpointed_chunk1 is the default checkpointed run again where the engine loops over tasks (the CPU);
@@ -125,7 +134,7 @@ def engine_step(method: str, steps: int, batch: maml.TaskBatch, args: argparse.N
     options: dict[str, Any] = {}
     if method == FORWARD_OVER_REVERSE:
         method, options = "checkpointed", {"checkpoint_hvp": "forward_over_reverse"}
-    mode = method.removesuffix("_chunk1")
+    mode = method.removesuffix("_chunk1").removesuffix("_chunked")
     chunk_size = 1 if method.endswith("_chunk1") else args.chunk_size
     model = omniglot_net(WAYS).to(args.device)
     learner = maml.MetaLearner(
@@ -142,7 +151,10 @@ def engine_step(method: str, steps: int, batch: maml.TaskBatch, args: argparse.N
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        learner.meta_loss(batch).backward()
+        if method == CHUNKED:
+            learner.backward(batch, chunk=1)
+        else:
+            learner.meta_loss(batch).backward()
         optimizer.step()
 
     return list(learner.parameters()), step
@@ -333,7 +345,7 @@ def gradient_differences(results: dict[tuple[str, int], Result], grad_files: dic
     for (method, steps), result in results.items():
         refs = [m for m in GRADIENT_REFERENCES if grad_files.get((m, steps), Path()).is_file()]
         path = grad_files.get((method, steps), Path())
-        if method == "first_order" or not refs or not path.is_file():
+        if method in ("first_order", "implicit") or not refs or not path.is_file():  # other meta-gradients
             continue
         ref = refs[0]
         result["grad_reference"] = ref
