@@ -11,8 +11,45 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import os
+import signal
 import sys
 from pathlib import Path
+from typing import Any
+
+_FIT_SCRIPTS = ("experiments.sine", "experiments.omniglot")  # their fit.main takes the signals over
+STARTING = "stopped during start-up, before training: nothing to resume; run the same command again."
+
+
+def _stop_while_importing(signum: int, frame: Any) -> None:
+    print(f"\n{STARTING}", file=sys.stderr, flush=True)
+    os._exit(143 if signum == signal.SIGTERM else 130)  # nothing is written yet; no traceback to unwind
+
+
+def _catch_stops_while_importing() -> None:
+    """Ctrl-C or SIGTERM in a script's first seconds (importing torch) ends with one line, not a traceback.
+
+    Only for ``python -m experiments.sine`` (or ``.omniglot``) itself, while Python imports it; the script's entry
+    point (:func:`release_start_up_signals`) then hands Ctrl-C back to ``KeyboardInterrupt``.
+    """
+    argv = getattr(sys, "orig_argv", [])
+    run = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else ""
+    if run not in _FIT_SCRIPTS or sys.argv[:1] != ["-m"]:
+        return
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler):  # not ignored (nohup, &)
+            signal.signal(sig, _stop_while_importing)
+
+
+def release_start_up_signals() -> None:
+    """Gives Ctrl-C back to ``KeyboardInterrupt`` and SIGTERM to its default, where the import-time handler holds them."""
+    if signal.getsignal(signal.SIGINT) is _stop_while_importing:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGTERM) is _stop_while_importing:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+_catch_stops_while_importing()
 
 # The packages the scripts import; maml-toolkit installs them beside this one.
 _SIBLINGS = ("maml", "tasks")

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 import maml
-from experiments import peers, recipes
+from experiments import STARTING, peers, recipes, release_start_up_signals
 from experiments.cli import UsageError
 from experiments.config import RunOptions, parse_args
 from experiments.divergence import DivergenceWatch, stop_on_divergence
@@ -223,7 +223,7 @@ def _stopped_line() -> str:
     """What a stop outside the training loop leaves, and the command that goes on from it."""
     stage, *out = _STAGE
     if stage == "start-up":
-        return "stopped during start-up, before training: nothing to resume; run the same command again."
+        return STARTING
     if stage == "training":  # a second Ctrl-C, or an iteration past the patience: the last checkpoint is whole
         if not (Path(out[0]) / "checkpoint.pt").is_file():
             return "stopped at once, before the first checkpoint: nothing to resume; run the same command again."
@@ -242,6 +242,8 @@ def main(run: Callable[[Sequence[str] | None], None], argv: Sequence[str] | None
     together: int | None = None  # the exit code of an end that every rank reaches at the same point
     # SIGTERM outside the training loop (which stops by its own handlers) unwinds as Ctrl-C does.
     main_thread = threading.current_thread() is threading.main_thread()
+    if main_thread:
+        release_start_up_signals()  # Ctrl-C raises KeyboardInterrupt from here on
     sigterm = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
     try:
         run(argv)

@@ -206,6 +206,6 @@ def _sigterm(signum: int, frame: Any) -> None:
 if __name__ == "__main__":
     # Ctrl-C stops the sweep even when it was started with SIGINT ignored (a shell's background job passes
     # that on, and Python then installs no KeyboardInterrupt handler): the runner's trials must be stopped.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # also ends the import-time handler (experiments/__init__)
     signal.signal(signal.SIGTERM, _sigterm)
     sys.exit(main())

@@ -289,3 +289,23 @@ def test_a_sigterm_in_an_iteration_that_outlasts_the_patience_keeps_the_last_che
     )
     assert "stopping after this iteration (or at once: in 1 s, or at a second signal)" in proc.stderr_text
     assert torch.load(out / "checkpoint.pt", weights_only=False)["iteration"] == 2
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_while_the_script_imports_torch_is_one_line(tmp_path, sig, code):
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "experiments.sine", *TINY, "--wandb", "disabled", "--out", str(out)],
+        cwd=REPO,
+        env=env(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    time.sleep(0.5)  # importing torch takes seconds: the signal lands in it
+    proc.send_signal(sig)
+    assert last_line(proc, code) == (
+        "stopped during start-up, before training: nothing to resume; run the same command again."
+    )
+    assert not out.exists()
