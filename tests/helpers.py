@@ -96,6 +96,21 @@ def make(case: str, seed: int = 0) -> tuple[nn.Module, maml.TaskBatch, Callable[
     return model, c.batch(torch.Generator().manual_seed(seed + 1)), c.loss_fn
 
 
+# The exact execution paths beside eager second order with vmap (learner options), for tests that hold
+# a feature to the same meta-gradient in every one of them.
+EXACT_PATHS = [
+    pytest.param({"batching": "loop"}, id="loop"),
+    pytest.param({"mode": "checkpointed"}, id="checkpointed"),
+    pytest.param({"mode": "checkpointed", "checkpoint_every": 2}, id="checkpointed-every2"),
+    pytest.param({"mode": "checkpointed", "checkpoint_hvp": "forward_over_reverse"}, id="checkpointed-fwd"),
+    pytest.param(
+        {"mode": "checkpointed", "checkpoint_hvp": "forward_over_reverse", "checkpoint_every": 2},
+        id="checkpointed-fwd-every2",
+    ),
+    pytest.param({"compile": True}, id="compiled"),
+]
+
+
 def flat_grad(learner: maml.MetaLearner, batch: maml.TaskBatch) -> Tensor:
     """The meta-gradient with respect to every meta-parameter, flattened into one vector."""
     params = list(learner.parameters())

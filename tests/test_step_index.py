@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import finite_difference_error
+from helpers import EXACT_PATHS, finite_difference_error
 from torch import nn
 from torch.func import functional_call
 
@@ -67,18 +67,7 @@ def reference(model: nn.Module, b: maml.TaskBatch, step_weights: torch.Tensor | 
     return list(torch.autograd.grad(total / b.num_tasks, list(params.values())))
 
 
-MODES = [
-    pytest.param({"batching": "vmap"}, id="vmap"),
-    pytest.param({"batching": "loop"}, id="loop"),
-    pytest.param({"mode": "checkpointed"}, id="checkpointed"),
-    pytest.param({"mode": "checkpointed", "checkpoint_every": 2}, id="checkpointed-every2"),
-    pytest.param({"mode": "checkpointed", "checkpoint_hvp": "forward_over_reverse"}, id="checkpointed-fwd"),
-    pytest.param(
-        {"mode": "checkpointed", "checkpoint_hvp": "forward_over_reverse", "checkpoint_every": 2},
-        id="checkpointed-fwd-every2",
-    ),
-    pytest.param({"compile": True}, id="compiled"),
-]
+MODES = [pytest.param({"batching": "vmap"}, id="vmap"), *EXACT_PATHS]
 
 
 @pytest.mark.parametrize("multi_step", [False, True], ids=["last-step", "multi-step-loss"])

@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import finite_difference_error, make
+from helpers import EXACT_PATHS, finite_difference_error, make
 from torch import nn
 
 import maml
@@ -113,17 +113,7 @@ def test_meta_curvature_matches_finite_differences(case):
     assert finite_difference_error(learner, batch) < 1e-6
 
 
-MODES = [
-    pytest.param({"batching": "loop"}, id="second_order-loop"),
-    pytest.param({"mode": "checkpointed"}, id="checkpointed"),
-    pytest.param({"mode": "checkpointed", "checkpoint_every": 2}, id="checkpointed-every2"),
-    pytest.param({"mode": "checkpointed", "checkpoint_hvp": "forward_over_reverse"}, id="checkpointed-fwd"),
-    pytest.param(
-        {"mode": "checkpointed", "checkpoint_hvp": "forward_over_reverse", "checkpoint_every": 2},
-        id="checkpointed-fwd-every2",
-    ),
-    pytest.param({"compile": True}, id="compiled"),
-]
+MODES = EXACT_PATHS
 
 
 @pytest.mark.parametrize("make_rule", [ScaledSGD, maml.MetaCurvature], ids=["user-rule", "meta-curvature"])
