@@ -112,7 +112,7 @@ class ExperimentConfig:
     rate_meta_lr: float | None = None
     """Adam learning rate of learned inner rates (null: --meta-lr); a schedule scales it alike"""
     mode: Literal[maml.MODES] = "second_order"  # type: ignore[valid-type]
-    """the meta-gradient: exact (second_order), without second derivatives (first_order), or exact in less memory (checkpointed)"""
+    """the meta-gradient: exact (second_order), without second derivatives (first_order), exact in less memory (checkpointed), Reptile's (reptile) or iMAML's (implicit)"""
     batching: Literal[maml.BATCHINGS] = "auto"  # type: ignore[valid-type]
     """how the tasks of a meta-batch run: auto (the faster of the two, timed on the first batch), vmap or loop"""
     learn_inner_lr: Literal["scalar", "per_parameter", "per_layer_per_step"] | None = None

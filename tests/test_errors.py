@@ -101,7 +101,7 @@ def test_adapt_examples_and_targets_differ(mlp):
         (
             {"mode": "second-order"},
             ValueError,
-            "mode='second-order' is not supported (did you mean 'second_order'?); choose one of 'second_order', 'first_order', 'checkpointed'.",
+            "mode='second-order' is not supported (did you mean 'second_order'?); choose one of 'second_order', 'first_order', 'checkpointed', 'reptile', 'implicit'.",
         ),
         ({"mode": "fomaml"}, ValueError, "mode='fomaml' is not supported; choose one of"),
         (

@@ -252,7 +252,7 @@ def test_unknown_config_key_and_wrong_types(capsys, tmp_path):
         capsys,
         sine.run,
         ["--mode", "fomaml"],
-        "error: --mode 'fomaml' is not one of second_order, first_order, checkpointed.",
+        "error: --mode 'fomaml' is not one of second_order, first_order, checkpointed, reptile, implicit.",
     )
     fails(capsys, sine.run, ["--config", str(tmp_path / "nope.yaml")], "no such file")
     fails(
