@@ -473,6 +473,9 @@ def main(argv: list[str] | None = None) -> int:
         "--limit-gib", type=float, default=10.0, help="CPU: address space a worker may add, 0: none (default: 10)"
     )
     parser.add_argument("--check", action="store_true", help="exit with status 1 if a check fails")
+    parser.add_argument(
+        "--json", type=Path, default=None, help="also write the results, with device, versions and commit, here"
+    )
     parser.add_argument("--one", nargs=2, metavar=("METHOD", "STEPS"), help=argparse.SUPPRESS)
     parser.add_argument("--grad-file", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -504,7 +507,36 @@ def main(argv: list[str] | None = None) -> int:
                 )
         gradient_differences(results, grad_files)
     ok = report(results, args.methods, args.steps, args.limit_gib, args.shots)
+    if args.json is not None:
+        write_json(args.json, results, args, sys.argv[1:] if argv is None else argv)
     return 1 if args.check and not ok else 0
+
+
+def write_json(path: Path, results: dict[tuple[str, int], Result], args: argparse.Namespace, argv: list[str]) -> None:
+    """The results as ``python -m experiments.tables`` reads them: each cell, the setting, where and how it ran."""
+    from experiments.files import atomic_write
+    from experiments.results import provenance
+
+    report = {
+        "benchmark": "memory",
+        "command": " ".join(["python -m benchmarks.memory", *argv]),
+        "device": str(args.device),
+        **{k: v for k, v in provenance().items() if k != "host"},
+        "threads": args.threads,
+        "setting": {
+            "tasks": TASKS,
+            "ways": WAYS,
+            "shots": args.shots,
+            "query": QUERY,
+            "batching": args.batching,
+            "repeats": args.repeats,
+            "limit_gib": args.limit_gib,
+        },
+        "methods": list(args.methods),
+        "steps": list(args.steps),
+        "results": [{**r, "method": m, "steps": s} for (m, s), r in results.items()],
+    }
+    atomic_write(path, lambda p: p.write_text(json.dumps(report, indent=1) + "\n"))
 
 
 if __name__ == "__main__":

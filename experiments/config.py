@@ -37,6 +37,8 @@ __all__ = [
     "save_config",
 ]
 
+COMPILED_MODES = ("second_order", "first_order")  # the modes compile=True applies to
+
 
 @dataclasses.dataclass(frozen=True)
 class RunOptions:
@@ -108,7 +110,9 @@ class ExperimentConfig:
     steps: int = 1
     """inner steps in training"""
     meta_lr: float = 0.001
-    """Adam learning rate of the outer loop"""
+    """learning rate of the outer loop (Reptile's meta-step size with --meta-optimizer sgd)"""
+    meta_optimizer: Literal["adam", "sgd"] = "adam"
+    """the outer optimizer: adam, or sgd (plain steps of --meta-lr, as Reptile's)"""
     rate_meta_lr: float | None = None
     """Adam learning rate of learned inner rates (null: --meta-lr); a schedule scales it alike"""
     mode: Literal[maml.MODES] = "second_order"  # type: ignore[valid-type]
@@ -117,6 +121,8 @@ class ExperimentConfig:
     """how the tasks of a meta-batch run: auto (the faster of the two, timed on the first batch), vmap or loop"""
     learn_inner_lr: Literal["scalar", "per_parameter", "per_layer_per_step"] | None = None
     """learned inner rates: scalar, per_parameter (Meta-SGD) or per_layer_per_step (MAML++); null: fixed"""
+    backward_chunk: int | None = None
+    """tasks per backward pass (learner.backward: the same meta-gradient, one chunk's inner-loop graph in memory at a time); null: the whole meta-batch in one"""
     compile: bool | None = None
     """compile the meta-step with torch.compile (exact; a one-off compile, then faster steps); null: where a C++ compiler is found, for second or first order"""
     algorithm: Literal[recipes.ALGORITHMS] = "maml"  # type: ignore[valid-type]
@@ -125,14 +131,20 @@ class ExperimentConfig:
     """what the inner loop adapts: all, head (ANIL) or body (BOIL)"""
     inner_optimizer: Literal[maml.INNER_OPTIMIZERS] = "sgd"  # type: ignore[valid-type]
     """inner update rule"""
+    inner_adam_betas: tuple[float, ...] = (0.9, 0.999)
+    """the betas of --inner-optimizer adam (Reptile's: 0,0.999)"""
+    implicit_lam: float = 1.0
+    """iMAML's proximal regularisation lambda (--mode implicit)"""
+    cg_iterations: int = 5
+    """conjugate-gradient iterations of --mode implicit"""
     msl_fraction: float = 0.0
     """share of training with MAML++'s annealed multi-step loss (0: only the last step's loss)"""
     first_order_fraction: float = 0.0
     """share of training in first order before --mode (derivative-order annealing)"""
-    meta_lr_schedule: Literal["constant", "cosine"] = "constant"
-    """constant, or cosine (annealed to --min-meta-lr)"""
+    meta_lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """constant, or annealed to --min-meta-lr: cosine, or linear (Reptile's)"""
     min_meta_lr: float = 1e-5
-    """the cosine schedule's final meta-lr"""
+    """the annealed schedules' final meta-lr (>= 0)"""
     seed: int = 0
     """seeds the initialisation and the task sampler"""
     log_every: int = 100
@@ -170,6 +182,8 @@ def check_config(cfg: Any, positive: Sequence[str] = ()) -> None:
         "val_tasks",
         "checkpoint_every",
         "eval_tasks",
+        "cg_iterations",
+        "backward_chunk",
         *positive,
     )
     for keys, low in ((positive, 1), (("steps", "eval_steps"), 0)):
@@ -179,7 +193,7 @@ def check_config(cfg: Any, positive: Sequence[str] = ()) -> None:
                 raise ValueError(f"{flag(key)} {','.join(map(str, value))}: each must be an integer >= {low}.")
             if isinstance(value, int) and value < low:
                 raise ValueError(f"{flag(key)} {value} must be an integer >= {low}.")
-    for key in ("inner_lr", "meta_lr", "rate_meta_lr", "min_meta_lr"):
+    for key in ("inner_lr", "meta_lr", "rate_meta_lr", "implicit_lam"):
         value = getattr(cfg, key)
         if value is not None and not 0 < value <= torch.finfo(torch.float32).max:  # NaN fails; inf overflows float32
             default = next(f.default for f in dataclasses.fields(cfg) if f.name == key)
@@ -193,15 +207,36 @@ def check_config(cfg: Any, positive: Sequence[str] = ()) -> None:
             f"--rate-meta-lr {cfg.rate_meta_lr:g} is the Adam lr of learned inner rates, and none are learned; "
             f"drop it, or learn them with --learn-inner-lr."
         )
-    if cfg.meta_lr_schedule == "cosine" and cfg.min_meta_lr > cfg.meta_lr:
+    if not 0 <= cfg.min_meta_lr <= torch.finfo(torch.float32).max:
+        raise ValueError(f"--min-meta-lr {cfg.min_meta_lr:g} must be a finite number >= 0, e.g. 1e-05 (the default).")
+    if cfg.meta_lr_schedule != "constant" and cfg.min_meta_lr > cfg.meta_lr:
         raise ValueError(
-            f"--min-meta-lr {cfg.min_meta_lr:g} is above --meta-lr {cfg.meta_lr:g}, where the cosine schedule "
-            f"starts: it would anneal the meta-lr upwards; pass a --min-meta-lr below --meta-lr."
+            f"--min-meta-lr {cfg.min_meta_lr:g} is above --meta-lr {cfg.meta_lr:g}, where the {cfg.meta_lr_schedule} "
+            f"schedule starts: it would anneal the meta-lr upwards; pass a --min-meta-lr below --meta-lr."
         )
-    if cfg.compile and cfg.mode == "checkpointed":
+    if len(cfg.inner_adam_betas) != 2 or not all(0 <= b < 1 for b in cfg.inner_adam_betas):
+        betas = ",".join(f"{b:g}" for b in cfg.inner_adam_betas)
+        raise ValueError(f"--inner-adam-betas {betas} must be two numbers in [0, 1), e.g. 0.9,0.999 (the default).")
+    if cfg.mode in ("reptile", "implicit") and cfg.msl_fraction > 0:
         raise ValueError(
-            "compile applies to mode second_order or first_order, not checkpointed; drop --compile or "
-            "pick another --mode."
+            f"--msl-fraction {cfg.msl_fraction:g} weighs the query losses of an unrolled inner loop, and --mode "
+            f"{cfg.mode} unrolls none; drop it, or pick another --mode."
+        )
+    if cfg.mode in ("reptile", "implicit") and cfg.learn_inner_lr is not None:
+        why = "differentiates no inner step" if cfg.mode == "reptile" else "does not depend on how the inner loop ran"
+        raise ValueError(
+            f"--learn-inner-lr {cfg.learn_inner_lr}: --mode {cfg.mode}'s meta-gradient {why}, so it has none for "
+            f"the rates; drop it, or pick another --mode."
+        )
+    if cfg.mode == "implicit" and cfg.adapt != "all":
+        raise ValueError(
+            f"--mode implicit needs every trained parameter adapted (iMAML's meta-gradient is that of the adapted "
+            f"weights), and --adapt {cfg.adapt} leaves some out; pass --adapt all, or pick another --mode."
+        )
+    if cfg.compile and cfg.mode not in COMPILED_MODES:
+        raise ValueError(
+            f"compile applies to mode second_order or first_order, not {cfg.mode}; drop --compile or "
+            f"pick another --mode."
         )
 
 
@@ -249,8 +284,8 @@ def parse_args(
     )
     run, cfg = args.run, getattr(args, experiment)
     if cfg.compile is None:  # auto: the compiled step where it applies and a C++ compiler is found
-        cfg = dataclasses.replace(cfg, compile=cfg.mode != "checkpointed" and runtime.cxx() is not None)
-        if not cfg.compile and cfg.mode != "checkpointed":
+        cfg = dataclasses.replace(cfg, compile=cfg.mode in COMPILED_MODES and runtime.cxx() is not None)
+        if not cfg.compile and cfg.mode in COMPILED_MODES:
             print(
                 "note: no C++ compiler found (g++, c++ or $CXX), so the meta-step runs eager, 2-4x slower on "
                 "small models; install one, or pass --compile false to silence this",

@@ -157,8 +157,10 @@ def fit(experiment: Experiment, argv: Sequence[str] | None = None) -> None:
         compile=cfg.compile,
         adapt=recipes.adapt_set(net, cfg.adapt, model.meta_only),
         inner_optimizer=cfg.inner_optimizer,
+        inner_optimizer_options={"betas": cfg.inner_adam_betas} if cfg.inner_optimizer == "adam" else None,
+        implicit=maml.Implicit(cfg.implicit_lam, cfg.cg_iterations) if cfg.mode == "implicit" else None,
     )
-    optimizer = recipes.meta_optimizer(learner, cfg.meta_lr, cfg.rate_meta_lr)
+    optimizer = recipes.meta_optimizer(learner, cfg.meta_lr, cfg.rate_meta_lr, cfg.meta_optimizer)
     trained = peers.Learn2LearnMAML(learner) if model.engine == "learn2learn" else learner
     watch = DivergenceWatch(trained, resumed["iteration"] if resumed else 0, cfg.meta_lr, cfg.inner_lr)
     tasks = experiment.tasks(cfg, data, opts.device)
@@ -178,6 +180,7 @@ def fit(experiment: Experiment, argv: Sequence[str] | None = None) -> None:
         device=opts.device,
         schedule=recipes.Schedule.of(cfg),
         select=tasks.select,
+        backward_chunk=cfg.backward_chunk,
     )
     name = experiment.run_name(cfg) if experiment.run_name is not None else experiment.name
     wandb_run = init_wandb(opts, cfg, name, resumed["wandb_id"] if resumed else None) if opts.main else None

@@ -66,6 +66,8 @@ class OmniglotConfig(ExperimentConfig):
     """tasks per meta-batch (null: 32 for 5-way, 16 for 20-way)"""
     shots: int = 1
     """support images per class (K)"""
+    train_shots: int | None = None
+    """support images per class in meta-training (null: --shots; Reptile's recipe trains on 10)"""
     query: int | None = None
     """query images per class (null: K, as the reference: 1 at 1-shot)"""
     inner_lr: float | None = None
@@ -99,6 +101,8 @@ class OmniglotConfig(ExperimentConfig):
     """reference: the reference's summed cross-entropy over K (ways x the mean: its inner lr 0.4 is 2.0 on the mean); mean: the mean cross-entropy"""
     filters: int = 64
     """filters in each of the 4 conv blocks"""
+    per_step_bn: bool = False
+    """MAML++'s per-step batch-norm weights and biases (BNWB) in place of each batch norm, learned by the outer loop only"""
     engine: Literal[peers.ENGINES] = "maml"  # type: ignore[valid-type]
     """what computes the meta-gradient in training: this toolkit, or learn2learn's MAML (the peer row; the evaluation is this toolkit's either way)"""
     eval_chunk: int = 50
@@ -114,12 +118,13 @@ class OmniglotConfig(ExperimentConfig):
             inner_lr=lr if self.inner_lr is None else self.inner_lr,
             meta_batch=batch if self.meta_batch is None else self.meta_batch,
             query=self.shots if self.query is None else self.query,
+            train_shots=self.shots if self.train_shots is None else self.train_shots,
         )
 
 
 def validate_config(cfg: OmniglotConfig) -> None:
     """Raises ValueError naming the key for an invalid value."""
-    check_config(cfg, positive=("ways", "filters", "eval_chunk"))
+    check_config(cfg, positive=("ways", "filters", "eval_chunk", "train_shots"))
     if cfg.ways < 2:
         raise ValueError(f"--ways {cfg.ways}: a task needs at least 2 classes to tell apart; pass --ways 2 or more.")
     fractions = ",".join(f"{f:g}" for f in cfg.split_fractions)
@@ -132,6 +137,13 @@ def validate_config(cfg: OmniglotConfig) -> None:
         raise ValueError(
             f"--split-fractions {fractions} sums to {sum(cfg.split_fractions):g}; the three shares "
             f"(train, validation, test) must sum to 1, e.g. 0.6,0.15,0.25."
+        )
+    if cfg.mode == "implicit" and (cfg.network == "strided" or cfg.per_step_bn):
+        kept = "--per-step-bn's weights" if cfg.per_step_bn else "the strided net's batch-norm offsets"
+        raise ValueError(
+            f"--mode implicit needs every trained parameter adapted (iMAML's meta-gradient is that of the adapted "
+            f"weights), and {kept} are learned by the outer loop only; pass --network maxpool without --per-step-bn, "
+            f"or pick another --mode."
         )
     if cfg.engine == "learn2learn" and (why := peers.unsupported(cfg)):
         raise ValueError(f"{why}.")
@@ -237,8 +249,9 @@ def resolve(cfg: OmniglotConfig) -> OmniglotConfig:
 def memory_needs(cfg: OmniglotConfig, params: int | None) -> list[Need]:
     """Lower bounds on what an Omniglot run holds at one moment (:mod:`experiments.memory`)."""
     image = 28 * 28 * FLOAT_BYTES
-    per_task = cfg.ways * (cfg.shots + cfg.query)  # images of one task
-    first_layer = cfg.ways * max(cfg.shots, cfg.query) * cfg.filters * 14 * 14 * FLOAT_BYTES  # of one pass
+    per_task = cfg.ways * (cfg.shots + cfg.query)  # images of one test task
+    per_train_task = cfg.ways * (cfg.train_shots + cfg.query)
+    first_layer = cfg.ways * max(cfg.train_shots, cfg.query) * cfg.filters * 14 * 14 * FLOAT_BYTES  # of one pass
     return [
         Need(
             "the network's weights, meta-gradient, and one task's support gradient and fast weights",
@@ -247,8 +260,8 @@ def memory_needs(cfg: OmniglotConfig, params: int | None) -> list[Need]:
         ),
         Need(
             "the training meta-batch's images and one task's first feature maps",
-            "--meta-batch, --ways, --shots, --query, --filters",
-            cfg.meta_batch * per_task * image + first_layer,
+            "--meta-batch, --ways, --train-shots, --query, --filters",
+            cfg.meta_batch * per_train_task * image + first_layer,
         ),
         Need("the validation tasks' images", "--val-tasks, --ways, --shots, --query", cfg.val_tasks * per_task * image),
         Need("the test tasks' images", "--eval-tasks, --ways, --shots, --query", cfg.eval_tasks * per_task * image),
@@ -256,7 +269,7 @@ def memory_needs(cfg: OmniglotConfig, params: int | None) -> list[Need]:
 
 
 def make_model(cfg: OmniglotConfig) -> fit.Model:
-    net = build_model(cfg.ways, cfg.filters, cfg.network)
+    net = build_model(cfg.ways, cfg.filters, cfg.network, cfg.steps if cfg.per_step_bn else None)
     return fit.Model(net, loss_function(cfg.loss, cfg.ways), meta_only(net), engine=cfg.engine)
 
 

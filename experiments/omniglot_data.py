@@ -74,7 +74,8 @@ def make_splits(omni: tasks.Omniglot, cfg: OmniglotConfig) -> Data:
                 f"more characters: a larger share in --split-fractions{finer}."
             )
         try:
-            samplers.append(tasks.FewShotSampler(part.images, part.labels, cfg.ways, cfg.shots, cfg.query))
+            shots, flag = (cfg.train_shots, "--train-shots") if name == "train" else (cfg.shots, "--shots")
+            samplers.append(tasks.FewShotSampler(part.images, part.labels, cfg.ways, shots, cfg.query))
         except ValueError as e:  # fewer images per class than shots + query
-            raise UsageError(f"--shots {cfg.shots} --query {cfg.query}, the {name} split: {e}") from None
+            raise UsageError(f"{flag} {shots} --query {cfg.query}, the {name} split: {e}") from None
     return splits, samplers

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from maml.nn import StepBatchNorm2d, StepSequential
+
 __all__ = [
     "NETWORKS",
     "LOSSES",
@@ -70,10 +72,13 @@ class MeanPool(nn.Module):
         return x.mean((-2, -1))
 
 
-META_ONLY = (BatchNormOffset,)  # layers whose parameters the outer loop learns and the inner loop leaves alone
+META_ONLY = (
+    BatchNormOffset,
+    StepBatchNorm2d,
+)  # layers whose parameters the outer loop learns and the inner loop leaves alone
 
 
-def build_model(ways: int, filters: int = 64, network: str = "strided") -> nn.Module:
+def build_model(ways: int, filters: int = 64, network: str = "strided", per_step_bn: int | None = None) -> nn.Module:
     """The Omniglot conv net of Finn et al.'s reference code (``strided``) or the max-pool variant.
 
     ``strided`` (``maml.py``'s ``forward_conv`` with ``--max_pool False``, what its Omniglot runs
@@ -85,6 +90,11 @@ def build_model(ways: int, filters: int = 64, network: str = "strided") -> nn.Mo
     ``maxpool``: 4 x [3x3 conv, padding 1; batch norm with scale and offset; ReLU; 2x2 max-pool],
     28 -> 14 -> 7 -> 3 -> 1, a linear layer, PyTorch's default initialisation: the net learn2learn
     and MAML++ use (the reference's MiniImagenet net), adapted whole by the inner loop.
+
+    ``per_step_bn``: the inner steps of MAML++'s per-step batch norm (BNWB): each batch norm is
+    a :class:`maml.nn.StepBatchNorm2d` with a weight and a bias per step (eps as the layer it
+    replaces), in a :class:`maml.nn.StepSequential` that hands it the step; its parameters are
+    meta-only (:data:`META_ONLY`), as MAML++'s code keeps normalisation out of the inner loop.
     """
     if network not in NETWORKS:
         raise ValueError(f"network {network!r} is not one of {', '.join(NETWORKS)}.")
@@ -95,24 +105,29 @@ def build_model(ways: int, filters: int = 64, network: str = "strided") -> nn.Mo
             conv = SameConv2d(channels, filters, 3, stride=2)
             nn.init.xavier_uniform_(conv.weight)
             nn.init.zeros_(conv.bias)
-            blocks += [conv, BatchNormOffset(filters), nn.ReLU()]
+            norm = BatchNormOffset(filters) if per_step_bn is None else StepBatchNorm2d(filters, per_step_bn, eps=1e-3)
+            blocks += [conv, norm, nn.ReLU()]
         else:
             blocks += [
                 nn.Conv2d(channels, filters, 3, padding=1),
-                nn.BatchNorm2d(filters, track_running_stats=False),  # per-task batch statistics, as in MAML
+                # per-task batch statistics, as in MAML
+                nn.BatchNorm2d(filters, track_running_stats=False)
+                if per_step_bn is None
+                else StepBatchNorm2d(filters, per_step_bn),
                 nn.ReLU(),
                 nn.MaxPool2d(2),
             ]
     head = nn.Linear(filters, ways)
+    stack = nn.Sequential if per_step_bn is None else StepSequential
     if network == "strided":
         nn.init.normal_(head.weight)  # tf.random_normal([dim_hidden, dim_output]): std 1
         nn.init.zeros_(head.bias)
-        return nn.Sequential(*blocks, MeanPool(), head)
-    return nn.Sequential(*blocks, nn.Flatten(), head)
+        return stack(*blocks, MeanPool(), head)
+    return stack(*blocks, nn.Flatten(), head)
 
 
 def meta_only(model: nn.Module) -> set[str]:
-    """Names of the parameters the inner loop leaves alone (the strided net's batch-norm offsets)."""
+    """Names of the parameters the inner loop leaves alone (the strided net's batch-norm offsets, per-step batch norms)."""
     return {
         f"{m}.{p}"
         for m, layer in model.named_modules()

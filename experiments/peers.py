@@ -35,6 +35,8 @@ def unsupported(cfg: Any) -> str | None:
     for key, default in (
         ("learn_inner_lr", None),
         ("inner_optimizer", "sgd"),
+        ("meta_optimizer", "adam"),
+        ("backward_chunk", None),
         ("msl_fraction", 0.0),
         ("first_order_fraction", 0.0),
         ("compile", False),

@@ -13,7 +13,12 @@ recipe, then ``--config``, then flags). The resolved settings are what ``config.
 | anil    | Raghu et al. 2020    | the inner loop adapts only the head (the last layer)                  |
 | mamlpp  | Antoniou et al. 2019 | 5 inner steps, learned per-layer per-step rates (LSLR), the annealed  |
 |         |                      | multi-step loss for the first 10 % of training, first-order for the   |
-|         |                      | first half (derivative-order annealing), cosine meta-lr down to 1e-5  |
+|         |                      | first half (derivative-order annealing), cosine meta-lr down to 1e-5; |
+|         |                      | Omniglot: per-step batch-norm weights and biases (BNWB)               |
+| reptile | Nichol et al. 2018   | Reptile's direction (``mode="reptile"``) applied by SGD at a meta-step |
+|         |                      | annealed linearly to 0, with its released code's inner loop           |
+| imaml   | Rajeswaran et al.    | the implicit meta-gradient (``mode="implicit"``) of 16 inner steps,   |
+|         | 2019                 | lambda 2, 5 conjugate-gradient iterations                             |
 
 MAML++ details, from its paper and released configs (``HowToTrainYourMAMLPytorch``): the
 per-step loss weights start uniform and move linearly towards the last step over the first
@@ -25,8 +30,29 @@ rates start at the protocol's 0.001, where Adam's steps at meta-lr 0.001 are 100
 grew to 0.35 within a few thousand iterations and the 5-step inner loop overflowed in every seed,
 so sine's recipe gives them ``rate_meta_lr``
 1e-4 (1e-5 also trained; 1e-4 reached the lower validation MSE in a one-seed probe, 0.018 against
-0.030; README). Its per-step batch-norm weights and statistics are not built (the engine does not
-pass the step index to the model; README).
+0.030; README). On Omniglot its batch norms hold a weight and a bias per inner step
+(``maml.nn.StepBatchNorm2d``, ``--per-step-bn``), learned by the outer loop only, as its code's
+default keeps normalisation parameters out of the inner loop; its per-step running statistics
+(BNRS) are not built: every pass normalises by its own batch.
+
+Reptile, from ``openai/supervised-reptile`` (Omniglot 5-way 1-shot: ``--train-shots 10
+--inner-batch 10 --inner-iters 5 --learning-rate 0.001 --meta-step 1 --meta-step-final 0
+--meta-batch 5 --eval-iters 50 --transductive``; inner Adam with ``beta1=0``) and from the
+sine demo of its blog post (inner SGD 0.02 over 5 minibatches, meta-step 0.1 annealed to 0, one
+task per iteration, 30,000 iterations). Where it differs: the engine's inner steps use the whole
+support set (the reference draws 5 minibatches of 10 of the 50 images; at sine, 5 of 10 of 50
+points), and the inner Adam starts afresh for each task (the reference's Adam moments outlive a
+task, as its optimizer's slots are no trainable variables). Every pass is transductive here too.
+
+iMAML, from ``aravindr93/imaml_dev`` (Omniglot 5-way 1-shot: ``--inner_lr 1e-1 --outer_lr 1e-3
+--n_steps 16 --task_mb_size 32 --lam 2.0 --cg_steps 5``, mean cross-entropy). The engine solves
+the paper's system, ``(I + H/lambda) x = g``, with the proximal term in every inner step; the
+released code runs 16 unregularised steps, then one step on the proximal term alone, and its
+CG solves ``(2 I + H/(lambda + 10)) x = g`` (``cg_damping`` 1 and a ``lam_damping`` of 10).
+Its outer Adam has ``eps=1e-3``; here PyTorch's default. Its net adapts its batch norms'
+scales and offsets, which the strided net keeps out of the inner loop, so the Omniglot recipe
+runs the max-pool net (``--network maxpool``: iMAML's gradient is that of every trained weight). Sine has no iMAML protocol; its recipe
+keeps sine's inner lr and takes 10 steps.
 """
 
 from __future__ import annotations
@@ -43,7 +69,7 @@ import maml
 
 __all__ = ["ALGORITHMS", "ADAPT", "recipe", "adapt_set", "meta_optimizer", "Schedule"]
 
-ALGORITHMS = ("maml", "fomaml", "metasgd", "anil", "mamlpp")
+ALGORITHMS = ("maml", "fomaml", "metasgd", "anil", "mamlpp", "reptile", "imaml")
 ADAPT = ("all", "head", "body")  # body: BOIL's inner loop (everything but the head)
 
 _MAMLPP = {
@@ -60,11 +86,40 @@ _RECIPES: dict[str, dict[str, Any]] = {
     "metasgd": {"learn_inner_lr": "per_parameter"},
     "anil": {"adapt": "head"},
     "mamlpp": _MAMLPP,
+    "reptile": {
+        "mode": "reptile",
+        "meta_optimizer": "sgd",
+        "meta_lr_schedule": "linear",
+        "min_meta_lr": 0.0,
+        "steps": 5,
+    },
+    "imaml": {"mode": "implicit", "implicit_lam": 2.0, "cg_iterations": 5},
 }
 # What a recipe sets differently per experiment (the paper's values for that data).
 _PER_EXPERIMENT: dict[tuple[str, str], dict[str, Any]] = {
-    ("omniglot", "mamlpp"): {"inner_lr": 0.1, "meta_batch": 8, "loss": "mean"},
+    ("omniglot", "mamlpp"): {"inner_lr": 0.1, "meta_batch": 8, "loss": "mean", "per_step_bn": True},
     ("sine", "mamlpp"): {"rate_meta_lr": 1e-4},
+    ("omniglot", "reptile"): {
+        "inner_optimizer": "adam",
+        "inner_adam_betas": (0.0, 0.999),
+        "inner_lr": 1e-3,
+        "train_shots": 10,
+        "meta_batch": 5,
+        "meta_lr": 1.0,
+        "loss": "mean",
+        "iterations": 100_000,
+        "eval_steps": (50,),
+    },
+    ("sine", "reptile"): {"inner_lr": 0.02, "meta_batch": 1, "meta_lr": 0.1, "iterations": 30_000},
+    ("omniglot", "imaml"): {
+        "inner_lr": 0.1,
+        "steps": 16,
+        "meta_batch": 32,
+        "loss": "mean",
+        "network": "maxpool",
+        "eval_steps": (16,),
+    },
+    ("sine", "imaml"): {"steps": 10},
 }
 
 
@@ -98,17 +153,20 @@ def adapt_set(model: nn.Module, adapt: str, meta_only: Collection[str] = ()) -> 
     return lambda name: not name.startswith(head) and name not in meta_only
 
 
-def meta_optimizer(learner: maml.MetaLearner, meta_lr: float, rate_meta_lr: float | None = None) -> torch.optim.Adam:
-    """The outer loop's Adam: the model's weights at ``meta_lr``, learned inner rates at ``rate_meta_lr``.
+def meta_optimizer(
+    learner: maml.MetaLearner, meta_lr: float, rate_meta_lr: float | None = None, kind: str = "adam"
+) -> torch.optim.Optimizer:
+    """The outer loop's optimizer (``kind``: ``"adam"`` or ``"sgd"``): the model's weights at ``meta_lr``, learned inner rates at ``rate_meta_lr``.
 
     Learned rates get a parameter group of their own (``None``: at ``meta_lr`` too). Each group's
     ``"scale"`` is its lr over ``meta_lr``, which ``Schedule.apply`` keeps through the schedule.
+    ``"sgd"`` is Reptile's outer step: with its direction in ``.grad``, ``theta += lr (phi - theta)``.
     """
     rate_lr = meta_lr if rate_meta_lr is None else rate_meta_lr
     groups = [{"params": list(learner.model.parameters()), "lr": meta_lr, "scale": 1.0}]
     if learner.rate_parameters:
         groups.append({"params": list(learner.rate_parameters.values()), "lr": rate_lr, "scale": rate_lr / meta_lr})
-    return torch.optim.Adam(groups)
+    return torch.optim.SGD(groups, lr=meta_lr) if kind == "sgd" else torch.optim.Adam(groups)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,8 +180,8 @@ class Schedule:
     Attributes:
         iterations: the run's length.
         meta_lr: the optimizer's learning rate (the start of a cosine schedule).
-        meta_lr_schedule: ``"constant"`` or ``"cosine"`` (annealed to ``min_meta_lr`` at the end).
-        min_meta_lr: the cosine schedule's floor.
+        meta_lr_schedule: ``"constant"``, or ``"cosine"`` or ``"linear"`` (annealed to ``min_meta_lr`` at the end).
+        min_meta_lr: the annealed schedules' floor.
         mode: the learner's mode once ``first_order_fraction`` of training is past.
         first_order_fraction: the share of training in first order (derivative-order annealing).
         msl_fraction: the share of training with MAML++'s annealed multi-step loss.
@@ -155,13 +213,15 @@ class Schedule:
 
     @property
     def depends_on_length(self) -> bool:
-        return self.meta_lr_schedule == "cosine" or self.first_order_fraction > 0 or self.msl_fraction > 0
+        return self.meta_lr_schedule != "constant" or self.first_order_fraction > 0 or self.msl_fraction > 0
 
     def lr(self, iteration: int) -> float:
         """The meta-lr of (0-based) ``iteration``."""
         if self.meta_lr_schedule == "constant":
             return self.meta_lr
         progress = iteration / max(self.iterations - 1, 1)
+        if self.meta_lr_schedule == "linear":  # supervised-reptile: frac_done = i / meta_iters
+            return self.meta_lr + (self.min_meta_lr - self.meta_lr) * iteration / self.iterations
         return self.min_meta_lr + 0.5 * (self.meta_lr - self.min_meta_lr) * (1 + math.cos(math.pi * progress))
 
     def mode_at(self, iteration: int) -> str:

@@ -75,6 +75,7 @@ class Trainer:
     device: torch.device
     schedule: Schedule | None = None  # per-iteration meta-lr, derivative order and step weights (recipes)
     select: tuple[str, Literal["max", "min"]] | None = None
+    backward_chunk: int | None = None  # tasks per backward pass (learner.backward); None: meta_loss().backward()
     best: dict[str, float] = dataclasses.field(default_factory=dict)
     history: list[dict[str, float]] = dataclasses.field(default_factory=list)
     # Meta-losses and step time since the last log row: checkpointed, so a resumed run logs the same rows.
@@ -205,9 +206,12 @@ class Trainer:
         batch = maml.shard(self.sample(generator)).to(self.device)
         t0 = time.perf_counter()
         weights = None if self.schedule is None else self.schedule.apply(iteration, self.learner, self.optimizer)
-        out = self.run_batch(batch, step_weights=weights)
         self.optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
+        if self.backward_chunk is None:
+            out = self.run_batch(batch, step_weights=weights)
+            out.loss.backward()
+        else:  # learner.backward: the same .grad, one chunk of tasks' graph in memory at a time
+            out = self.run_batch(batch, step_weights=weights, backward_chunk=self.backward_chunk)
         if sharded:
             # One all-reduce carries the meta-gradients, the meta-loss and whether a rank was
             # signalled; ranks get signals at different moments, and deciding on the shared
@@ -258,14 +262,20 @@ class Trainer:
             row.update(zip([*inner, *metrics], maml.all_reduce_mean(shard_means).tolist()))
         return row
 
-    def run_batch(self, batch: maml.TaskBatch, phase: str | None = None, **kwargs: Any) -> maml.MetaOutput:
+    def run_batch(
+        self, batch: maml.TaskBatch, phase: str | None = None, backward_chunk: int | None = None, **kwargs: Any
+    ) -> maml.MetaOutput:
         """``learner.run(batch, **kwargs)``; the engine's NaN/Inf check (FloatingPointError) raises Diverged, explained.
 
         ``phase``: None in training (the watch keeps the losses to check the step), else what runs
-        after the iteration (``"the validation"``, ``"the final test"``).
+        after the iteration (``"the validation"``, ``"the final test"``). ``backward_chunk``:
+        backpropagate too, that many tasks at a time (``learner.backward``), and return the output.
         """
         try:
-            out = self.learner.run(batch, **kwargs)
+            if backward_chunk is None:
+                out = self.learner.run(batch, **kwargs)
+            else:
+                out = self.learner.backward(batch, chunk=backward_chunk, return_output=True, **kwargs)
         except FloatingPointError:  # the engine's check: an inner loss is NaN/Inf
             raise self.watch.diverged(batch, phase, kwargs.get("steps")) from None
         if phase is None:

@@ -1,5 +1,6 @@
-"""Layers for meta-learning models: ``maml.nn.StepBatchNorm2d`` (MAML++'s per-step batch-norm weights)."""
+"""Layers for meta-learning models: ``maml.nn.StepBatchNorm2d`` (MAML++'s per-step batch-norm weights), and
+``maml.nn.StepSequential``, which hands the inner step to the layers that take it."""
 
-from ._src.layers import StepBatchNorm2d
+from ._src.layers import StepBatchNorm2d, StepSequential
 
-__all__ = ["StepBatchNorm2d"]
+__all__ = ["StepBatchNorm2d", "StepSequential"]

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import make
+from torch import nn
 
 import maml
 
@@ -44,3 +46,24 @@ def test_backward_by_chunks_equals_one_backward(options, rule, multi_step):
     torch.testing.assert_close(loss, ref_loss, rtol=0, atol=1e-12)
     for a, b in zip(ours, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("mode", ["second_order", "implicit"])
+def test_the_output_of_a_chunked_backward_is_that_of_one_run(mode):
+    """``return_output=True``: the chunks' outputs joined are what ``run`` returns for the whole batch."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    learner = maml.MetaLearner(net, F.mse_loss, 0.1, steps=2, mode=mode, batching="loop")
+    batch = maml.TaskBatch(*(torch.randn(5, 4, 1, dtype=torch.float64) for _ in range(4)))
+    weights = None if mode == "implicit" else torch.tensor([0.25, 0.75], dtype=torch.float64)
+    whole = learner.run(batch, step_weights=weights)
+    joined = learner.backward(batch, weights, chunk=2, return_output=True)
+    torch.testing.assert_close(joined.loss, whole.loss.detach(), rtol=1e-12, atol=0)
+    for field in ("query_losses", "query_out", "support_losses", "step_query_losses"):
+        got, want = getattr(joined, field), getattr(whole, field)
+        assert (got is None) == (want is None), field
+        if want is not None:
+            torch.testing.assert_close(got, want.detach(), rtol=1e-12, atol=1e-14)
+    for k in whole.fast:
+        torch.testing.assert_close(joined.fast[k], whole.fast[k].detach(), rtol=1e-12, atol=1e-14)
+        assert not joined.fast[k].requires_grad

@@ -299,7 +299,11 @@ def test_an_algorithm_sets_its_recipe_under_config_files_and_flags(capsys, tmp_p
 
     mamlpp = {
         **MAMLPP,
-        **({"inner_lr": 0.1, "meta_batch": 8, "loss": "mean"} if module is omniglot else {"rate_meta_lr": 1e-4}),
+        **(
+            {"inner_lr": 0.1, "meta_batch": 8, "loss": "mean", "per_step_bn": True}
+            if module is omniglot
+            else {"rate_meta_lr": 1e-4}
+        ),
     }
     cfg = vars(parse("--algorithm", "mamlpp"))
     assert cfg == {**defaults, **mamlpp, "algorithm": "mamlpp", "compile": cfg["compile"]}  # those keys, no other
@@ -327,7 +331,10 @@ def test_an_algorithm_sets_its_recipe_under_config_files_and_flags(capsys, tmp_p
         with pytest.raises(SystemExit) as exit_:
             main(module.run, argv)
         assert exit_.value.code == 2  # one line that names the choices
-        assert capsys.readouterr().err == f"error: {where} 'nope' is not one of maml, fomaml, metasgd, anil, mamlpp.\n"
+        assert (
+            capsys.readouterr().err
+            == f"error: {where} 'nope' is not one of maml, fomaml, metasgd, anil, mamlpp, reptile, imaml.\n"
+        )
 
 
 def test_output_folder_holding_another_run_is_refused(capsys, tmp_path):

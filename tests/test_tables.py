@@ -105,6 +105,7 @@ def test_the_command_names_only_the_flags_that_differ_from_the_recipes_defaults(
             "msl_fraction": 0.1,
             "first_order_fraction": 0.5,
             "meta_lr_schedule": "cosine",
+            "per_step_bn": True,
         }
     )  # the recipe's
     assert tables.command({"experiment": "omniglot", "config": cfg}) == (

@@ -1,4 +1,5 @@
-"""Layers for models that know the inner step: MAML++'s per-step batch-norm weights and biases (BNWB).
+"""Layers for models that know the inner step: MAML++'s per-step batch-norm weights and biases (BNWB), and a
+``Sequential`` that hands the step to the layers that take it.
 
 A model whose ``forward`` takes ``step`` gets the inner step's index in every pass of the
 inner loop (``forward.takes_step``); it hands it to these layers.
@@ -10,7 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["StepBatchNorm2d"]
+from .forward import takes_step
+
+__all__ = ["StepBatchNorm2d", "StepSequential"]
 
 
 class StepBatchNorm2d(nn.Module):
@@ -44,3 +47,24 @@ class StepBatchNorm2d(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_features}, steps={self.steps}, eps={self.eps}"
+
+
+class StepSequential(nn.Sequential):
+    """``nn.Sequential`` whose ``forward`` takes the inner step and hands it to the layers whose ``forward`` takes ``step``.
+
+    So a stack with :class:`StepBatchNorm2d` layers is one module the learner passes the step
+    to (``MetaLearner`` sees the ``step`` keyword of this ``forward``); the other layers are
+    called as usual.
+    """
+
+    def __init__(self, *layers: nn.Module) -> None:
+        super().__init__(*layers)
+        self._takes_step = [takes_step(layer) for layer in self]
+
+    def forward(self, x: Tensor, step: int = 0) -> Tensor:  # type: ignore[override]
+        """``x`` through every layer, ``step`` to those that take it."""
+        if len(self._takes_step) != len(self):  # layers appended or deleted since
+            self._takes_step = [takes_step(layer) for layer in self]
+        for layer, takes in zip(self, self._takes_step):
+            x = layer(x, step=step) if takes else layer(x)
+        return x

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
 import torch
 from torch import Tensor, nn
@@ -285,7 +285,34 @@ class MetaLearner:
         loss = self.run(batch, step_weights=step_weights).loss
         return loss if torch.is_grad_enabled() else checks.evaluation_loss(loss)
 
-    def backward(self, batch: TaskBatch, step_weights: Tensor | None = None, *, chunk: int | None = None) -> Tensor:
+    @overload
+    def backward(
+        self,
+        batch: TaskBatch,
+        step_weights: Tensor | None = None,
+        *,
+        chunk: int | None = None,
+        return_output: Literal[False] = False,
+    ) -> Tensor: ...
+
+    @overload
+    def backward(
+        self,
+        batch: TaskBatch,
+        step_weights: Tensor | None = None,
+        *,
+        chunk: int | None = None,
+        return_output: Literal[True],
+    ) -> MetaOutput: ...
+
+    def backward(
+        self,
+        batch: TaskBatch,
+        step_weights: Tensor | None = None,
+        *,
+        chunk: int | None = None,
+        return_output: bool = False,
+    ) -> Tensor | MetaOutput:
         """``meta_loss(batch).backward()`` a few tasks at a time: the same ``.grad``, one chunk's graph in memory.
 
         Each chunk's meta-loss, weighted by its share of the tasks, is backpropagated as soon as
@@ -299,23 +326,31 @@ class MetaLearner:
             step_weights: as in :meth:`meta_loss`.
             chunk: tasks per backward pass (default: ``chunk_size`` if set, else one task with
                 the loop batching and all of them with ``"vmap"``).
+            return_output: return what :meth:`run` returns for the whole batch (the chunks'
+                outputs joined along the task dimension, all detached) instead of the loss alone:
+                a training loop's metrics come with the gradient.
 
         Returns:
-            The meta-loss over all tasks, detached.
+            The meta-loss over all tasks, detached (or the :class:`MetaOutput` with it as ``loss``).
         """
         if not isinstance(batch, TaskBatch):
             raise TypeError(f"batch must be a maml.TaskBatch, got {type(batch).__name__}.")
         tasks = batch.num_tasks
         checks.integer("chunk", chunk, 1, optional=True)
         size = self._tasks_per_chunk(tasks) if chunk is None else chunk
-        total = None
+        total, outputs = None, []
         for lo in range(0, tasks, size):
             part = batch[lo : lo + size]
-            loss = self.meta_loss(part, step_weights=step_weights) * (part.num_tasks / tasks)
+            out = self.run(part, step_weights=step_weights)
+            loss = out.loss * (part.num_tasks / tasks)
+            if not torch.is_grad_enabled():
+                loss = checks.evaluation_loss(loss)  # whose backward() says why there is no graph
             loss.backward()
             total = loss.detach() if total is None else total + loss.detach()
+            if return_output:
+                outputs.append(out)
         assert total is not None
-        return total
+        return _joined(outputs, total) if return_output else total
 
     def run(
         self,
@@ -627,3 +662,16 @@ class MetaLearner:
         if self.chunk_size is not None:
             return self.chunk_size
         return 1 if self.resolved_batching == "loop" else tasks
+
+
+def _joined(outputs: list[MetaOutput], loss: Tensor) -> MetaOutput:
+    """The chunks' outputs as one over all their tasks (detached), with the meta-loss ``loss``."""
+    steps = outputs[0].step_query_losses
+    return MetaOutput(
+        loss=loss,
+        query_losses=torch.cat([o.query_losses for o in outputs]).detach(),
+        query_out=torch.cat([o.query_out for o in outputs]).detach(),
+        support_losses=torch.cat([o.support_losses for o in outputs], dim=1).detach(),
+        fast={k: torch.cat([o.fast[k] for o in outputs]).detach() for k in outputs[0].fast},
+        step_query_losses=None if steps is None else torch.cat([o.step_query_losses for o in outputs], dim=1).detach(),  # type: ignore[misc]
+    )

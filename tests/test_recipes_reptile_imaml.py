@@ -1,0 +1,189 @@
+"""The Reptile and iMAML recipes and MAML++'s per-step batch norm in the scripts (issue 23).
+
+Reptile's outer step is checked against supervised-reptile's (``reptile.py``: ``frac_done =
+i / meta_iters``, the meta-step interpolated linearly to ``meta_step_final``, then
+``old + step * (mean(new) - old)``), written out here by hand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from helpers import omniglot_root
+from test_run_faults import one_error, run_sine
+
+import maml
+from experiments import config, omniglot, recipes, sine
+from experiments.omniglot_data import load as load_omniglot
+from experiments.omniglot_net import build_model, meta_only
+from experiments.recipes import Schedule
+
+
+def parsed(experiment, cls, argv):
+    cfg, _ = config.parse_args(experiment, cls, [*argv, "--wandb", "disabled"], "", lambda c: None)
+    return cfg.resolved() if hasattr(cfg, "resolved") else cfg
+
+
+def test_the_linear_meta_step_is_supervised_reptiles():
+    schedule = Schedule(iterations=100, meta_lr=1.0, meta_lr_schedule="linear", min_meta_lr=0.0)
+    for i in (0, 1, 37, 99):
+        frac_done = i / 100
+        assert schedule.lr(i) == pytest.approx(frac_done * 0.0 + (1 - frac_done) * 1.0, abs=1e-15)
+    assert schedule.depends_on_length
+
+
+def test_sgd_on_reptiles_direction_is_its_outer_step():
+    torch.manual_seed(0)
+    net = sine.build_model(8)
+    learner = maml.MetaLearner(net, torch.nn.functional.mse_loss, 0.02, steps=3, mode="reptile")
+    batch = maml.TaskBatch(*(torch.randn(4, 6, 1) for _ in range(4)))
+    old = {k: v.detach().clone() for k, v in net.named_parameters()}
+    with torch.no_grad():  # the adapted weights of each task, by hand: plain SGD on the support MSE
+        adapted = []
+        for t in range(4):
+            w = {k: v.clone().requires_grad_() for k, v in old.items()}
+            for _ in range(3):
+                with torch.enable_grad():
+                    loss = torch.nn.functional.mse_loss(
+                        torch.func.functional_call(net, w, batch.support_x[t]), batch.support_y[t]
+                    )
+                    grads = torch.autograd.grad(loss, list(w.values()))
+                w = {k: (v - 0.02 * g).detach().requires_grad_() for (k, v), g in zip(w.items(), grads)}
+            adapted.append(w)
+    optimizer = recipes.meta_optimizer(learner, 0.7, kind="sgd")
+    learner.meta_loss(batch).backward()
+    optimizer.step()
+    for k, p in net.named_parameters():
+        mean_new = torch.stack([a[k] for a in adapted]).mean(0)
+        torch.testing.assert_close(p.detach(), old[k] + 0.7 * (mean_new - old[k]), rtol=1e-5, atol=1e-6)
+
+
+def test_the_reptile_recipe_sets_its_released_codes_values():
+    cfg = parsed("omniglot", omniglot.OmniglotConfig, ["--algorithm", "reptile"])
+    assert (cfg.mode, cfg.meta_optimizer, cfg.meta_lr, cfg.meta_lr_schedule, cfg.min_meta_lr) == (
+        "reptile",
+        "sgd",
+        1.0,
+        "linear",
+        0.0,
+    )
+    assert (cfg.inner_optimizer, cfg.inner_adam_betas, cfg.inner_lr, cfg.steps) == ("adam", (0.0, 0.999), 1e-3, 5)
+    assert (cfg.shots, cfg.train_shots, cfg.meta_batch, cfg.iterations, cfg.eval_steps) == (1, 10, 5, 100_000, (50,))
+    cfg = parsed("sine", sine.SineConfig, ["--algorithm", "reptile"])
+    assert (cfg.mode, cfg.inner_lr, cfg.steps, cfg.meta_batch, cfg.meta_lr, cfg.iterations) == (
+        "reptile",
+        0.02,
+        5,
+        1,
+        0.1,
+        30_000,
+    )
+
+
+def test_the_imaml_recipe_sets_its_released_codes_values():
+    cfg = parsed("omniglot", omniglot.OmniglotConfig, ["--algorithm", "imaml"])
+    assert (cfg.mode, cfg.implicit_lam, cfg.cg_iterations, cfg.steps, cfg.inner_lr, cfg.meta_batch) == (
+        "implicit",
+        2.0,
+        5,
+        16,
+        0.1,
+        32,
+    )
+    assert (cfg.loss, cfg.network) == ("mean", "maxpool")
+
+
+@pytest.mark.parametrize("network", ["strided", "maxpool"])
+def test_per_step_batch_norm_gets_the_step_and_stays_out_of_the_inner_loop(network):
+    torch.manual_seed(0)
+    net = build_model(5, 8, network, per_step_bn=3)
+    norms = [m for m in net.modules() if isinstance(m, maml.nn.StepBatchNorm2d)]
+    assert len(norms) == 4 and all(m.weight.shape == (3, 8) for m in norms)
+    assert meta_only(net) == {f"{i}.{p}" for i, m in enumerate(net) if m in norms for p in ("weight", "bias")}
+    with torch.no_grad():
+        for m in norms:
+            m.bias[2] += 1.0  # step 2's offsets only
+    x = torch.randn(5, 1, 28, 28)
+    assert torch.equal(net(x, step=0), net(x, step=1)) and not torch.equal(net(x, step=1), net(x, step=2))
+    assert torch.equal(net(x, step=2), net(x, step=7))  # past the last row: the last row
+
+
+def test_the_mamlpp_recipe_builds_per_step_batch_norm_on_omniglot():
+    cfg = parsed("omniglot", omniglot.OmniglotConfig, ["--algorithm", "mamlpp"])
+    assert cfg.per_step_bn and cfg.steps == 5
+    net = omniglot.make_model(cfg).module
+    assert isinstance(net, maml.nn.StepSequential)
+    assert sum(isinstance(m, maml.nn.StepBatchNorm2d) and m.steps == 5 for m in net.modules()) == 4
+
+
+def test_reptile_trains_on_more_shots_than_it_tests():
+    cfg = parsed("omniglot", omniglot.OmniglotConfig, ["--algorithm", "reptile", "--data", str(omniglot_root())])
+    _, (train, val, test) = load_omniglot(dataclasses.replace(cfg, split_fractions=(0.6, 0.15, 0.25)))
+    g = torch.Generator().manual_seed(0)
+    assert train.sample(2, g).support_x.shape[1] == 5 * 10
+    assert val.sample(2, g).support_x.shape[1] == test.sample(2, g).support_x.shape[1] == 5 * 1
+
+
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (
+            ["--algorithm", "reptile", "--learn-inner-lr", "scalar"],
+            "error: --learn-inner-lr scalar: --mode reptile's meta-gradient differentiates no inner step, so it has "
+            "none for the rates; drop it, or pick another --mode.",
+        ),
+        (
+            ["--algorithm", "imaml", "--msl-fraction", "0.1"],
+            "error: --msl-fraction 0.1 weighs the query losses of an unrolled inner loop, and --mode implicit "
+            "unrolls none; drop it, or pick another --mode.",
+        ),
+        (
+            ["--algorithm", "imaml", "--adapt", "head"],
+            "error: --mode implicit needs every trained parameter adapted (iMAML's meta-gradient is that of the "
+            "adapted weights), and --adapt head leaves some out; pass --adapt all, or pick another --mode.",
+        ),
+        (
+            ["--mode", "reptile", "--compile", "true"],
+            "error: compile applies to mode second_order or first_order, not reptile; drop --compile or pick "
+            "another --mode.",
+        ),
+        (
+            ["--inner-adam-betas", "0.9,1"],
+            "error: --inner-adam-betas 0.9,1 must be two numbers in [0, 1), e.g. 0.9,0.999 (the default).",
+        ),
+        (
+            ["--min-meta-lr", "-1"],
+            "error: --min-meta-lr -1 must be a finite number >= 0, e.g. 1e-05 (the default).",
+        ),
+        (
+            ["--implicit-lam", "0"],
+            "error: --implicit-lam 0 must be a finite number > 0, e.g. 1 (the default).",
+        ),
+    ],
+)
+def test_settings_the_new_modes_cannot_honour_are_refused(capsys, tmp_path, args, line):
+    out = tmp_path / "run"
+    assert one_error(run_sine(capsys, [*args, "--out", str(out)], code=2)) == line
+    assert not out.exists()
+
+
+def test_implicit_on_a_net_with_meta_only_weights_is_refused(capsys, tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        from experiments import fit
+
+        fit.main(omniglot.run, ["--mode", "implicit", "--data", str(omniglot_root()), "--out", str(out)])
+    assert e.value.code == 2 and not out.exists()
+    assert "the strided net's batch-norm offsets are learned by the outer loop only; pass --network maxpool" in (
+        capsys.readouterr().err
+    )
+
+
+@pytest.mark.parametrize("algorithm", ["reptile", "imaml"])
+def test_each_new_recipe_runs_end_to_end_on_sine(capsys, tmp_path, algorithm):
+    out = tmp_path / "run"
+    run_sine(capsys, ["--algorithm", algorithm, "--iterations", "3", "--steps", "2", "--out", str(out)])
+    results = (out / "results.json").read_text()
+    assert f'"algorithm": "{algorithm}"' in results
