@@ -61,6 +61,7 @@ import argparse
 import copy
 import dataclasses
 import functools
+import json
 import math
 import os
 import random
@@ -518,7 +519,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--repeats", type=int, help="timed steps per method (default: 30 for sine, 5 for Omniglot)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per method first (default: %(default)s)")
+    parser.add_argument(
+        "--json", type=Path, default=None, help="also write the tables, with device, versions and commit, here"
+    )
     args = parser.parse_args(argv)
+    tables: list[dict[str, object]] = []
 
     device = torch.device(args.device)
     clock = Clock(device)
@@ -541,6 +546,16 @@ def main(argv: list[str] | None = None) -> int:
                 if not methods:
                     continue
                 rows = run_workload(wl, methods, device, repeats, args.warmup, clock, peak)
+                tables.append(
+                    {
+                        "workload": key,
+                        "name": wl.name,
+                        "table": table,
+                        "batching": chosen,
+                        "repeats": repeats,
+                        "rows": rows,
+                    }
+                )
                 if table == "main":
                     print_table(f"{key}: {wl.name}; batching='auto' picks {chosen!r}", rows, repeats)
                 elif table == "hvp":
@@ -558,7 +573,28 @@ def main(argv: list[str] | None = None) -> int:
                         repeats,
                         versus="vs peer",
                     )
+    if args.json is not None:
+        write_json(args.json, tables, device, peak, threads, sys.argv[1:] if argv is None else argv)
     return 0
+
+
+def write_json(
+    path: Path, tables: list[dict[str, object]], device: torch.device, peak: float, threads: int, argv: list[str]
+) -> None:
+    """The tables as ``python -m experiments.tables`` reads them, with where, when and how they were measured."""
+    from experiments.files import atomic_write
+    from experiments.results import provenance
+
+    report = {
+        "benchmark": "speed",
+        "command": " ".join(["python -m benchmarks.speed", *argv]),
+        "device": str(device),
+        **{k: v for k, v in provenance().items() if k != "host"},
+        "threads": threads,
+        "peak_gflops": peak / 1e9,
+        "tables": tables,
+    }
+    atomic_write(path, lambda p: p.write_text(json.dumps(report, indent=1, allow_nan=True) + "\n"))
 
 
 if __name__ == "__main__":

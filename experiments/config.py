@@ -80,7 +80,7 @@ class RunFlags:
         Literal["offline", "online", "disabled"] | None,
         tyro.conf.arg(help_behavior_hint="(default: $WANDB_MODE, else online if logged in, else offline)"),
     ] = None
-    """wandb mode"""
+    """wandb mode (null: $WANDB_MODE, else online if logged in, else offline)"""
     device: str = "cpu"
     """torch device, e.g. cpu or cuda"""
     threads: int | None = None

@@ -67,9 +67,18 @@ from torch import nn
 
 import maml
 
-__all__ = ["ALGORITHMS", "ADAPT", "recipe", "adapt_set", "meta_optimizer", "Schedule"]
+__all__ = ["ALGORITHMS", "PAPERS", "ADAPT", "recipe", "adapt_set", "meta_optimizer", "Schedule"]
 
 ALGORITHMS = ("maml", "fomaml", "metasgd", "anil", "mamlpp", "reptile", "imaml")
+PAPERS = {
+    "maml": "Finn et al. 2017",
+    "fomaml": "Finn et al. 2017",
+    "metasgd": "Li et al. 2017",
+    "anil": "Raghu et al. 2020",
+    "mamlpp": "Antoniou et al. 2019",
+    "reptile": "Nichol et al. 2018",
+    "imaml": "Rajeswaran et al. 2019",
+}
 ADAPT = ("all", "head", "body")  # body: BOIL's inner loop (everything but the head)
 
 _MAMLPP = {

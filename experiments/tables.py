@@ -1,20 +1,24 @@
-"""The README's result tables, rendered from the result files under ``results/``: no figure typed by hand.
+"""Every table of the README and of ``docs/``, rendered from result files and from the code: no figure typed by hand.
 
-    python -m experiments.tables            # rewrites every table block of README.md from results/
-    python -m experiments.tables --check    # exit 1 (and the first difference) where README.md is stale
+    python -m experiments.tables            # rewrites every table block of README.md and docs/*.md
+    python -m experiments.tables --check    # exit 1 (and the first difference) where a page is stale
 
 A block is the text between ``<!-- table: NAME -->`` and ``<!-- /table -->``; ``NAME`` picks its
 renderer (:data:`RENDERERS`), which reads only committed files: a trial's ``results.json`` and
-``metrics.jsonl``, and a sweep's ``sweep.json``. Each table says what its figures are (seeds,
-iterations, which checkpoint), and the device, date, commit and command they come from.
+``metrics.jsonl``, a sweep's ``sweep.json``, a benchmark's JSON under ``results/benchmarks``, and
+the scripts' own config dataclasses and recipes (the flag and recipe tables). Each result table says
+what its figures are (seeds, iterations, which checkpoint), and the device, date, commit and command
+they come from.
 
-Exit codes: 0, 1 for ``--check`` on a stale README, 2 for a missing file or block (one line).
+Exit codes: 0, 1 for ``--check`` on a stale page, 2 for a missing file or block (one line).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import inspect
 import json
 import math
 import re
@@ -224,40 +228,184 @@ def omniglot_seeds(
     return "\n".join(lines + notes) + "\n"
 
 
-RENDERERS: dict[str, Callable[[], str]] = {"omniglot-curve": omniglot_curve, "omniglot-seeds": omniglot_seeds}
+def memory(path: Path = REPO / "results/benchmarks/memory.json") -> str:
+    """``benchmarks/memory.py --json``: extra peak memory and time of one meta-training step per method and steps."""
+    report = _json(path)
+    cells = {(r["method"], r["steps"]): r for r in report["results"]}
+    setting = report["setting"]
+    limit = setting["limit_gib"]
+
+    def cell(r: dict[str, Any] | None) -> str:
+        if r is None:
+            return "-"
+        if r.get("error"):
+            return "error"
+        if r.get("oom"):
+            return f"> {limit:g} GiB"
+        return f"{r['extra_mib']:,.0f} MiB, {r['seconds']:.1f} s"
+
+    steps = report["steps"]
+    lines = [
+        "| method | " + " | ".join(f"{s} steps" for s in steps) + " |",
+        "|---" + "|---:" * len(steps) + "|",
+    ]
+    lines += [f"| `{m}` | " + " | ".join(cell(cells.get((m, s))) for s in steps) + " |" for m in report["methods"]]
+    clock = "wall time" if report["device"].startswith("cuda") else f"CPU time of {report['threads']} thread"
+    lines += [
+        "",
+        f"Peak memory of one meta-training step over the process's baseline, and its {clock} (the MAML "
+        f"Omniglot max-pool net, {setting['tasks']} tasks {setting['ways']}-way {setting['shots']}-shot, "
+        f"{setting['query']} query images per class, batching `{setting['batching']}`). `{report['command']}`; "
+        f"torch {report['versions'].get('torch', '?')}; {provenance([report])}.",
+    ]
+    return "\n".join(lines) + "\n"
 
 
-def render(text: str) -> str:
-    """``text`` with every table block rendered anew."""
+def speed(path: Path = REPO / "results/benchmarks/speed.json") -> str:
+    """``benchmarks/speed.py --json``: the median time of one meta-training step per method and workload."""
+    report = _json(path)
+
+    def ms(seconds: float) -> str:
+        return f"{seconds * 1e3:.2f} ms" if seconds < 1 else f"{seconds:.3f} s"
+
+    lines: list[str] = []
+    for table in report["tables"]:
+        versus = "vs peer" if table["table"] == "family" else "vs learn2learn"
+        lines += [
+            f'**{table["workload"]}** ({table["name"]}; `batching="auto"` picks `{table["batching"]}`; '
+            f"median of {table['repeats']} steps):",
+            "",
+            f"| method | median | fastest..slowest | {versus} | meta-gradient rel. diff |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for r in table["rows"]:
+            speedup = "-" if math.isnan(r["speedup"]) else f"{r['speedup']:.2f}x"
+            diff = "-" if math.isnan(r["grad_diff"]) else f"{r['grad_diff']:.1e}"
+            lines.append(
+                f"| `{r['method']}` | {ms(r['median'])} | {ms(r['min'])}..{ms(r['max'])} | {speedup} | {diff} |"
+            )
+        lines.append("")
+    lines.append(
+        f"One meta-training step (zero the gradients, meta-loss, backward, Adam step), {report['threads']} "
+        f"thread(s). `{report['command']}`; torch {report['versions'].get('torch', '?')}; {provenance([report])}."
+    )
+    return "\n".join(lines) + "\n"
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """The attribute docstrings of a dataclass and its bases (what ``--help`` prints for each field)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__[:-1]):
+        body = ast.parse(inspect.getsource(klass)).body[0].body  # type: ignore[attr-defined]
+        for node, after in zip(body, body[1:]):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
+                docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def flags(cls: type, defaults: dict[str, str] | None = None) -> str:
+    """Every flag of a config dataclass: its default (``defaults``: shown instead) and its ``--help`` words."""
+    from experiments import cli  # here: only this needs torch
+
+    docs = _field_docs(cls)
+    lines = ["| flag | default | meaning |", "|---|---|---|"]
+    for f in dataclasses.fields(cls):
+        default = getattr(cls(), f.name)
+        shown = (defaults or {}).get(f.name) or ("null" if default is None else cli.show(default))
+        words = docs.get(f.name, "").replace("|", "\\|")
+        lines.append(f"| `{cli.flag(f.name)}` | `{shown}` | {words} |")
+    return "\n".join(lines) + "\n"
+
+
+def _flags_of(name: str) -> Callable[[], str]:
+    def render_flags() -> str:
+        from experiments import config, omniglot, sine
+
+        if name == "run":  # each script's own --out
+            return flags(config.RunFlags, {"out": "runs/sine`, `runs/omniglot"})
+        return flags({"sine": sine.SineConfig, "omniglot": omniglot.OmniglotConfig}[name])
+
+    return render_flags
+
+
+def recipe_table() -> str:
+    """What each ``--algorithm`` sets, in both scripts and in each (``experiments.recipes``)."""
+    from experiments import cli, recipes
+
+    def keys(values: dict[str, Any]) -> str:
+        return " ".join(f"`{cli.flag(k)} {cli.show(v)}`" for k, v in values.items()) or "-"
+
+    lines = ["| `--algorithm` | paper | both scripts | sine | Omniglot |", "|---|---|---|---|---|"]
+    for algorithm in recipes.ALGORITHMS:
+        common = recipes.recipe("none", algorithm)
+        own = {
+            e: {k: v for k, v in recipes.recipe(e, algorithm).items() if k not in common} for e in ("sine", "omniglot")
+        }
+        cells = [f"`{algorithm}`", recipes.PAPERS[algorithm], keys(common), keys(own["sine"]), keys(own["omniglot"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+RENDERERS: dict[str, Callable[[], str]] = {
+    "omniglot-curve": omniglot_curve,
+    "omniglot-seeds": omniglot_seeds,
+    "memory": memory,
+    "flags-run": _flags_of("run"),
+    "flags-sine": _flags_of("sine"),
+    "flags-omniglot": _flags_of("omniglot"),
+    "recipes": recipe_table,
+}
+PAGES = ("README.md", "docs")  # the pages whose blocks are rendered: a file, or every .md under a folder
+
+
+def render(text: str, page: str = "README.md") -> str:
+    """``text`` (of ``page``) with every table block rendered anew."""
     names = [m.group("name") for m in BLOCK.finditer(text)]
     for name in names:
         if name not in RENDERERS:
-            raise TableError(f"README.md: no renderer for the table block {name!r} (known: {', '.join(RENDERERS)})")
+            raise TableError(f"{page}: no renderer for the table block {name!r} (known: {', '.join(RENDERERS)})")
     return BLOCK.sub(lambda m: m.group(1) + RENDERERS[m.group("name")]() + m.group(4), text)
+
+
+def pages(root: Path = REPO) -> list[Path]:
+    """The Markdown files :data:`PAGES` names under ``root``."""
+    found: list[Path] = []
+    for entry in PAGES:
+        path = root / entry
+        found += sorted(path.glob("**/*.md")) if path.is_dir() else [path]
+    return found
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m experiments.tables", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if README.md differs from its rendering")
-    parser.add_argument("--readme", type=Path, default=REPO / "README.md")
+    parser.add_argument("--check", action="store_true", help="exit 1 if a page differs from its rendering")
+    parser.add_argument("--page", type=Path, action="append", help="render only this page (again for more)")
     args = parser.parse_args(argv)
-    try:
-        text = args.readme.read_text()
-        rendered = render(text)
-    except (OSError, TableError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if args.check:
-        if rendered != text:
+    stale = []
+    for page in args.page or pages():
+        try:
+            text = page.read_text()
+            rendered = render(text, page.name)
+        except (OSError, TableError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if rendered == text:
+            continue
+        if args.check:
             old, new = text.splitlines(), rendered.splitlines()
             line = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
-            print(
-                f"{args.readme.name} is stale from line {line + 1}: run python -m experiments.tables", file=sys.stderr
-            )
-            return 1
-        return 0
-    if rendered != text:
-        args.readme.write_text(rendered)
+            stale.append(f"{page.name} is stale from line {line + 1}")
+        else:
+            page.write_text(rendered)
+    if stale:
+        print(f"{'; '.join(stale)}: run python -m experiments.tables", file=sys.stderr)
+        return 1
     return 0
 
 

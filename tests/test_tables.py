@@ -11,10 +11,27 @@ from helpers import REPO
 from experiments import tables
 
 
-def test_the_readme_tables_are_their_rendering_from_results():
-    text = (REPO / "README.md").read_text()
-    assert {m.group("name") for m in tables.BLOCK.finditer(text)} == set(tables.RENDERERS)
-    assert tables.render(text) == text, "README.md is stale: run python -m experiments.tables"
+def test_every_page_is_the_rendering_of_its_tables():
+    names: set[str] = set()
+    for page in tables.pages():
+        text = page.read_text()
+        names |= {m.group("name") for m in tables.BLOCK.finditer(text)}
+        assert tables.render(text, page.name) == text, f"{page.name} is stale: run python -m experiments.tables"
+    assert names == set(tables.RENDERERS)  # every renderer has its page
+
+
+def test_a_committed_table_edited_by_hand_fails_the_check(tmp_path, capsys):
+    for page in tables.pages():
+        text = page.read_text()
+        blocks = list(tables.BLOCK.finditer(text))
+        if not blocks:
+            continue
+        body = blocks[0].group("body")
+        edited = re.sub(r"\d", lambda m: str((int(m.group()) + 1) % 10), body, count=1)
+        copy = tmp_path / page.name
+        copy.write_text(text.replace(body, edited, 1))
+        assert tables.main(["--check", "--page", str(copy)]) == 1, page
+        assert "is stale from line" in capsys.readouterr().err
 
 
 def test_committed_results_hold_no_path_of_a_machine():
@@ -77,13 +94,13 @@ def test_check_says_which_line_is_stale_and_bad_blocks_are_one_line(tmp_path, ca
     monkeypatch.setitem(tables.RENDERERS, "demo", lambda: "fresh\n")
     readme = tmp_path / "README.md"
     readme.write_text("# x\n<!-- table: demo -->\nold\n<!-- /table -->\n")
-    assert tables.main(["--check", "--readme", str(readme)]) == 1
+    assert tables.main(["--check", "--page", str(readme)]) == 1
     assert capsys.readouterr().err == "README.md is stale from line 3: run python -m experiments.tables\n"
-    assert tables.main(["--readme", str(readme)]) == 0
+    assert tables.main(["--page", str(readme)]) == 0
     assert readme.read_text() == "# x\n<!-- table: demo -->\nfresh\n<!-- /table -->\n"
-    assert tables.main(["--check", "--readme", str(readme)]) == 0
+    assert tables.main(["--check", "--page", str(readme)]) == 0
     readme.write_text("<!-- table: nope -->\n<!-- /table -->\n")
-    assert tables.main(["--readme", str(readme)]) == 2
+    assert tables.main(["--page", str(readme)]) == 2
     assert capsys.readouterr().err.startswith("error: README.md: no renderer for the table block 'nope' (known: ")
 
 
