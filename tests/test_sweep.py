@@ -177,7 +177,9 @@ def test_grid_trials_get_the_agent_command_and_environment(grid: dict[str, Any])
     assert sorted(flags) == sorted([f"--x={x}", f"--y={y}", f"--fail-above={FAIL_ABOVE}"])
     assert trial["command"][2:] == [*flags, "--out", str(grid["out"] / trial["name"]), "--wandb", "offline"]
     for start in launches(grid["root"] / "log"):
-        assert (start["group"], start["mode"], start["omp"]) == ("grid-test", "offline", None)  # --jobs 1: no OMP
+        # --jobs 1 sets no OMP_NUM_THREADS: a trial has the runner's own (none, unless the caller set one)
+        omp = os.environ.get("OMP_NUM_THREADS")
+        assert (start["group"], start["mode"], start["omp"]) == ("grid-test", "offline", omp)
     assert "[sweep] trial-001 (1):" in grid["result"].stderr and "[sweep] trial-006" in grid["result"].stderr
 
 
