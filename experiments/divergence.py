@@ -198,7 +198,7 @@ def stop_on_divergence(out: Path, run: Any, main: bool = True) -> Iterator[None]
         if main:
             path = out / "checkpoint.pt"
             try:  # this run's (--overwrite removed an earlier run's before it started)
-                kept = f"{path} keeps meta-iteration {torch.load(path, weights_only=False)['iteration']}"
+                kept = f"{path} keeps meta-iteration {torch.load(path, map_location='cpu', weights_only=False)['iteration']}"
             except Exception:  # none, or unreadable: say no more than that
                 kept = "no checkpoint was written"
             print(f"error: {e}. The run stopped; {kept}.", file=sys.stderr)

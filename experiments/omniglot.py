@@ -306,7 +306,9 @@ def final_test(fitted: fit.Fitted) -> fit.Results:
     # Model selection: the best-validation parameters on the same test tasks (the last's results when they are the last).
     best_results = results
     if test_tasks is not None and trainer.best and trainer.best["iteration"] != trainer.iterations:
-        learner.load_state_dict(torch.load(opts.out / BEST_FILE, weights_only=True)["learner"])
+        # map_location: a run trained on a GPU may be tested, resumed, on a machine without one
+        best = torch.load(opts.out / BEST_FILE, map_location=opts.device, weights_only=True)
+        learner.load_state_dict(best["learner"])
         best_results = evaluate(fitted.run, test_tasks, cfg, opts.device, seed=cfg.seed + 20_000)
     data = {
         "characters": [len(p.characters) for p in splits],

@@ -145,6 +145,43 @@ def omniglot_curve(root: Path = REPO / "results/omniglot/curve") -> str:
     return "\n".join(lines) + "\n"
 
 
+def omniglot_long(root: Path = REPO / "results/omniglot/gpu") -> str:
+    """Runs trained on a GPU towards the paper's 60,000 iterations: the validation curve's plateau and the test."""
+    lines = [
+        "| row | seed | iterations | validation % (at) | 1 step | 5 steps | 10 steps | 10 steps, last parameters | median step |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    runs = []
+    for folder in sorted(p for p in root.iterdir() if (p / "results.json").is_file()):
+        results, rows = _json(folder / "results.json"), _rows(folder / "metrics.jsonl")
+        runs.append(results)
+        cfg, best, last = results["config"], results.get("test_best", results["test"]), results["test"]
+        steps = sorted(r["train/step_time_ms"] for r in rows if "train/step_time_ms" in r)
+        cells = [
+            f"`{cfg['algorithm']}`",
+            str(cfg["seed"]),
+            f"{results['iterations']:,}",
+            f"{_pct(results['best_val']['val/accuracy'])} ({results['best_val']['iteration']:,})",
+            *(f"{_pct(best[s]['accuracy'])} +- {_pct(best[s]['ci95'])}" for s in STEPS),
+            f"{_pct(last['10step']['accuracy'])} +- {_pct(last['10step']['ci95'])}",
+            f"{steps[len(steps) // 2]:.1f} ms",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    if not runs:
+        return "No run yet.\n"
+    tasks = runs[0]["test"]["10step"]["tasks"]
+    lines += [
+        "",
+        f"5-way 1-shot test accuracy % on {tasks} tasks of held-out alphabets (+- the 95 % confidence interval), "
+        f"with the best validation's parameters (validated every {runs[0]['config']['val_every']:,} iterations on "
+        f"{runs[0]['config']['val_tasks']} tasks) unless the column says otherwise. Trained with `--iterations 60000 "
+        f"--device cuda` on a budget of GPU time that ended at the iteration shown (the median step: the training "
+        f"step time in `metrics.jsonl`), then tested from its checkpoint on the CPU: `{command(runs[0])} --resume`; "
+        f"{provenance(runs)}.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def _values(spec: dict[str, Any] | None, default: Any) -> list[Any]:
     """A sweep parameter's values (``values`` or ``value``), or ``[default]`` when the sweep does not set it."""
     return [default] if spec is None else list(spec.get("values", [spec.get("value")]))
@@ -355,6 +392,7 @@ def recipe_table() -> str:
 RENDERERS: dict[str, Callable[[], str]] = {
     "omniglot-curve": omniglot_curve,
     "omniglot-seeds": omniglot_seeds,
+    "omniglot-long": omniglot_long,
     "memory": memory,
     "flags-run": _flags_of("run"),
     "flags-sine": _flags_of("sine"),
