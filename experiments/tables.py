@@ -389,7 +389,78 @@ def recipe_table() -> str:
     return "\n".join(lines) + "\n"
 
 
+SINE_COLUMNS = (
+    "5shot_1step",
+    "5shot_5step",
+    "5shot_10step",
+    "10shot_1step",
+    "10shot_10step",
+    "20shot_1step",
+    "20shot_10step",
+)
+
+
+def _mse(values: Sequence[float]) -> str:
+    """Mean +- standard deviation (n - 1) of MSEs; "diverges" where a seed's test diverged (NaN or inf)."""
+    if not all(math.isfinite(v) for v in values):
+        return "diverges"
+    mean = sum(values) / len(values)
+    if len(values) < 2:
+        return f"{mean:.3f}"
+    return f"{mean:.3f} +- {math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)):.3f}"
+
+
+def _sine_column(key: str) -> str:
+    """``"5shot_10step"`` -> ``"K = 5, 10 steps"``."""
+    shots, steps = (int(part.removesuffix("shot").removesuffix("step")) for part in key.split("_"))
+    return f"K = {shots}, {steps} step{'s' * (steps != 1)}"
+
+
+def sine_seeds(sweep: Path = REPO / "results/sine/seeds") -> str:
+    """Test MSE per recipe over the seeds that finished (the sweep's grid says which are planned)."""
+    report = _json(sweep / "sweep.json")
+    params = report["sweep"]["config"]["parameters"]
+    planned = {a: _values(params.get("seed"), 0) for a in _values(params.get("algorithm"), "maml")}
+    groups: dict[str, list[dict[str, Any]]] = {a: [] for a in planned}
+    for trial in report["trials"]:
+        if (path := sweep / trial["name"] / "results.json").is_file():
+            run = _json(path)
+            groups[run["config"]["algorithm"]].append(run)
+    everything = [run for runs in groups.values() for run in runs]
+    if not everything:
+        return "No trial has finished yet; the sweep resumes with `--resume`.\n"
+    header = [
+        "`--algorithm`",
+        "seeds",
+        *(_sine_column(c) for c in SINE_COLUMNS),
+    ]
+    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    for algorithm, runs in groups.items():
+        if not runs:
+            continue
+        runs = sorted(runs, key=lambda r: r["config"]["seed"])
+        seeds = ", ".join(str(r["config"]["seed"]) for r in runs)
+        cells = [f"`{algorithm}`", f"{len(runs)} of {len(planned[algorithm])} ({seeds})"]
+        cells += [_mse([r["test"][c]["mse"] for r in runs]) for c in SINE_COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    pending = [
+        f"{len(planned[a]) - len(runs)} seeds of `{a}`" for a, runs in groups.items() if len(runs) < len(planned[a])
+    ]
+    cfg = everything[0]["config"]
+    lines += [
+        "",
+        f"Test MSE on {cfg['eval_tasks']} fresh tasks ({cfg['eval_query']} query points each) after K support points "
+        f"and the steps shown, mean +- standard deviation over the seeds that finished (n - 1); "
+        f"{everything[0]['iterations']:,} training iterations each. Runs: {provenance(everything)}. Sweep: "
+        f"`python -m experiments.sweep {report['sweep']['file']} --out {sweep.relative_to(REPO).as_posix()}`.",
+    ]
+    if pending:
+        lines.append(f"Not yet run: {', '.join(pending)}; the sweep resumes with `--resume`.")
+    return "\n".join(lines) + "\n"
+
+
 RENDERERS: dict[str, Callable[[], str]] = {
+    "sine-seeds": sine_seeds,
     "omniglot-curve": omniglot_curve,
     "omniglot-seeds": omniglot_seeds,
     "omniglot-long": omniglot_long,
