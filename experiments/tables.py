@@ -199,6 +199,18 @@ def _mean_std(values: Sequence[float]) -> str:
     return f"{_pct(mean)} +- {_pct(std)}"
 
 
+def _finished(sweep: Path, report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The ``results.json`` of the sweep's trials that finished."""
+    paths = (sweep / trial["name"] / "results.json" for trial in report["trials"])
+    return [_json(path) for path in paths if path.is_file()]
+
+
+def _seeds(runs: list[dict[str, Any]], planned: list[int]) -> tuple[list[dict[str, Any]], str]:
+    """``runs`` by seed, and the cell that says how many of the planned seeds they are, and which."""
+    runs = sorted(runs, key=lambda r: r["config"]["seed"])
+    return runs, f"{len(runs)} of {len(planned)} ({', '.join(str(r['config']['seed']) for r in runs)})"
+
+
 def omniglot_seeds(
     sweeps: Sequence[Path] = (REPO / "results/omniglot/seeds", REPO / "results/omniglot/learn2learn"),
 ) -> str:
@@ -216,10 +228,8 @@ def omniglot_seeds(
             for algorithm in _values(params.get("algorithm"), "maml"):
                 planned[_row(engine, algorithm)] = _values(params.get("seed"), 0)
                 groups[_row(engine, algorithm)] = []
-        for trial in report["trials"]:
-            if (path := sweep / trial["name"] / "results.json").is_file():
-                run = _json(path)
-                groups[_row(run["config"].get("engine", "maml"), run["config"]["algorithm"])].append(run)
+        for run in _finished(sweep, report):
+            groups[_row(run["config"].get("engine", "maml"), run["config"]["algorithm"])].append(run)
         commands.append(
             f"`python -m experiments.sweep {report['sweep']['file']} --out {sweep.relative_to(REPO).as_posix()}`"
         )
@@ -240,13 +250,8 @@ def omniglot_seeds(
     for key, runs in groups.items():
         if not runs:
             continue
-        runs = sorted(runs, key=lambda r: r["config"]["seed"])
-        seeds = ", ".join(str(r["config"]["seed"]) for r in runs)
-        cells = [
-            key,
-            f"{len(runs)} of {len(planned[key])} ({seeds})",
-            ", ".join(dict.fromkeys(str(r["iterations"]) for r in runs)),
-        ]
+        runs, seeds = _seeds(runs, planned[key])
+        cells = [key, seeds, ", ".join(dict.fromkeys(str(r["iterations"]) for r in runs))]
         cells += [_mean_std([r.get("test_best", r["test"])[s]["accuracy"] for r in runs]) for s in STEPS]
         cells += [_mean_std([r["test"]["10step"]["accuracy"] for r in runs])]
         cells += [", ".join(str(r.get("best_val", {}).get("iteration", "-")) for r in runs)]
@@ -422,10 +427,8 @@ def sine_seeds(sweep: Path = REPO / "results/sine/seeds") -> str:
     params = report["sweep"]["config"]["parameters"]
     planned = {a: _values(params.get("seed"), 0) for a in _values(params.get("algorithm"), "maml")}
     groups: dict[str, list[dict[str, Any]]] = {a: [] for a in planned}
-    for trial in report["trials"]:
-        if (path := sweep / trial["name"] / "results.json").is_file():
-            run = _json(path)
-            groups[run["config"]["algorithm"]].append(run)
+    for run in _finished(sweep, report):
+        groups[run["config"]["algorithm"]].append(run)
     everything = [run for runs in groups.values() for run in runs]
     if not everything:
         return "No trial has finished yet; the sweep resumes with `--resume`.\n"
@@ -438,9 +441,8 @@ def sine_seeds(sweep: Path = REPO / "results/sine/seeds") -> str:
     for algorithm, runs in groups.items():
         if not runs:
             continue
-        runs = sorted(runs, key=lambda r: r["config"]["seed"])
-        seeds = ", ".join(str(r["config"]["seed"]) for r in runs)
-        cells = [f"`{algorithm}`", f"{len(runs)} of {len(planned[algorithm])} ({seeds})"]
+        runs, seeds = _seeds(runs, planned[algorithm])
+        cells = [f"`{algorithm}`", seeds]
         cells += [_mse([r["test"][c]["mse"] for r in runs]) for c in SINE_COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
     pending = [
