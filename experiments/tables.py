@@ -446,7 +446,9 @@ def sine_seeds(sweep: Path = REPO / "results/sine/seeds") -> str:
         cells += [_mse([r["test"][c]["mse"] for r in runs]) for c in SINE_COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
     pending = [
-        f"{len(planned[a]) - len(runs)} seeds of `{a}`" for a, runs in groups.items() if len(runs) < len(planned[a])
+        f"{len(planned[a]) - len(runs)} seed{'s' * (len(planned[a]) - len(runs) != 1)} of `{a}`"
+        for a, runs in groups.items()
+        if len(runs) < len(planned[a])
     ]
     cfg = everything[0]["config"]
     lines += [
