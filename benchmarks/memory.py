@@ -79,6 +79,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import maml  # noqa: E402
+from benchmarks.report import write_report  # noqa: E402
 from benchmarks.sampling import omniglot_net  # noqa: E402
 
 WAYS, SHOTS, QUERY, TASKS, SIDE = 5, 5, 15, 8, 28
@@ -508,35 +509,26 @@ def main(argv: list[str] | None = None) -> int:
         gradient_differences(results, grad_files)
     ok = report(results, args.methods, args.steps, args.limit_gib, args.shots)
     if args.json is not None:
-        write_json(args.json, results, args, sys.argv[1:] if argv is None else argv)
+        write_report(
+            args.json,
+            "memory",
+            sys.argv[1:] if argv is None else argv,
+            args.device,
+            args.threads,
+            setting={
+                "tasks": TASKS,
+                "ways": WAYS,
+                "shots": args.shots,
+                "query": QUERY,
+                "batching": args.batching,
+                "repeats": args.repeats,
+                "limit_gib": args.limit_gib,
+            },
+            methods=list(args.methods),
+            steps=list(args.steps),
+            results=[{**r, "method": m, "steps": s} for (m, s), r in results.items()],
+        )
     return 1 if args.check and not ok else 0
-
-
-def write_json(path: Path, results: dict[tuple[str, int], Result], args: argparse.Namespace, argv: list[str]) -> None:
-    """The results as ``python -m experiments.tables`` reads them: each cell, the setting, where and how it ran."""
-    from experiments.files import atomic_write
-    from experiments.results import provenance
-
-    report = {
-        "benchmark": "memory",
-        "command": " ".join(["python -m benchmarks.memory", *argv]),
-        "device": str(args.device),
-        **{k: v for k, v in provenance().items() if k != "host"},
-        "threads": args.threads,
-        "setting": {
-            "tasks": TASKS,
-            "ways": WAYS,
-            "shots": args.shots,
-            "query": QUERY,
-            "batching": args.batching,
-            "repeats": args.repeats,
-            "limit_gib": args.limit_gib,
-        },
-        "methods": list(args.methods),
-        "steps": list(args.steps),
-        "results": [{**r, "method": m, "steps": s} for (m, s), r in results.items()],
-    }
-    atomic_write(path, lambda p: p.write_text(json.dumps(report, indent=1) + "\n"))
 
 
 if __name__ == "__main__":

@@ -61,7 +61,6 @@ import argparse
 import copy
 import dataclasses
 import functools
-import json
 import math
 import os
 import random
@@ -86,6 +85,7 @@ from torch.func import functional_call  # noqa: E402
 import maml  # noqa: E402
 import tasks  # noqa: E402
 from benchmarks.flops import count_flops  # noqa: E402
+from benchmarks.report import write_report  # noqa: E402
 from benchmarks.sampling import omniglot_net, sine_net  # noqa: E402
 from experiments.omniglot_net import build_model as reference_net  # noqa: E402  # the default: strided
 from experiments.omniglot_net import loss_function  # noqa: E402
@@ -574,27 +574,9 @@ def main(argv: list[str] | None = None) -> int:
                         versus="vs peer",
                     )
     if args.json is not None:
-        write_json(args.json, tables, device, peak, threads, sys.argv[1:] if argv is None else argv)
+        argv = sys.argv[1:] if argv is None else argv
+        write_report(args.json, "speed", argv, device, threads, peak_gflops=peak / 1e9, tables=tables)
     return 0
-
-
-def write_json(
-    path: Path, tables: list[dict[str, object]], device: torch.device, peak: float, threads: int, argv: list[str]
-) -> None:
-    """The tables as ``python -m experiments.tables`` reads them, with where, when and how they were measured."""
-    from experiments.files import atomic_write
-    from experiments.results import provenance
-
-    report = {
-        "benchmark": "speed",
-        "command": " ".join(["python -m benchmarks.speed", *argv]),
-        "device": str(device),
-        **{k: v for k, v in provenance().items() if k != "host"},
-        "threads": threads,
-        "peak_gflops": peak / 1e9,
-        "tables": tables,
-    }
-    atomic_write(path, lambda p: p.write_text(json.dumps(report, indent=1, allow_nan=True) + "\n"))
 
 
 if __name__ == "__main__":

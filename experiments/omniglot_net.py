@@ -72,10 +72,8 @@ class MeanPool(nn.Module):
         return x.mean((-2, -1))
 
 
-META_ONLY = (
-    BatchNormOffset,
-    StepBatchNorm2d,
-)  # layers whose parameters the outer loop learns and the inner loop leaves alone
+# Layers whose parameters the outer loop learns and the inner loop leaves alone.
+META_ONLY = (BatchNormOffset, StepBatchNorm2d)
 
 
 def build_model(ways: int, filters: int = 64, network: str = "strided", per_step_bn: int | None = None) -> nn.Module:

@@ -51,8 +51,8 @@ released code runs 16 unregularised steps, then one step on the proximal term al
 CG solves ``(2 I + H/(lambda + 10)) x = g`` (``cg_damping`` 1 and a ``lam_damping`` of 10).
 Its outer Adam has ``eps=1e-3``; here PyTorch's default. Its net adapts its batch norms'
 scales and offsets, which the strided net keeps out of the inner loop, so the Omniglot recipe
-runs the max-pool net (``--network maxpool``: iMAML's gradient is that of every trained weight). Sine has no iMAML protocol; its recipe
-keeps sine's inner lr and takes 10 steps.
+runs the max-pool net (``--network maxpool``: iMAML's gradient is that of every trained weight).
+Sine has no iMAML protocol; its recipe keeps sine's inner lr and takes 10 steps.
 """
 
 from __future__ import annotations
@@ -228,9 +228,9 @@ class Schedule:
         """The meta-lr of (0-based) ``iteration``."""
         if self.meta_lr_schedule == "constant":
             return self.meta_lr
-        progress = iteration / max(self.iterations - 1, 1)
         if self.meta_lr_schedule == "linear":  # supervised-reptile: frac_done = i / meta_iters
             return self.meta_lr + (self.min_meta_lr - self.meta_lr) * iteration / self.iterations
+        progress = iteration / max(self.iterations - 1, 1)
         return self.min_meta_lr + 0.5 * (self.meta_lr - self.min_meta_lr) * (1 + math.cos(math.pi * progress))
 
     def mode_at(self, iteration: int) -> str:

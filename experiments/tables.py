@@ -191,12 +191,13 @@ def _row(engine: str, algorithm: str) -> str:
     return "learn2learn MAML" if engine == "learn2learn" else f"`{algorithm}`"
 
 
-def _mean_std(values: Sequence[float]) -> str:
+def _mean_std(values: Sequence[float], show: Callable[[float], str] = _pct) -> str:
+    """Mean +- standard deviation (n - 1) over seeds, each written by ``show`` (the mean alone for one seed)."""
     mean = sum(values) / len(values)
     if len(values) < 2:
-        return f"{_pct(mean)}"
+        return show(mean)
     std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
-    return f"{_pct(mean)} +- {_pct(std)}"
+    return f"{show(mean)} +- {show(std)}"
 
 
 def _finished(sweep: Path, report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -303,37 +304,6 @@ def memory(path: Path = REPO / "results/benchmarks/memory.json") -> str:
     return "\n".join(lines) + "\n"
 
 
-def speed(path: Path = REPO / "results/benchmarks/speed.json") -> str:
-    """``benchmarks/speed.py --json``: the median time of one meta-training step per method and workload."""
-    report = _json(path)
-
-    def ms(seconds: float) -> str:
-        return f"{seconds * 1e3:.2f} ms" if seconds < 1 else f"{seconds:.3f} s"
-
-    lines: list[str] = []
-    for table in report["tables"]:
-        versus = "vs peer" if table["table"] == "family" else "vs learn2learn"
-        lines += [
-            f'**{table["workload"]}** ({table["name"]}; `batching="auto"` picks `{table["batching"]}`; '
-            f"median of {table['repeats']} steps):",
-            "",
-            f"| method | median | fastest..slowest | {versus} | meta-gradient rel. diff |",
-            "|---|---:|---:|---:|---:|",
-        ]
-        for r in table["rows"]:
-            speedup = "-" if math.isnan(r["speedup"]) else f"{r['speedup']:.2f}x"
-            diff = "-" if math.isnan(r["grad_diff"]) else f"{r['grad_diff']:.1e}"
-            lines.append(
-                f"| `{r['method']}` | {ms(r['median'])} | {ms(r['min'])}..{ms(r['max'])} | {speedup} | {diff} |"
-            )
-        lines.append("")
-    lines.append(
-        f"One meta-training step (zero the gradients, meta-loss, backward, Adam step), {report['threads']} "
-        f"thread(s). `{report['command']}`; torch {report['versions'].get('torch', '?')}; {provenance([report])}."
-    )
-    return "\n".join(lines) + "\n"
-
-
 def _field_docs(cls: type) -> dict[str, str]:
     """The attribute docstrings of a dataclass and its bases (what ``--help`` prints for each field)."""
     docs: dict[str, str] = {}
@@ -355,10 +325,10 @@ def flags(cls: type, defaults: dict[str, str] | None = None) -> str:
     """Every flag of a config dataclass: its default (``defaults``: shown instead) and its ``--help`` words."""
     from experiments import cli  # here: only this needs torch
 
-    docs = _field_docs(cls)
+    docs, instance = _field_docs(cls), cls()
     lines = ["| flag | default | meaning |", "|---|---|---|"]
     for f in dataclasses.fields(cls):
-        default = getattr(cls(), f.name)
+        default = getattr(instance, f.name)
         shown = (defaults or {}).get(f.name) or ("null" if default is None else cli.show(default))
         words = docs.get(f.name, "").replace("|", "\\|")
         lines.append(f"| `{cli.flag(f.name)}` | `{shown}` | {words} |")
@@ -409,10 +379,7 @@ def _mse(values: Sequence[float]) -> str:
     """Mean +- standard deviation (n - 1) of MSEs; "diverges" where a seed's test diverged (NaN or inf)."""
     if not all(math.isfinite(v) for v in values):
         return "diverges"
-    mean = sum(values) / len(values)
-    if len(values) < 2:
-        return f"{mean:.3f}"
-    return f"{mean:.3f} +- {math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)):.3f}"
+    return _mean_std(values, lambda v: f"{v:.3f}")
 
 
 def _sine_column(key: str) -> str:
