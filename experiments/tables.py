@@ -182,6 +182,38 @@ def omniglot_long(root: Path = REPO / "results/omniglot/gpu") -> str:
     return "\n".join(lines) + "\n"
 
 
+def omniglot_long_curve(root: Path = REPO / "results/omniglot/gpu", window: int = 5000) -> str:
+    """The long runs' validation curves, ``window`` iterations a row: the mean and best validation, the meta-loss.
+
+    One validation on 100 tasks has a 95 % interval of several points, so a window's mean shows
+    where the curve flattens and its best shows what model selection picks from.
+    """
+    blocks = []
+    for folder in sorted(p for p in root.iterdir() if (p / "results.json").is_file()):
+        results, rows = _json(folder / "results.json"), _rows(folder / "metrics.jsonl")
+        cfg = results["config"]
+        lines = [
+            f"`{cfg['algorithm']}`, {cfg['ways']}-way {cfg['shots']}-shot, seed {cfg['seed']}: validation on "
+            f"{cfg['val_tasks']} fixed tasks every {cfg['val_every']:,} iterations, and the training meta-loss, "
+            f"{window:,} iterations a row ({folder.relative_to(REPO).as_posix()}/metrics.jsonl).",
+            "",
+            "| iterations | validations | mean validation % | best validation % | mean meta-loss |",
+            "|---|---|---|---|---|",
+        ]
+        for end in range(window, results["iterations"] + window, window):
+            inside = [r for r in rows if end - window < r["iteration"] <= end]
+            val = [r["val/accuracy"] for r in inside if "val/accuracy" in r]
+            if not val:
+                continue
+            loss = [r["train/meta_loss"] for r in inside if "train/meta_loss" in r]
+            lines.append(
+                f"| {end - window + 1:,}-{min(end, results['iterations']):,} | {len(val)} | "
+                f"{_pct(sum(val) / len(val))} | {_pct(max(val))} | {sum(loss) / len(loss):.3f} |"
+            )
+        blocks.append("\n".join(lines) + "\n")
+    return "\n".join(blocks) if blocks else "No run yet.\n"
+
+
 def _values(spec: dict[str, Any] | None, default: Any) -> list[Any]:
     """A sweep parameter's values (``values`` or ``value``), or ``[default]`` when the sweep does not set it."""
     return [default] if spec is None else list(spec.get("values", [spec.get("value")]))
@@ -435,6 +467,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "omniglot-curve": omniglot_curve,
     "omniglot-seeds": omniglot_seeds,
     "omniglot-long": omniglot_long,
+    "omniglot-long-curve": omniglot_long_curve,
     "memory": memory,
     "flags-run": _flags_of("run"),
     "flags-sine": _flags_of("sine"),

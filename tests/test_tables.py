@@ -128,3 +128,18 @@ def test_the_command_names_only_the_flags_that_differ_from_the_recipes_defaults(
     assert tables.command({"experiment": "omniglot", "config": cfg}) == (
         "python -m experiments.omniglot --iterations 2000 --algorithm mamlpp --val-every 100 --data x"
     )
+
+
+def test_the_long_curve_averages_each_window_and_skips_windows_without_a_validation(tmp_path, monkeypatch):
+    monkeypatch.setattr(tables, "REPO", tmp_path)
+    run = tmp_path / "results" / "gpu" / "maml-seed0"
+    run.mkdir(parents=True)
+    config = {"algorithm": "maml", "ways": 5, "shots": 1, "seed": 0, "val_tasks": 100, "val_every": 10}
+    (run / "results.json").write_text(json.dumps({"config": config, "iterations": 45}))
+    rows = [{"iteration": i, "train/meta_loss": i / 10} for i in range(5, 50, 5)]
+    for row, accuracy in zip(rows[1::2], (0.5, 0.7, 0.9, 0.8)):  # validations at 10, 20, 30, 40
+        row["val/accuracy"] = accuracy
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    table = tables.omniglot_long_curve(tmp_path / "results" / "gpu", window=20).splitlines()
+    assert table[-2:] == ["| 1-20 | 2 | 60.0 | 70.0 | 1.250 |", "| 21-40 | 2 | 85.0 | 90.0 | 3.250 |"]
+    assert "results/gpu/maml-seed0/metrics.jsonl" in table[0]  # 41-45 has no validation: no row
