@@ -296,7 +296,8 @@ def omniglot_seeds(
         f"5-way 1-shot test accuracy % on {tasks} tasks of held-out alphabets, mean +- standard deviation over the "
         f"seeds that finished (n - 1), with the parameters of the best validation (every 100 iterations, "
         f"`best.pt`) unless the column says otherwise; the training steps are each recipe's, the test steps the "
-        f"columns'. Runs: {provenance(everything)}. Sweeps: {', '.join(commands)}, data from `$OMNIGLOT_DIR`.",
+        f"columns'. Minutes a run: the mean training time, other runs sharing the cores (a cost, not a timing). "
+        f"Runs: {provenance(everything)}. Sweeps: {', '.join(commands)}, data from `$OMNIGLOT_DIR`.",
     ]
     if pending:
         notes.append(f"Not yet run: {', '.join(pending)}; the sweeps resume with `--resume`.")
