@@ -145,6 +145,12 @@ def omniglot_curve(root: Path = REPO / "results/omniglot/curve") -> str:
     return "\n".join(lines) + "\n"
 
 
+def _run_folders(root: Path) -> list[tuple[Path, dict[str, Any], list[dict[str, Any]]]]:
+    """Each run folder under ``root`` that has a ``results.json``: the folder, its results and its metrics rows."""
+    folders = sorted(p for p in root.iterdir() if (p / "results.json").is_file())
+    return [(folder, _json(folder / "results.json"), _rows(folder / "metrics.jsonl")) for folder in folders]
+
+
 def omniglot_long(root: Path = REPO / "results/omniglot/gpu") -> str:
     """Runs trained on a GPU towards the paper's 60,000 iterations: the validation curve's plateau and the test."""
     lines = [
@@ -152,8 +158,7 @@ def omniglot_long(root: Path = REPO / "results/omniglot/gpu") -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     runs = []
-    for folder in sorted(p for p in root.iterdir() if (p / "results.json").is_file()):
-        results, rows = _json(folder / "results.json"), _rows(folder / "metrics.jsonl")
+    for _, results, rows in _run_folders(root):
         runs.append(results)
         cfg, best, last = results["config"], results.get("test_best", results["test"]), results["test"]
         steps = sorted(r["train/step_time_ms"] for r in rows if "train/step_time_ms" in r)
@@ -189,8 +194,7 @@ def omniglot_long_curve(root: Path = REPO / "results/omniglot/gpu", window: int 
     where the curve flattens and its best shows what model selection picks from.
     """
     blocks = []
-    for folder in sorted(p for p in root.iterdir() if (p / "results.json").is_file()):
-        results, rows = _json(folder / "results.json"), _rows(folder / "metrics.jsonl")
+    for folder, results, rows in _run_folders(root):
         cfg = results["config"]
         lines = [
             f"`{cfg['algorithm']}`, {cfg['ways']}-way {cfg['shots']}-shot, seed {cfg['seed']}: validation on "
