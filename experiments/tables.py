@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
 import inspect
 import json
 import math
@@ -151,6 +152,11 @@ def _run_folders(root: Path) -> list[tuple[Path, dict[str, Any], list[dict[str, 
     return [(folder, _json(folder / "results.json"), _rows(folder / "metrics.jsonl")) for folder in folders]
 
 
+def _task(runs: Sequence[dict[str, Any]]) -> str:
+    """The runs' task, e.g. ``5-way 1-shot`` (each distinct one, where the runs mix them)."""
+    return ", ".join(dict.fromkeys(f"{r['config']['ways']}-way {r['config']['shots']}-shot" for r in runs))
+
+
 def omniglot_long(root: Path = REPO / "results/omniglot/gpu") -> str:
     """Runs trained on a GPU towards the paper's 60,000 iterations: the validation curve's plateau and the test."""
     lines = [
@@ -177,7 +183,7 @@ def omniglot_long(root: Path = REPO / "results/omniglot/gpu") -> str:
     tasks = runs[0]["test"]["10step"]["tasks"]
     lines += [
         "",
-        f"5-way 1-shot test accuracy % on {tasks} tasks of held-out alphabets (+- the 95 % confidence interval), "
+        f"{_task(runs)} test accuracy % on {tasks} tasks of held-out alphabets (+- the 95 % confidence interval), "
         f"with the best validation's parameters (validated every {runs[0]['config']['val_every']:,} iterations on "
         f"{runs[0]['config']['val_tasks']} tasks) unless the column says otherwise. Trained with `--iterations 60000 "
         f"--device cuda` on a budget of GPU time that ended at the iteration shown (the median step: the training "
@@ -271,7 +277,9 @@ def omniglot_seeds(
             f"`python -m experiments.sweep {report['sweep']['file']} --out {sweep.relative_to(REPO).as_posix()}`"
         )
     everything = [run for runs in groups.values() for run in runs]
-    pending = [f"{key} ({len(planned[key])} seeds)" for key, runs in groups.items() if not runs]
+    pending = [
+        f"{key} ({len(planned[key])} seed{'s' * (len(planned[key]) != 1)})" for key, runs in groups.items() if not runs
+    ]
     if not everything:
         return f"No trial has finished yet: {', '.join(pending)}; the sweeps resume with `--resume`.\n"
     header = [
@@ -297,10 +305,11 @@ def omniglot_seeds(
     tasks = everything[0]["test"]["10step"]["tasks"]
     notes = [
         "",
-        f"5-way 1-shot test accuracy % on {tasks} tasks of held-out alphabets, mean +- standard deviation over the "
-        f"seeds that finished (n - 1), with the parameters of the best validation (every 100 iterations, "
-        f"`best.pt`) unless the column says otherwise; the training steps are each recipe's, the test steps the "
-        f"columns'. Minutes a run: the mean training time, other runs sharing the cores (a cost, not a timing). "
+        f"{_task(everything)} test accuracy % on {tasks} tasks of held-out alphabets, mean +- standard deviation "
+        f"over the seeds that finished (n - 1), with the parameters of the best validation (every "
+        f"{', '.join(dict.fromkeys(str(r['config']['val_every']) for r in everything))} iterations, `best.pt`) "
+        f"unless the column says otherwise; the training steps are each recipe's, the test steps the columns'. "
+        f"Minutes a run: the mean training time, other runs sharing the cores (a cost, not a timing). "
         f"Runs: {provenance(everything)}. Sweeps: {', '.join(commands)}, data from `$OMNIGLOT_DIR`.",
     ]
     if pending:
@@ -473,6 +482,8 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "omniglot-seeds": omniglot_seeds,
     "omniglot-long": omniglot_long,
     "omniglot-long-curve": omniglot_long_curve,
+    "omniglot-20way": functools.partial(omniglot_seeds, [REPO / "results/omniglot/20way"]),
+    "omniglot-20way-curve": functools.partial(omniglot_long_curve, REPO / "results/omniglot/20way", window=250),
     "memory": memory,
     "flags-run": _flags_of("run"),
     "flags-sine": _flags_of("sine"),

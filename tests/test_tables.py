@@ -41,10 +41,20 @@ def test_committed_results_hold_no_path_of_a_machine():
         assert not re.search(r'"/(work|tmp|home|root|Users)/', path.read_text()), path
 
 
-def trial(folder: Path, algorithm: str, seed: int, accuracy: float, best: float, engine: str = "maml") -> dict:
+def trial(
+    folder: Path, algorithm: str, seed: int, accuracy: float, best: float, engine: str = "maml", ways: int = 5
+) -> dict:
     results = {
         "experiment": "omniglot",
-        "config": {"algorithm": algorithm, "seed": seed, "engine": engine, "iterations": 2000},
+        "config": {
+            "algorithm": algorithm,
+            "seed": seed,
+            "engine": engine,
+            "iterations": 2000,
+            "ways": ways,
+            "shots": 1,
+            "val_every": 100,
+        },
         "iterations": 2000,
         "train_seconds": 600.0,
         "device": "cpu",
@@ -61,21 +71,24 @@ def trial(folder: Path, algorithm: str, seed: int, accuracy: float, best: float,
     return results
 
 
+def sweep_file(sweep: Path, algorithms: list[str], seeds: list[int]) -> list[str]:
+    """A ``sweep.json`` with the grid ``algorithms`` x ``seeds``; its trials' folder names."""
+    params = [{"algorithm": a, "seed": s} for a in algorithms for s in seeds]
+    names = [f"trial-{i:03d}" for i in range(1, len(params) + 1)]
+    sweep.mkdir(parents=True)
+    grid = {"parameters": {"algorithm": {"values": algorithms}, "seed": {"values": seeds}}}
+    report = {
+        "sweep": {"file": "experiments/sweeps/x.yaml", "config": grid},
+        "trials": [{"name": n, "params": p} for n, p in zip(names, params)],
+    }
+    (sweep / "sweep.json").write_text(json.dumps(report))
+    return names
+
+
 def test_the_seed_table_gives_mean_and_std_over_finished_seeds_and_names_the_pending_rows(tmp_path, monkeypatch):
     monkeypatch.setattr(tables, "REPO", tmp_path)
     sweep = tmp_path / "results" / "seeds"
-    params = [{"algorithm": a, "seed": s} for a in ("maml", "anil") for s in (0, 1)]
-    names = [f"trial-{i:03d}" for i in range(1, 5)]
-    (sweep).mkdir(parents=True)
-    grid = {"parameters": {"algorithm": {"values": ["maml", "anil"]}, "seed": {"values": [0, 1]}}}
-    (sweep / "sweep.json").write_text(
-        json.dumps(
-            {
-                "sweep": {"file": "experiments/sweeps/x.yaml", "config": grid},
-                "trials": [{"name": n, "params": p} for n, p in zip(names, params)],
-            }
-        )
-    )
+    names = sweep_file(sweep, ["maml", "anil"], [0, 1])
     trial(sweep / names[0], "maml", 0, accuracy=0.80, best=0.90)
     trial(sweep / names[1], "maml", 1, accuracy=0.60, best=0.70)
     text = tables.omniglot_seeds([sweep])
@@ -88,6 +101,17 @@ def test_the_seed_table_gives_mean_and_std_over_finished_seeds_and_names_the_pen
     assert "Not yet run: `anil` (2 seeds); the sweeps resume with `--resume`." in text
     assert "Sweeps: `python -m experiments.sweep experiments/sweeps/x.yaml --out results/seeds`" in text
     assert "commit 0123456789; device cpu" not in text and "2026-11-24; commit 0123456789" in text
+    assert "5-way 1-shot test accuracy % on 600 tasks" in text and "(every 100 iterations, `best.pt`)" in text
+
+
+def test_the_seed_table_names_the_runs_task_and_shows_one_seed_without_a_spread(tmp_path, monkeypatch):
+    monkeypatch.setattr(tables, "REPO", tmp_path)
+    sweep = tmp_path / "results" / "20way"
+    (name,) = sweep_file(sweep, ["maml"], [0])
+    trial(sweep / name, "maml", 0, accuracy=0.60, best=0.65, ways=20)
+    text = tables.omniglot_seeds([sweep])
+    assert "| `maml` | 1 of 1 (0) | 2000 | 65.0 | 65.0 | 65.0 | 60.0 | 1500 | 10 |" in text.splitlines()
+    assert "\n20-way 1-shot test accuracy % on 600 tasks" in text and "5-way" not in text
 
 
 def test_check_says_which_line_is_stale_and_bad_blocks_are_one_line(tmp_path, capsys, monkeypatch):
