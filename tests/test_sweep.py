@@ -425,6 +425,7 @@ def test_the_sweep_files_search_what_they_say() -> None:
         "sine-seeds.yaml": ("val/mse", "minimize", ["algorithm", "seed"]),
         "omniglot-seeds.yaml": ("val/accuracy", "maximize", ["algorithm", "seed"]),
         "omniglot-learn2learn.yaml": ("val/accuracy", "maximize", ["seed"]),
+        "omniglot-20way.yaml": ("val/accuracy", "maximize", ["seed"]),
     }
     sine, omniglot = (searched[f"{name}-seeds.yaml"].config["parameters"] for name in ("sine", "omniglot"))
     assert (sine["algorithm"]["values"], sine["seed"]["values"]) == (["maml", "metasgd", "mamlpp"], [0, 1, 2, 3, 4])
@@ -436,6 +437,9 @@ def test_the_sweep_files_search_what_they_say() -> None:
     )
     assert omniglot["iterations"] == peer["iterations"] and omniglot["val-every"] == peer["val-every"]
     assert "meta-batch" not in omniglot and "data" not in omniglot
+    # 20-way at the reference's own 20-way settings: --ways 20 alone picks its steps, inner lr and meta-batch.
+    twenty = searched["omniglot-20way.yaml"].config["parameters"]
+    assert twenty["ways"] == {"value": 20} and not {"steps", "inner-lr", "meta-batch", "data"} & set(twenty)
 
 
 BAD_INPUTS = {
