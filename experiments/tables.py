@@ -25,7 +25,7 @@ import math
 import re
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -73,24 +73,25 @@ def command(results: dict[str, Any]) -> str:
     return " ".join([f"python -m experiments.{name}", *flags])
 
 
+def _distinct(values: Iterable[Any]) -> str:
+    """The distinct values that are not None, in order of first appearance, comma-separated ("-" for none)."""
+    return ", ".join(dict.fromkeys(str(v) for v in values if v is not None)) or "-"
+
+
 def provenance(runs: Sequence[dict[str, Any]]) -> str:
     """Device, processor, threads, dates and commits of ``runs``, as one sentence."""
-
-    def distinct(values: Any) -> str:
-        return ", ".join(dict.fromkeys(str(v) for v in values if v is not None)) or "-"
-
     dates = [run.get("date") or _commit_date(run.get("git_commit")) for run in runs]
-    cpus = distinct(run.get("cpu") for run in runs)
-    threads = distinct(run.get("threads") for run in runs)
-    commits = distinct(
+    cpus = _distinct(run.get("cpu") for run in runs)
+    threads = _distinct(run.get("threads") for run in runs)
+    commits = _distinct(
         (run.get("git_commit") or "")[:10] + (" (uncommitted changes)" if run.get("git_dirty") else "") for run in runs
     )
-    device = distinct(run["device"] for run in runs)
+    device = _distinct(run["device"] for run in runs)
     threads = f", {threads} thread{'s' * (threads != '1')} a run" if threads != "-" else ""
     return (
         f"device {device}"
         + (f" ({cpus})" if cpus != "-" else "")
-        + f"{threads}; {distinct(sorted(dates))}; commit {commits}"
+        + f"{threads}; {_distinct(sorted(dates))}; commit {commits}"
     )
 
 
@@ -154,7 +155,7 @@ def _run_folders(root: Path) -> list[tuple[Path, dict[str, Any], list[dict[str, 
 
 def _task(runs: Sequence[dict[str, Any]]) -> str:
     """The runs' task, e.g. ``5-way 1-shot`` (each distinct one, where the runs mix them)."""
-    return ", ".join(dict.fromkeys(f"{r['config']['ways']}-way {r['config']['shots']}-shot" for r in runs))
+    return _distinct(f"{r['config']['ways']}-way {r['config']['shots']}-shot" for r in runs)
 
 
 def omniglot_long(root: Path = REPO / "results/omniglot/gpu") -> str:
@@ -203,7 +204,7 @@ def omniglot_long_curve(root: Path = REPO / "results/omniglot/gpu", window: int 
     for folder, results, rows in _run_folders(root):
         cfg = results["config"]
         lines = [
-            f"`{cfg['algorithm']}`, {cfg['ways']}-way {cfg['shots']}-shot, seed {cfg['seed']}: validation on "
+            f"`{cfg['algorithm']}`, {_task([results])}, seed {cfg['seed']}: validation on "
             f"{cfg['val_tasks']} fixed tasks every {cfg['val_every']:,} iterations, and the training meta-loss, "
             f"{window:,} iterations a row ({folder.relative_to(REPO).as_posix()}/metrics.jsonl).",
             "",
@@ -296,7 +297,7 @@ def omniglot_seeds(
         if not runs:
             continue
         runs, seeds = _seeds(runs, planned[key])
-        cells = [key, seeds, ", ".join(dict.fromkeys(str(r["iterations"]) for r in runs))]
+        cells = [key, seeds, _distinct(r["iterations"] for r in runs)]
         cells += [_mean_std([r.get("test_best", r["test"])[s]["accuracy"] for r in runs]) for s in STEPS]
         cells += [_mean_std([r["test"]["10step"]["accuracy"] for r in runs])]
         cells += [", ".join(str(r.get("best_val", {}).get("iteration", "-")) for r in runs)]
@@ -307,7 +308,7 @@ def omniglot_seeds(
         "",
         f"{_task(everything)} test accuracy % on {tasks} tasks of held-out alphabets, mean +- standard deviation "
         f"over the seeds that finished (n - 1), with the parameters of the best validation (every "
-        f"{', '.join(dict.fromkeys(str(r['config']['val_every']) for r in everything))} iterations, `best.pt`) "
+        f"{_distinct(r['config']['val_every'] for r in everything)} iterations, `best.pt`) "
         f"unless the column says otherwise; the training steps are each recipe's, the test steps the columns'. "
         f"Minutes a run: the mean training time, other runs sharing the cores (a cost, not a timing). "
         f"Runs: {provenance(everything)}. Sweeps: {', '.join(commands)}, data from `$OMNIGLOT_DIR`.",
