@@ -10,7 +10,13 @@ the scripts' own config dataclasses and recipes (the flag and recipe tables). Ea
 what its figures are (seeds, iterations, which checkpoint), and the device, date, commit and command
 they come from.
 
-Exit codes: 0, 1 for ``--check`` on a stale page, 2 for a missing file or block (one line).
+Every line of a page that looks like a marker (``<!--`` and ``table``, in any case or spacing) must
+be exactly one of the two, alone on its line, with blocks opened and closed in turn and a known
+``NAME``; otherwise nothing is rendered or written, so that a damaged marker cannot swallow the text
+up to the next block's end.
+
+Exit codes: 0, 1 for ``--check`` on a stale page, 2 for a missing file, a damaged marker or an unknown
+block (one line, naming the page and its line); on 2 no page is written.
 """
 
 from __future__ import annotations
@@ -22,15 +28,22 @@ import functools
 import inspect
 import json
 import math
+import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCK = re.compile(r"(<!-- table: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
+OPEN = re.compile(r"<!-- table: (?P<name>[\w-]+) -->")  # a block's first line, exactly (BLOCK's opening)
+CLOSE = "<!-- /table -->"  # a block's last line, exactly
+LIKE_MARKER = re.compile(r"<!--.*table", re.I)  # a line meant as a marker, however misspelt or spaced
+MEANT = re.compile(r"<!--\s*(?P<close>/)?\s*table\s*(?::\s*(?P<name>\w+(?:-\w+)*))?", re.I)  # what it meant
 STEPS = ("1step", "5step", "10step")  # the test columns: the reference trains with 1 step and tests with up to 10
 
 
@@ -494,12 +507,70 @@ RENDERERS: dict[str, Callable[[], str]] = {
 PAGES = ("README.md", "docs")  # the pages whose blocks are rendered: a file, or every .md under a folder
 
 
-def render(text: str, page: str = "README.md") -> str:
-    """``text`` (of ``page``) with every table block rendered anew."""
-    names = [m.group("name") for m in BLOCK.finditer(text)]
-    for name in names:
+def _opening(name: str = "NAME") -> str:
+    """A block's opening marker for ``name``, as messages quote it."""
+    return f"`<!-- table: {name} -->`"
+
+
+def _marker_fix(line: str) -> str:
+    """The marker that ``line`` (one that looks like a marker but is not one) was most likely meant to be."""
+    meant = MEANT.search(line)
+    if meant is None:
+        return f"{_opening()} or `{CLOSE}`"
+    if meant.group("close"):
+        return f"`{CLOSE}`"
+    name = (meant.group("name") or "").lower()
+    return _opening(name) if name in RENDERERS else f"{_opening()} (known names: {', '.join(RENDERERS)})"
+
+
+def validate(text: str, page: str = "README.md") -> None:
+    """Raises :class:`TableError` (naming ``page`` and the line) unless ``text``'s table markers are sound.
+
+    Sound: every line that looks like a marker is exactly ``<!-- table: NAME -->`` (``NAME`` a key
+    of :data:`RENDERERS`) or ``<!-- /table -->``, and they alternate, opening first and closing last.
+    BLOCK's non-greedy match would otherwise run from a block whose end marker is lost or misspelt
+    to the next block's end, and the rewrite would delete everything in between.
+    """
+    opened: tuple[int, str] | None = None  # the line number and name of the block open at this line
+    for number, line in enumerate(text.split("\n"), 1):  # "\n" alone: BLOCK's and an editor's lines
+        if not LIKE_MARKER.search(line):
+            continue
+        where = f"{page}:{number}"
+        if line == CLOSE:
+            if opened is None:
+                raise TableError(
+                    f"{where}: `{CLOSE}` ends no table block: delete it, or write {_opening()} "
+                    f"alone on a line where its table starts"
+                )
+            opened = None
+            continue
+        start = OPEN.fullmatch(line)
+        if start is None:
+            raise TableError(
+                f"{where}: {line.strip()!r} is not a table marker: write {_marker_fix(line)} alone on the line"
+            )
+        name = start.group("name")
+        if opened is not None:
+            raise TableError(
+                f"{page}:{opened[0]}: the table block {opened[1]!r} has no end before line {number} opens the block "
+                f"{name!r}: write `{CLOSE}` alone on the line after its table (blocks do not nest)"
+            )
         if name not in RENDERERS:
-            raise TableError(f"{page}: no renderer for the table block {name!r} (known: {', '.join(RENDERERS)})")
+            raise TableError(
+                f"{where}: no renderer for the table block {name!r} (known: {', '.join(RENDERERS)}): write "
+                f"{_opening()} with one of those names"
+            )
+        opened = (number, name)
+    if opened is not None:
+        raise TableError(
+            f"{page}:{opened[0]}: the table block {opened[1]!r} has no end: write `{CLOSE}` alone on the line "
+            f"after its table"
+        )
+
+
+def render(text: str, page: str = "README.md") -> str:
+    """``text`` (of ``page``) with every table block rendered anew, once :func:`validate` finds its markers sound."""
+    validate(text, page)
     return BLOCK.sub(lambda m: m.group(1) + RENDERERS[m.group("name")]() + m.group(4), text)
 
 
@@ -512,27 +583,56 @@ def pages(root: Path = REPO) -> list[Path]:
     return found
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _shown(page: Path, root: Path) -> str:
+    """``page`` as messages name it: relative to ``root`` where it lies under it, else as given."""
+    try:
+        return page.resolve().relative_to(root.resolve()).as_posix()
+    except ValueError:
+        return str(page)
+
+
+def _write(page: Path, text: str) -> None:
+    """Replaces ``page`` by ``text`` in one step (a file beside it, renamed over it): never half written."""
+    handle, temporary = tempfile.mkstemp(dir=page.parent, prefix=f".{page.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "w") as file:
+            file.write(text)
+        shutil.copymode(page, temporary)  # mkstemp's file is private: keep the page's permissions
+        os.replace(temporary, page)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def main(argv: Sequence[str] | None = None, root: Path = REPO) -> int:
+    """The command line; ``root``: the repository whose pages are rendered, and to which messages name them."""
     parser = argparse.ArgumentParser(prog="python -m experiments.tables", description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if a page differs from its rendering")
     parser.add_argument("--page", type=Path, action="append", help="render only this page (again for more)")
     args = parser.parse_args(argv)
+    chosen = args.page or pages(root)
+    # Read and validate every page, then render every page, and only then write: an error on any
+    # page (exit 2) leaves every page as it was, the sound ones too.
+    try:
+        texts = [page.read_text() for page in chosen]
+        for page, text in zip(chosen, texts):
+            validate(text, _shown(page, root))
+        rendered = [render(text, _shown(page, root)) for page, text in zip(chosen, texts)]
+    except (OSError, TableError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     stale = []
-    for page in args.page or pages():
-        try:
-            text = page.read_text()
-            rendered = render(text, page.name)
-        except (OSError, TableError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        if rendered == text:
+    for page, text, new in zip(chosen, texts, rendered):
+        if new == text:
             continue
         if args.check:
-            old, new = text.splitlines(), rendered.splitlines()
-            line = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
-            stale.append(f"{page.name} is stale from line {line + 1}")
+            old_lines, new_lines = text.splitlines(), new.splitlines()
+            line = next(
+                (i for i, (a, b) in enumerate(zip(old_lines, new_lines)) if a != b), min(len(old_lines), len(new_lines))
+            )
+            stale.append(f"{_shown(page, root)} is stale from line {line + 1}")
         else:
-            page.write_text(rendered)
+            _write(page, new)
     if stale:
         print(f"{'; '.join(stale)}: run python -m experiments.tables", file=sys.stderr)
         return 1

@@ -9,12 +9,19 @@ computed here two independent ways: by finite differences of the exactly solved 
 
 from __future__ import annotations
 
+import functools
+import math
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import make
 from torch import nn
+from torch.func import functional_call
 
 import maml
+from maml._src.implicit import conjugate_gradient
 
 LAM, D, TASKS = 0.7, 4, 3
 
@@ -103,9 +110,97 @@ def test_implicit_refuses_what_it_cannot_learn():
         maml.MetaLearner(model, F.mse_loss, 0.5, 5, mode="implicit", learn_inner_lr="scalar")
     with pytest.raises(ValueError, match=r"only applies to mode='implicit'"):
         maml.MetaLearner(model, F.mse_loss, 0.5, 5, implicit=maml.Implicit())
-    with pytest.raises(ValueError, match=r"Implicit\(lam=0\): the regularisation must be a number > 0"):
+    with pytest.raises(ValueError, match=r"Implicit\(lam=0\): the regularisation must be a finite number > 0"):
         maml.Implicit(lam=0)
     net = nn.Sequential(nn.Linear(D, 3), nn.Linear(3, 1)).double()
     learner = maml.MetaLearner(net, F.mse_loss, 0.5, 5, mode="implicit", adapt=["1.weight", "1.bias"])
     with pytest.raises(ValueError, match=r"0.bias, 0.weight is trained but not adapted"):
         learner.meta_loss(batch)
+
+
+@pytest.mark.parametrize(
+    "value", [math.nan, math.inf, -math.inf, -1.0, 1.0, 10**400], ids=["nan", "inf", "-inf", "-1", "1", "int-1e400"]
+)
+def test_a_tolerance_that_would_zero_the_meta_gradient_is_refused(value):
+    # NaN stops no CG step, inf (relative: anything >= 1) stops every task before its first: 0 either way.
+    message = (
+        f"Implicit(cg_tolerance={value!r}) must be a finite number >= 0 and < 1, relative to the norm of each "
+        "task's query gradient, e.g. 1e-10."
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        maml.Implicit(cg_tolerance=value)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, -1.0])
+def test_a_regularisation_that_is_not_finite_is_refused(value):
+    message = f"Implicit(lam={value!r}): the regularisation must be a finite number > 0, e.g. 1.0."
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        maml.Implicit(lam=value)
+
+
+def test_each_task_stops_relative_to_its_own_right_hand_side():
+    # One SPD system, three tasks whose right-hand sides differ by 12 orders of magnitude, and one of 0.
+    g = torch.Generator().manual_seed(0)
+    m = torch.randn(D, D, generator=g, dtype=torch.float64)
+    a = torch.eye(D, dtype=torch.float64) + m @ m.T
+    b = torch.randn(4, D, generator=g, dtype=torch.float64) * torch.tensor([[1.0], [1e-6], [1e-12], [0.0]])
+    solved = conjugate_gradient(lambda u: {"w": u["w"] @ a}, {"w": b}, iterations=2 * D, tolerance=1e-10)["w"]
+    exact = torch.linalg.solve(a, b.T).T
+    for t in range(3):
+        assert float((solved[t] - exact[t]).norm() / exact[t].norm()) < 1e-8, t
+    assert torch.equal(solved[3], torch.zeros(D, dtype=torch.float64))  # b = 0: the solution 0, not NaN
+
+
+@pytest.mark.parametrize("scale", [1e-6, 1e-12])
+def test_a_tiny_query_gradient_gets_the_dense_solve_not_zero(scale):
+    """The query targets a hair (``scale``) from the adapted model's outputs: the query gradient is tiny.
+
+    An absolute tolerance of 1e-10 stopped CG early (1e-6: 5e-5 off) or before its first step
+    (1e-12: a meta-gradient of exactly 0); relative, it matches ``mean_t (I + H_t/lam)^-1 g_t``
+    solved densely.
+    """
+    lam = 2.0
+    model, batch, loss_fn = make("mlp")
+    learner = maml.MetaLearner(model, loss_fn, 0.1, 5, mode="implicit", implicit=maml.Implicit(lam, cg_iterations=50))
+    out = learner.run(batch)
+    fast = {k: v.detach() for k, v in out.fast.items()}  # the query targets do not move them
+    noise = torch.randn(out.query_out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    near = maml.TaskBatch(batch.support_x, batch.support_y, batch.query_x, out.query_out + scale * noise)
+    learner.meta_loss(near).backward()
+    meta = torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    names, shapes = zip(*((n, p.shape) for n, p in model.named_parameters()))
+    sizes = [math.prod(s) for s in shapes]
+
+    def support_loss(v: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """One task's support loss at the flat weights ``v``."""
+        return loss_fn(functional_call(model, {n: c.view(s) for n, c, s in zip(names, v.split(sizes), shapes)}, x), y)
+
+    leaves = {k: v.clone().requires_grad_() for k, v in fast.items()}
+    query_losses, _ = learner.task_losses(leaves, near.query_x, near.query_y)  # the learner's own forward
+    grads = torch.autograd.grad(query_losses.sum(), [leaves[n] for n in names])
+    dense, tasks = torch.zeros_like(meta), batch.num_tasks
+    for t in range(tasks):
+        phi = torch.cat([fast[n][t].flatten() for n in names])
+        hessian = torch.autograd.functional.hessian(
+            functools.partial(support_loss, x=batch.support_x[t], y=batch.support_y[t]), phi
+        )
+        g = torch.cat([grad[t].flatten() for grad in grads])
+        dense += torch.linalg.solve(torch.eye(len(phi), dtype=torch.float64) + hessian / lam, g) / tasks
+    assert float(dense.norm()) > 0.1 * scale
+    assert float((meta - dense).norm() / dense.norm()) < 1e-6
+
+
+def test_integer_targets_give_what_float_targets_give():
+    """F.mse_loss on Long targets: forward mode cannot type its tangent, so the Hessian products fall back, exactly."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).double()
+    g = torch.Generator().manual_seed(1)
+    x = [torch.randn(2, 5, 3, generator=g, dtype=torch.float64) for _ in range(2)]
+    y = [torch.randint(0, 3, (2, 5, 1), generator=g) for _ in range(2)]
+    learner = maml.MetaLearner(model, torch.nn.functional.mse_loss, 0.1, 3, mode="implicit")
+    grads = torch.autograd.grad(learner.meta_loss(maml.TaskBatch(x[0], y[0], x[1], y[1])), list(model.parameters()))
+    floats = maml.TaskBatch(x[0], y[0].double(), x[1], y[1].double())
+    expected = torch.autograd.grad(learner.meta_loss(floats), list(model.parameters()))
+    for a, b in zip(grads, expected):
+        assert torch.allclose(a, b, rtol=0, atol=1e-12)

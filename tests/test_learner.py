@@ -215,3 +215,70 @@ def test_timing_the_batchings_measures_both_and_leaves_the_random_stream_alone()
     seconds = maml._src.forward.time_batchings(forward, fast, {}, data)
     assert set(seconds) == {"vmap", "loop"} and all(s > 0 for s in seconds.values())
     assert torch.equal(torch.get_rng_state(), state)
+
+
+# ---------------------------------------------------------------- a state saved by a learner built otherwise
+
+
+def _mlp(hidden: int = 4) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
+
+
+@pytest.mark.parametrize(
+    "saved, loading, message",
+    [
+        (
+            lambda: maml.MetaLearner(_mlp(), F.mse_loss, 0.1, 5, learn_inner_lr="per_layer_per_step"),
+            lambda: maml.MetaLearner(_mlp(), F.mse_loss, 0.1, 3, learn_inner_lr="per_layer_per_step"),
+            "state['inner_lrs']['0.weight'] is (5,) but this learner's is (3,); build the learner with the same "
+            "learn_inner_lr and steps as the saved one.",
+        ),
+        (
+            lambda: maml.MetaLearner(_mlp(8), F.mse_loss, 0.1),
+            lambda: maml.MetaLearner(_mlp(4), F.mse_loss, 0.1),
+            "state['model']['0.weight'] is (8, 3) but this learner's is (4, 3); build the learner with the same "
+            "model as the saved one.",
+        ),
+        (
+            lambda: (m := _mlp()) and maml.MetaLearner(m, F.mse_loss, 0.1, inner_optimizer=maml.MetaCurvature(m)),
+            lambda: maml.MetaLearner(_mlp(), F.mse_loss, 0.1),
+            "state holds a rule's own tensors (state['rule']: ",
+        ),
+        (
+            lambda: (m := _mlp(8)) and maml.MetaLearner(m, F.mse_loss, 0.1, inner_optimizer=maml.MetaCurvature(m)),
+            lambda: (m := _mlp(4)) and maml.MetaLearner(m, F.mse_loss, 0.1, inner_optimizer=maml.MetaCurvature(m)),
+            "state['model']['0.weight'] is (8, 3) but this learner's is (4, 3)",
+        ),
+    ],
+    ids=[
+        "per-step-rates-of-other-steps",
+        "model-of-other-shapes",
+        "curvature-into-a-plain-learner",
+        "curvature-of-other-shapes",
+    ],
+)
+def test_a_state_saved_by_a_learner_built_otherwise_is_refused_whole(saved, loading, message):
+    state = saved().state_dict()
+    learner = loading()
+    before = {k: v.clone() for k, v in learner.model.state_dict().items()}
+    with pytest.raises(ValueError) as raised:
+        learner.load_state_dict(state)
+    assert str(raised.value).startswith(message) and "\n" not in str(raised.value), str(raised.value)
+    assert all(torch.equal(v, before[k]) for k, v in learner.model.state_dict().items())  # nothing loaded
+
+
+def test_a_meta_curvature_left_behind_by_model_to_is_named():
+    model = _mlp()
+    learner = maml.MetaLearner(model, F.mse_loss, 0.1, inner_optimizer=maml.MetaCurvature(model))
+    model.to(torch.float64)
+    g = torch.Generator().manual_seed(0)
+    batch = maml.TaskBatch(*(torch.randn(2, 5, n, generator=g, dtype=torch.float64) for n in (3, 1, 3, 1)))
+    with pytest.raises(
+        ValueError,
+        match=r"^the rule's tensor 'rule\..*' is torch.float32 on cpu but the model's "
+        r"parameters are torch.float64 on cpu; move both with learner.to\(...\)",
+    ):
+        learner.meta_loss(batch)
+    learner.to(torch.float64)
+    learner.meta_loss(batch).backward()

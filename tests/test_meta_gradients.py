@@ -217,3 +217,78 @@ def test_a_channels_last_model_has_the_same_meta_gradient(config, device):
     assert ref.model[0].weight.is_contiguous(memory_format=torch.channels_last)
     got = flat_grad(ref, batch)
     assert torch.allclose(got, expected, rtol=0, atol=1e-12 * expected.abs().max())
+
+
+# ---------------------------------------------------------------- inputs on a graph (an encoder upstream)
+
+
+def _encoded(batch: maml.TaskBatch, encoder: torch.nn.Linear) -> maml.TaskBatch:
+    """The batch with its inputs passed through a trainable encoder: inputs that require grad."""
+    return maml.TaskBatch(encoder(batch.support_x), batch.support_y, encoder(batch.query_x), batch.query_y)
+
+
+def _mlp_by_hand(params: list[Tensor], x: Tensor) -> Tensor:
+    w1, b1, w2, b2 = params
+    return torch.tanh(x @ w1.T + b1) @ w2.T + b2
+
+
+def _encoder_reference(
+    encoder: torch.nn.Linear, model: torch.nn.Module, raw: maml.TaskBatch, *, first_order: bool
+) -> list[Tensor]:
+    """The gradient of the meta-loss with respect to the encoder and the model, MAML written out by hand (2 steps)."""
+    enc = [p.detach().clone().requires_grad_() for p in encoder.parameters()]
+    theta = [p.detach().clone().requires_grad_() for p in model.parameters()]
+    losses = []
+    for t in range(raw.num_tasks):
+        xs, xq = (x[t] @ enc[0].T + enc[1] for x in (raw.support_x, raw.query_x))
+        fast = theta
+        for _ in range(2):
+            loss = torch.nn.functional.mse_loss(_mlp_by_hand(fast, xs), raw.support_y[t])
+            grads = torch.autograd.grad(loss, fast, create_graph=not first_order)
+            fast = [p - 0.1 * g for p, g in zip(fast, grads)]
+        losses.append(torch.nn.functional.mse_loss(_mlp_by_hand(fast, xq), raw.query_y[t]))
+    return list(torch.autograd.grad(torch.stack(losses).mean(), [*enc, *theta]))
+
+
+def _encoder_and_model() -> tuple[torch.nn.Linear, torch.nn.Module, maml.TaskBatch]:
+    torch.manual_seed(0)
+    encoder = torch.nn.Linear(3, 3).double()
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).double()
+    g = torch.Generator().manual_seed(1)
+    raw = maml.TaskBatch(*(torch.randn(3, 5, n, generator=g, dtype=torch.float64) for n in (3, 1, 3, 1)))
+    return encoder, model, raw
+
+
+@pytest.mark.parametrize("batching", ["vmap", "loop"])
+@pytest.mark.parametrize("mode", ["second_order", "first_order"])
+def test_inputs_from_an_encoder_get_the_exact_gradient(mode, batching):
+    encoder, model, raw = _encoder_and_model()
+    expected = _encoder_reference(encoder, model, raw, first_order=mode == "first_order")
+    learner = maml.MetaLearner(model, torch.nn.functional.mse_loss, inner_lr=0.1, steps=2, mode=mode, batching=batching)
+    learner.meta_loss(_encoded(raw, encoder)).backward()
+    got = [p.grad for p in (*encoder.parameters(), *model.parameters())]
+    for g, e in zip(got, expected):
+        assert torch.allclose(g, e, rtol=0, atol=1e-12)
+    assert encoder.weight.grad.abs().max() > 1e-3  # the encoder is reached, not left at zero
+
+
+@pytest.mark.parametrize(
+    "options, path",
+    [
+        ({"mode": "checkpointed"}, "mode='checkpointed'"),
+        ({"mode": "checkpointed", "checkpoint_hvp": "forward_over_reverse"}, "mode='checkpointed'"),
+        ({"compile": True}, "compile=True"),
+        ({"mode": "reptile"}, "mode='reptile'"),
+        ({"mode": "implicit"}, "mode='implicit'"),
+    ],
+)
+def test_inputs_on_a_graph_are_refused_where_the_gradient_cannot_reach_them(options, path):
+    encoder, model, raw = _encoder_and_model()
+    learner = maml.MetaLearner(model, torch.nn.functional.mse_loss, inner_lr=0.1, steps=2, **options)
+    with pytest.raises(ValueError, match=r"^batch\.support_x requires grad .* but " + path.replace("(", r"\(")):
+        learner.meta_loss(_encoded(raw, encoder))
+    with pytest.raises(ValueError, match=r"^batch\.support_x requires grad"):
+        learner.backward(_encoded(raw, encoder), chunk=1)
+    with torch.no_grad():  # evaluation builds no graph: nothing is lost
+        learner.run(_encoded(raw, encoder))
+    learner.meta_loss(raw).backward()  # detached inputs train as before

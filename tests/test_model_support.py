@@ -368,3 +368,98 @@ def test_inference_mode_says_to_use_no_grad():
         learner.meta_loss(batch)
     with torch.inference_mode(), raises(RuntimeError, "MetaLearner.adapt cannot run under torch.inference_mode()"):
         learner.adapt(batch.support_x[0], batch.support_y[0])
+
+
+# ---------------------------------------------------------------- a module used at two places
+
+
+class Twice(nn.Module):
+    """``lin(tanh(lin(x)))`` with ``lin`` registered once: the reference for the same net built as a Sequential."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.lin(torch.tanh(self.lin(x)))
+
+
+def shared_batch() -> maml.TaskBatch:
+    """Regression tasks of 3 features to 3 targets."""
+    b = batch_of((3,), n=5)
+    return maml.TaskBatch(b.support_x, 0.5 * b.support_x.flip(-1), b.query_x, 0.5 * b.query_x.flip(-1))
+
+
+def shared_sequential() -> tuple[nn.Module, nn.Linear]:
+    """``nn.Sequential(lin, nn.Tanh(), lin)``: one ``nn.Linear`` registered under two names."""
+    lin = built(nn.Linear, 3, 3)
+    return nn.Sequential(lin, nn.Tanh(), lin), lin
+
+
+def twice_meta_loss(w: Tensor, b: Tensor, batch: maml.TaskBatch, lr: float, steps: int) -> Tensor:
+    """The second-order MAML meta-loss of ``x -> tanh(x w^T + b) w^T + b`` written out by hand."""
+    net = lambda w, b, x: torch.tanh(x @ w.T + b) @ w.T + b  # noqa: E731
+    losses = []
+    for t in range(batch.num_tasks):
+        fw, fb = w, b
+        for _ in range(steps):
+            gw, gb = torch.autograd.grad(
+                F.mse_loss(net(fw, fb, batch.support_x[t]), batch.support_y[t]), (fw, fb), create_graph=True
+            )
+            fw, fb = fw - lr * gw, fb - lr * gb
+        losses.append(F.mse_loss(net(fw, fb, batch.query_x[t]), batch.query_y[t]))
+    return torch.stack(losses).mean()
+
+
+SHARED_PATHS = [
+    pytest.param({"mode": mode, "batching": batching, **extra}, id=f"{mode}-{batching}{suffix}")
+    for mode in maml.MODES
+    for batching in ("vmap", "loop")
+    for extra, suffix in (
+        [({}, ""), ({"checkpoint_hvp": "forward_over_reverse"}, "-fwd")] if mode == "checkpointed" else [({}, "")]
+    )
+] + [pytest.param({"compile": True, "batching": "vmap"}, id="compiled")]
+
+
+@pytest.mark.parametrize("options", SHARED_PATHS)
+def test_a_module_used_twice_keeps_its_parameters_and_gets_the_exact_meta_gradient(options):
+    batch = shared_batch()
+    model, lin = shared_sequential()
+    weight, bias = lin.weight, lin.bias
+    learner = maml.MetaLearner(model, F.mse_loss, inner_lr=0.3, steps=2, **options)
+    reference = built(Twice)
+    reference.load_state_dict({"lin.weight": weight.detach(), "lin.bias": bias.detach()})
+    twin = maml.MetaLearner(reference, F.mse_loss, inner_lr=0.3, steps=2, **options)
+
+    loss, expected = learner.meta_loss(batch), twin.meta_loss(batch)
+    loss.backward()
+    expected.backward()
+
+    # The model's own parameters are never replaced, and the gradient lands in them.
+    assert lin.weight is weight and lin.bias is bias and isinstance(weight, nn.Parameter)
+    assert model[0].weight is model[2].weight is weight
+    assert_close(loss.detach(), expected.detach())
+    assert_close(weight.grad, reference.lin.weight.grad)
+    assert_close(bias.grad, reference.lin.bias.grad)
+    if options.get("mode", "second_order") == "second_order":  # the reference itself, written out by hand
+        w, b = (t.detach().clone().requires_grad_() for t in (weight, bias))
+        by_hand = twice_meta_loss(w, b, batch, 0.3, 2)
+        by_hand.backward()
+        assert_close(weight.grad, w.grad)
+        assert_close(bias.grad, b.grad)
+    model(batch.query_x[0]).sum().backward()  # the model still runs, on its parameters
+
+
+def test_a_module_used_twice_adapts_alike_in_training_and_evaluation():
+    batch = shared_batch()
+    model, lin = shared_sequential()
+    learner = maml.MetaLearner(model, F.mse_loss, inner_lr=0.3, steps=2)
+    trained = learner.run(batch).fast
+    with torch.no_grad():
+        evaluated = learner.run(batch).fast
+    one = learner.adapt(batch.support_x[0], batch.support_y[0])
+    assert set(trained) == set(evaluated) == {"0.weight", "0.bias"}
+    for k in trained:
+        assert_close(evaluated[k], trained[k].detach())
+        assert_close(one[k].detach(), trained[k][0].detach())
+    assert isinstance(lin.weight, nn.Parameter) and model[2].weight is lin.weight

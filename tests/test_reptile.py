@@ -69,3 +69,17 @@ def test_reptile_refuses_what_it_cannot_learn():
         learner.meta_loss(batch, step_weights=torch.ones(STEPS))
     with pytest.raises(RuntimeError, match="cannot be differentiated again"):
         torch.autograd.grad(learner.meta_loss(batch), list(model.parameters()), create_graph=True)
+
+
+def test_reptile_refuses_a_trained_parameter_it_would_never_move():
+    model, batch, _ = make("mlp")
+    head = [name for name, _ in model.named_parameters()][-2:]
+    learner = maml.MetaLearner(model, F.mse_loss, LR, STEPS, mode="reptile", adapt=head)
+    with pytest.raises(
+        ValueError, match=r"^mode='reptile' needs every trainable parameter adapted .* 0\.bias, 0\.weight"
+    ):
+        learner.meta_loss(batch)
+    for name, p in model.named_parameters():  # frozen, they are left alone as asked
+        p.requires_grad_(name in head)
+    learner.meta_loss(batch).backward()
+    assert all(p.grad is not None for name, p in model.named_parameters() if name in head)

@@ -7,6 +7,8 @@ update k get ``step=k``.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -116,3 +118,35 @@ def test_a_model_without_step_is_called_without_it():
     x = torch.randn(2, 4, 2, dtype=torch.float64)
     learner.meta_loss(maml.TaskBatch(x, x[..., :1], x, x[..., :1])).backward()
     assert calls
+
+
+class NoStep(torch.nn.Module):
+    """A custom model whose forward takes no step around a per-step batch norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = maml.nn.StepSequential(torch.nn.Conv2d(1, 2, 3), maml.nn.StepBatchNorm2d(2, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x).flatten(1)
+
+
+@pytest.mark.parametrize(
+    "model, where",
+    [
+        (
+            lambda: torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), maml.nn.StepBatchNorm2d(2, 3)),
+            "'1' takes the inner step, but the model, a plain nn.Sequential, does not",
+        ),
+        (
+            lambda: maml.nn.StepSequential(
+                torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), maml.nn.StepBatchNorm2d(2, 3))
+            ),
+            "'0.1' takes the inner step, but the nn.Sequential '0' does not",
+        ),
+        (NoStep, "'body.1' takes the inner step, but the model's forward (NoStep.forward) does not"),
+    ],
+)
+def test_a_per_step_batch_norm_the_step_cannot_reach_is_refused(model, where):
+    with pytest.raises(ValueError, match="^StepBatchNorm2d " + re.escape(where) + ".*maml.nn.StepSequential"):
+        maml.MetaLearner(model(), torch.nn.functional.cross_entropy, 0.1, 3)

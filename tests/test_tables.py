@@ -6,6 +6,7 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 from helpers import REPO
 
 from experiments import tables
@@ -118,14 +119,157 @@ def test_check_says_which_line_is_stale_and_bad_blocks_are_one_line(tmp_path, ca
     monkeypatch.setitem(tables.RENDERERS, "demo", lambda: "fresh\n")
     readme = tmp_path / "README.md"
     readme.write_text("# x\n<!-- table: demo -->\nold\n<!-- /table -->\n")
-    assert tables.main(["--check", "--page", str(readme)]) == 1
+    assert tables.main(["--check", "--page", str(readme)], root=tmp_path) == 1
     assert capsys.readouterr().err == "README.md is stale from line 3: run python -m experiments.tables\n"
-    assert tables.main(["--page", str(readme)]) == 0
+    assert tables.main(["--page", str(readme)], root=tmp_path) == 0
     assert readme.read_text() == "# x\n<!-- table: demo -->\nfresh\n<!-- /table -->\n"
-    assert tables.main(["--check", "--page", str(readme)]) == 0
+    assert tables.main(["--check", "--page", str(readme)], root=tmp_path) == 0
     readme.write_text("<!-- table: nope -->\n<!-- /table -->\n")
-    assert tables.main(["--page", str(readme)]) == 2
-    assert capsys.readouterr().err.startswith("error: README.md: no renderer for the table block 'nope' (known: ")
+    assert tables.main(["--page", str(readme)], root=tmp_path) == 2
+    assert capsys.readouterr().err.startswith("error: README.md:1: no renderer for the table block 'nope' (known: ")
+
+
+def copy_pages(root: Path) -> dict[Path, bytes]:
+    """Copies the repository's pages (README.md, docs/*.md) under ``root``: each copy and its bytes."""
+    copies = {}
+    for page in tables.pages():
+        copy = root / page.relative_to(REPO)
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        copy.write_bytes(page.read_bytes())
+        copies[copy] = copy.read_bytes()
+    return copies
+
+
+def markers(lines: list[str]) -> list[int]:
+    """The 0-based indices of ``lines`` that are table markers, opening or closing."""
+    return [i for i, line in enumerate(lines) if tables.OPEN.fullmatch(line) or line == tables.CLOSE]
+
+
+def damaged(tmp_path: Path, edit) -> tuple[dict[Path, bytes], list[str]]:
+    """The pages copied under ``tmp_path`` with README.md's lines passed through ``edit``; the README's old lines."""
+    copies = copy_pages(tmp_path)
+    readme = tmp_path / "README.md"
+    lines = readme.read_text().split("\n")
+    readme.write_text("\n".join(edit(list(lines))))
+    copies[readme] = readme.read_bytes()
+    return copies, lines
+
+
+def refused(tmp_path: Path, copies: dict[Path, bytes], capsys, check: list[str]) -> str:
+    """Runs the tables on the copied pages, expects exit 2 and every page as it was; the one error line."""
+    assert tables.main(check, root=tmp_path) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: "), err
+    for page, before in copies.items():
+        assert page.read_bytes() == before, page
+    return err
+
+
+CHECK = pytest.mark.parametrize("check", [[], ["--check"]], ids=["write", "check"])
+
+
+@CHECK
+def test_a_deleted_end_marker_names_its_block_and_writes_nothing(tmp_path, capsys, check):
+    def edit(lines: list[str]) -> list[str]:
+        del lines[markers(lines)[1]]  # the first block's end
+        return lines
+
+    copies, lines = damaged(tmp_path, edit)
+    opening, _, following = markers(lines)[:3]
+    first, second = (tables.OPEN.fullmatch(lines[i]).group("name") for i in (opening, following))
+    # Line numbers are 1-based; the next block's opening moved up a line with the deleted end.
+    assert refused(tmp_path, copies, capsys, check) == (
+        f"error: README.md:{opening + 1}: the table block {first!r} has no end before line {following} opens the "
+        f"block {second!r}: write `<!-- /table -->` alone on the line after its table (blocks do not nest)\n"
+    )
+
+
+@CHECK
+@pytest.mark.parametrize(
+    ("which", "spelt", "meant"),
+    [
+        (1, "<!-- /table-->", "`<!-- /table -->`"),
+        (1, "<!-- /Table -->", "`<!-- /table -->`"),
+        (1, "text <!-- /table -->", "`<!-- /table -->`"),
+        (0, "<!--table: {name}-->", "`<!-- table: {name} -->`"),
+        (0, "<!-- TABLE: {name} -->", "`<!-- table: {name} -->`"),
+    ],
+)
+def test_a_misspelt_marker_is_named_with_what_to_write_and_writes_nothing(tmp_path, capsys, check, which, spelt, meant):
+    def edit(lines: list[str]) -> list[str]:
+        at = markers(lines)[which]
+        lines[at] = spelt.format(name=tables.OPEN.fullmatch(lines[markers(lines)[0]]).group("name"))
+        return lines
+
+    copies, lines = damaged(tmp_path, edit)
+    at, name = markers(lines)[which], tables.OPEN.fullmatch(lines[markers(lines)[0]]).group("name")
+    assert refused(tmp_path, copies, capsys, check) == (
+        f"error: README.md:{at + 1}: {spelt.format(name=name)!r} is not a table marker: write "
+        f"{meant.format(name=name)} alone on the line\n"
+    )
+
+
+@CHECK
+def test_an_unknown_table_name_is_named_with_the_known_ones_and_writes_nothing(tmp_path, capsys, check):
+    def edit(lines: list[str]) -> list[str]:
+        lines[markers(lines)[0]] = "<!-- table: no-such-table -->"
+        return lines
+
+    copies, lines = damaged(tmp_path, edit)
+    assert refused(tmp_path, copies, capsys, check) == (
+        f"error: README.md:{markers(lines)[0] + 1}: no renderer for the table block 'no-such-table' (known: "
+        f"{', '.join(tables.RENDERERS)}): write `<!-- table: NAME -->` with one of those names\n"
+    )
+
+
+@CHECK
+def test_a_block_opened_inside_another_is_an_error_and_writes_nothing(tmp_path, capsys, check):
+    def edit(lines: list[str]) -> list[str]:
+        lines.insert(markers(lines)[0] + 1, "<!-- table: recipes -->")
+        return lines
+
+    copies, lines = damaged(tmp_path, edit)
+    opening = markers(lines)[0]
+    name = tables.OPEN.fullmatch(lines[opening]).group("name")
+    assert refused(tmp_path, copies, capsys, check) == (
+        f"error: README.md:{opening + 1}: the table block {name!r} has no end before line {opening + 2} opens the "
+        f"block 'recipes': write `<!-- /table -->` alone on the line after its table (blocks do not nest)\n"
+    )
+
+
+@CHECK
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [
+        (
+            "<!-- /table -->",
+            "error: docs/a.md:2: `<!-- /table -->` ends no table block: delete it, or write "
+            "`<!-- table: NAME -->` alone on a line where its table starts\n",
+        ),
+        (
+            "<!-- table: demo -->",
+            "error: docs/a.md:2: the table block 'demo' has no end: write `<!-- /table -->` "
+            "alone on the line after its table\n",
+        ),
+        ("<!-- table: broken -->\n<!-- /table -->", "error: results/broken.json: missing\n"),
+    ],
+)
+def test_an_error_on_one_page_leaves_the_sound_stale_pages_unwritten(tmp_path, capsys, monkeypatch, check, bad, error):
+    def broken() -> str:
+        raise tables.TableError("results/broken.json: missing")
+
+    monkeypatch.setitem(tables.RENDERERS, "demo", lambda: "fresh\n")
+    monkeypatch.setitem(tables.RENDERERS, "broken", broken)
+    monkeypatch.setattr(tables, "PAGES", ("README.md", "docs"))
+    readme, page = tmp_path / "README.md", tmp_path / "docs" / "a.md"
+    page.parent.mkdir()
+    readme.write_text("# x\n<!-- table: demo -->\nold\n<!-- /table -->\n")  # stale, and sound
+    page.write_text(f"# a\n{bad}\n")
+    copies = {readme: readme.read_bytes(), page: page.read_bytes()}
+    assert refused(tmp_path, copies, capsys, check) == error
+    page.write_text("# a\n")
+    assert tables.main([], root=tmp_path) == 0  # once the other page is sound, the stale one is rendered
+    assert readme.read_text() == "# x\n<!-- table: demo -->\nfresh\n<!-- /table -->\n"
 
 
 def test_the_command_names_only_the_flags_that_differ_from_the_recipes_defaults():

@@ -175,3 +175,126 @@ def test_an_object_that_is_no_rule_and_options_beside_a_rule_object_are_refused(
         maml.MetaLearner(
             net, F.cross_entropy, 0.1, inner_optimizer=maml.SGD(), inner_optimizer_options={"momentum": 0.9}
         )
+
+
+# ---------------------------------------------------------------- the rule's output is read by key
+
+
+class ReversedSGD:
+    """Plain SGD whose ``update`` builds its dict in reverse key order: valid, as the contract keys by name."""
+
+    linear = True
+
+    def init(self, params):
+        return ()
+
+    def update(self, grads, state, params, step, rates):
+        return {k: params[k] - rates[k] * grads[k] for k in reversed(list(params))}, ()
+
+
+class ReversedMomentum(maml.Momentum):
+    """Momentum whose new parameters and buffers come in reverse key order."""
+
+    def update(self, grads, state, params, step, rates):
+        new, buf = super().update(grads, state, params, step, rates)
+        flip = lambda d: {k: d[k] for k in reversed(list(d))}  # noqa: E731
+        return flip(new), maml.MomentumState(flip(buf.buffer))
+
+
+def three_square_layers() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(3, 3, bias=False), nn.Tanh(), nn.Linear(3, 3, bias=False), nn.Tanh(), nn.Linear(3, 3, bias=False)
+    )
+
+
+@pytest.mark.parametrize(
+    "rule, same", [(ReversedSGD(), "sgd"), (ReversedMomentum(0.9), "momentum")], ids=["sgd", "momentum"]
+)
+@pytest.mark.parametrize(
+    "options", [{}, *EXACT_PATHS, {"mode": "first_order"}], ids=lambda o: "-".join(map(str, o.values())) or "eager"
+)
+def test_a_rule_returning_its_keys_in_another_order_is_exact_in_every_mode(rule, same, options):
+    g = torch.Generator().manual_seed(1)
+    batch = maml.TaskBatch(*(torch.randn(4, 5, 3, generator=g) for _ in range(4)))
+    params = {"inner_lr": 0.3, "steps": 3, **options}
+    mine = maml.MetaLearner(three_square_layers(), F.mse_loss, inner_optimizer=rule, **params)
+    named = maml.MetaLearner(three_square_layers(), F.mse_loss, inner_optimizer=same, **params)
+    loss, expected = mine.meta_loss(batch), named.meta_loss(batch)
+    grads = torch.autograd.grad(loss, list(mine.parameters()))
+    expected_grads = torch.autograd.grad(expected, list(named.parameters()))
+    assert abs(float(loss.detach()) - float(expected.detach())) <= 1e-12
+    for got, want in zip(grads, expected_grads):
+        assert torch.allclose(got, want, rtol=0, atol=1e-12)
+
+
+# ---------------------------------------------------------------- a rule that breaks the contract
+
+
+class Broken:
+    """SGD with one defect, chosen by ``kind``."""
+
+    linear = False
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def init(self, params):
+        return None if self.kind == "init-none" else ()
+
+    def update(self, grads, state, params, step, rates):
+        new = {k: p - rates[k] * grads[k] for k, p in params.items()}
+        first = next(iter(new))
+        if self.kind == "missing":
+            del new[first]
+        elif self.kind == "extra":
+            new["bonus"] = new[first]
+        elif self.kind == "renamed":
+            new["renamed." + first] = new.pop(first)
+        elif self.kind == "no-task-dim":
+            new[first] = new[first][0]
+        elif self.kind == "transposed":
+            new[first] = new[first].transpose(-1, -2)
+        elif self.kind == "float32":
+            new[first] = new[first].float()
+        elif self.kind == "numpy":
+            new[first] = new[first].detach().numpy()
+        elif self.kind == "not-a-pair":
+            return new
+        elif self.kind == "state-keys":
+            return new, ({"other": grads[first]},)
+        return new, ()
+
+
+@pytest.mark.parametrize(
+    "kind, error, text",
+    [
+        ("missing", ValueError, "update's new parameters must have exactly the keys of the parameters it was given"),
+        ("extra", ValueError, "unexpected 'bonus'"),
+        ("renamed", ValueError, "missing '0.weight'; unexpected 'renamed.0.weight'"),
+        ("no-task-dim", ValueError, "update's new parameters['0.weight'] is (4, 3) torch.float64 on cpu, but the parameter it belongs to is (4, 4, 3)"),
+        ("transposed", ValueError, "update's new parameters['0.weight'] is (4, 3, 4)"),
+        ("float32", ValueError, "torch.float32 on cpu, but the parameter it belongs to is (4, 4, 3) torch.float64"),
+        ("numpy", TypeError, "update's new parameters['0.weight'] is a ndarray; it must be a torch.Tensor"),
+        ("not-a-pair", TypeError, "update returned dict; it must return a pair (new parameters, new state)"),
+        ("init-none", TypeError, "init returned a NoneType as its state"),
+        ("state-keys", ValueError, "update's state[0] must have exactly the keys"),
+    ],
+)
+@pytest.mark.parametrize("mode", ["second_order", "checkpointed", "first_order"])
+def test_a_rule_that_breaks_the_contract_is_named_at_its_first_call(kind, error, text, mode):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    g = torch.Generator().manual_seed(1)
+    batch = maml.TaskBatch(
+        torch.randn(4, 5, 3, generator=g),
+        torch.randn(4, 5, 1, generator=g),
+        torch.randn(4, 5, 3, generator=g),
+        torch.randn(4, 5, 1, generator=g),
+    )
+    with pytest.raises(error) as raised:
+        learner = maml.MetaLearner(model, F.mse_loss, inner_lr=0.1, inner_optimizer=Broken(kind), mode=mode)
+        learner.meta_loss(batch).backward()
+    message = str(raised.value)
+    assert message.startswith("the update rule Broken: ") and text in message, message
+    assert "\n" not in message

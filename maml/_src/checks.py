@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 import warnings
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -295,3 +296,61 @@ def still_trainable(params: dict[str, Tensor]) -> None:
             f"learner was built, which adapts them; build the MetaLearner after freezing (frozen parameters are "
             f"then used as they are), or unfreeze them."
         )
+
+
+def differentiable(mode: str, compiled: bool, batch: Any, consts: Mapping[str, Tensor], names: Collection[str]) -> None:
+    """Refuses what a mode's meta-gradient cannot reach: inputs on a graph, parameters it never moves."""
+    path = "compile=True" if compiled else f"mode={mode!r}"
+    if compiled or mode in ("checkpointed", "reptile", "implicit"):
+        graphed = [f.name for f in dataclasses.fields(batch) if getattr(batch, f.name).requires_grad]
+        if graphed:
+            raise ValueError(
+                f"batch.{graphed[0]} requires grad (it comes from a graph, e.g. an encoder upstream of the "
+                f"learner), but {path} does not backpropagate into the inputs: the encoder would get no "
+                f"gradient. Use mode='second_order' or 'first_order' without compile, which do, or detach "
+                f"the inputs if the encoder is not to be trained through the learner."
+            )
+    if mode in ("reptile", "implicit"):
+        unadapted = sorted(k for k, v in consts.items() if v.requires_grad and k in names)
+        if unadapted:
+            why = (
+                "Reptile moves only what the inner loop moved, as its reference code interpolates every "
+                "trainable variable after adapting all of them"
+                if mode == "reptile"
+                else "iMAML's meta-gradient is that of the adapted weights"
+            )
+            raise ValueError(
+                f"mode={mode!r} needs every trainable parameter adapted ({why}); "
+                f"{', '.join(unadapted)} is trained but not adapted, and would never change: adapt it, or "
+                f"freeze it with requires_grad_(False)."
+            )
+
+
+def same_tensors(what: str, saved: Any, mine: Mapping[str, Tensor], build: str) -> None:
+    """``saved`` must hold the keys and shapes of ``mine``; else one ValueError naming the entry and both sides."""
+    if not isinstance(saved, Mapping):
+        raise ValueError(
+            f"{what} is a {type(saved).__name__}; it must be a dict name -> tensor, as state_dict() saves."
+        )
+    missing, extra = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
+    if missing or extra:
+        raise ValueError(
+            f"{what} does not match this learner: "
+            + "; ".join(
+                s
+                for s in (
+                    f"missing {', '.join(missing)}" if missing else "",
+                    f"unexpected {', '.join(extra)}" if extra else "",
+                )
+                if s
+            )
+            + f". Build the learner with {build} as the saved one."
+        )
+    for k, t in mine.items():
+        s = saved[k]
+        if not isinstance(s, Tensor) or s.shape != t.shape:
+            got = tuple(s.shape) if isinstance(s, Tensor) else type(s).__name__
+            raise ValueError(
+                f"{what}[{k!r}] is {got} but this learner's is {tuple(t.shape)}; build the learner with {build} "
+                f"as the saved one."
+            )

@@ -17,7 +17,8 @@ from typing import Literal
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call
+
+from .functional import Reparametrized
 
 try:
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -105,6 +106,7 @@ class TaskForward:
         self.batching = batching
         self.chunk_size = chunk_size
         self.takes_step = takes_step(model)
+        self._call = Reparametrized(model)
         self._chosen: dict[torch.device, str] = {}
 
     def resolve(self, device: torch.device) -> str:
@@ -156,7 +158,7 @@ class TaskForward:
     def _one(self, fast: Params, consts: Params, x: Tensor, y: Tensor, step: int) -> tuple[Tensor, Tensor]:
         """One task: ``x (n, *x_shape)``, ``y (n, *y_shape)`` -> loss ``()``, output ``(n, ...)``."""
         kwargs = {"step": step} if self.takes_step else None
-        out = functional_call(self.model, {**fast, **consts}, (x,), kwargs, strict=True)
+        out = self._call({**fast, **consts}, (x,), kwargs)
         loss = self.loss_fn(out, y)
         if not isinstance(loss, Tensor) or loss.ndim != 0:
             got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else type(loss).__name__

@@ -70,7 +70,9 @@ HessianProducts = Callable[[Params, Params], tuple[Params, Params, Params]]
 
 # What PyTorch says when the jvp over grad cannot run: an operator without a forward-mode derivative, a
 # custom autograd.Function without setup_context, saved-tensor hooks (e.g. save_on_cpu) around the call.
-_UNSUPPORTED = ("forward AD", "functorch transforms", "saved tensor hooks")
+# What PyTorch says where the forward-mode pass cannot run; the last: a loss of a float output and
+# integer targets (F.mse_loss with Long targets), whose tangent forward mode types like the targets.
+_UNSUPPORTED = ("forward AD", "functorch transforms", "saved tensor hooks", "can't be cast to the desired output type")
 
 
 def support_hvp(

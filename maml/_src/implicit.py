@@ -14,6 +14,7 @@ loop is kept, so memory does not grow with the number of steps.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 from torch import Tensor
@@ -34,7 +35,10 @@ class Implicit:
     Attributes:
         lam: the proximal regularisation's strength ``lambda`` (the paper's 0.5-2 on Omniglot).
         cg_iterations: conjugate-gradient iterations (the paper's 5).
-        cg_tolerance: stop a task's CG when its residual's norm falls below this.
+        cg_tolerance: stop a task's CG once its residual's norm is at most ``cg_tolerance`` times
+            the norm of that task's right-hand side, its query loss's gradient ``g``: relative, so
+            that a task with a small gradient is solved as far as one with a large gradient
+            (0: run every iteration; in ``[0, 1)``, as 1 would stop before the first).
     """
 
     lam: float = 1.0
@@ -42,16 +46,27 @@ class Implicit:
     cg_tolerance: float = 1e-10
 
     def __post_init__(self) -> None:
-        if isinstance(self.lam, bool) or not isinstance(self.lam, (int, float)) or not self.lam > 0:
-            raise ValueError(f"Implicit(lam={self.lam!r}): the regularisation must be a number > 0, e.g. 1.0.")
+        if not _finite(self.lam) or not self.lam > 0:
+            raise ValueError(f"Implicit(lam={self.lam!r}): the regularisation must be a finite number > 0, e.g. 1.0.")
         if isinstance(self.cg_iterations, bool) or not isinstance(self.cg_iterations, int) or self.cg_iterations < 1:
             raise ValueError(f"Implicit(cg_iterations={self.cg_iterations!r}) must be an int >= 1, e.g. 5.")
-        if (
-            isinstance(self.cg_tolerance, bool)
-            or not isinstance(self.cg_tolerance, (int, float))
-            or self.cg_tolerance < 0
-        ):
-            raise ValueError(f"Implicit(cg_tolerance={self.cg_tolerance!r}) must be a number >= 0, e.g. 1e-10.")
+        # NaN would stop no step of CG and inf (or, relative, anything >= 1) every task before its first:
+        # either leaves a meta-gradient of exactly 0.
+        if not _finite(self.cg_tolerance) or not 0 <= self.cg_tolerance < 1:
+            raise ValueError(
+                f"Implicit(cg_tolerance={self.cg_tolerance!r}) must be a finite number >= 0 and < 1, relative to "
+                "the norm of each task's query gradient, e.g. 1e-10."
+            )
+
+
+def _finite(x: object) -> bool:
+    """Whether ``x`` is a real number (not a bool) that is neither NaN nor infinite."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an int beyond a float's range
+        return False
 
 
 def _dot(a: Params, b: Params) -> Tensor:
@@ -92,22 +107,30 @@ def _hessian_products(forward: TaskForward, consts: Params, x: Tensor, y: Tensor
 
 
 def conjugate_gradient(apply: callable, b: Params, iterations: int, tolerance: float) -> Params:  # type: ignore[valid-type]
-    """Solves ``apply(v) = b`` for every task at once (``(T, *shape)``), each with its own step sizes."""
+    """Solves ``apply(v) = b`` for every task at once (``(T, *shape)``), each with its own step sizes.
+
+    A task stops once its residual's norm is at most ``tolerance`` times its own ``b``'s norm
+    (relative: a task's solution scales with its ``b``, so a small ``b`` is solved as far as a large
+    one); a task whose ``b`` is 0 stops at once with the solution 0.
+    """
     v = {k: torch.zeros_like(t) for k, t in b.items()}
     r = dict(b)
     p = dict(b)
     rr = _dot(r, r)
+    # Norms, not squares: (tolerance * |b|)**2 underflows to 0 in float32 for a gradient as small as 1e-15.
+    limit = tolerance * rr.sqrt()
     for _ in range(iterations):
-        if bool((rr.sqrt() <= tolerance).all()):
+        going = rr.sqrt() > limit  # per task; False where b = 0 (0 > 0), whose solution stays 0
+        if not bool(going.any()):
             break
         ap = apply(p)
         pap = _dot(p, ap)
         # I + H/lam is indefinite where the support loss is not convex: CG's step stays defined while p'Ap != 0.
-        alpha = torch.where((rr > tolerance**2) & (pap != 0), rr / torch.where(pap != 0, pap, 1.0), 0.0)
+        alpha = torch.where(going & (pap != 0), rr / torch.where(pap != 0, pap, 1.0), 0.0)
         v = _scaled(v, alpha, p)
         r = _scaled(r, -alpha, ap)
         rr_new = _dot(r, r)
-        beta = torch.where(rr > tolerance**2, rr_new / torch.where(rr > 0, rr, 1.0), 0.0)
+        beta = torch.where(going, rr_new / torch.where(rr > 0, rr, 1.0), 0.0)
         p = _scaled(r, beta, p)
         rr = rr_new
     return v

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from .forward import takes_step
 
-__all__ = ["StepBatchNorm2d", "StepSequential"]
+__all__ = ["StepBatchNorm2d", "StepSequential", "check_step_layers"]
 
 
 class StepBatchNorm2d(nn.Module):
@@ -68,3 +68,28 @@ class StepSequential(nn.Sequential):
         for layer, takes in zip(self, self._takes_step):
             x = layer(x, step=step) if takes else layer(x)
         return x
+
+
+def check_step_layers(model: nn.Module) -> None:
+    """Refuses a :class:`StepBatchNorm2d` that the inner step cannot reach: it would use step 0's weights at every step.
+
+    The step reaches a layer through the model's ``forward`` (which must take ``step``) and every
+    container on the way: a plain ``nn.Sequential`` calls its layers without it. A custom module
+    in between is trusted to hand it on.
+    """
+    sequential = {name for name, m in model.named_modules() if type(m) is nn.Sequential}
+    for name, m in model.named_modules():
+        if not isinstance(m, StepBatchNorm2d):
+            continue
+        parts = name.split(".")
+        blocked = next((p for p in (".".join(parts[:i]) for i in range(len(parts))) if p in sequential), None)
+        if blocked is not None or not takes_step(model):
+            if blocked is None:
+                where = f"the model's forward ({type(model).__name__}.forward)"
+            else:
+                where = "the model, a plain nn.Sequential," if blocked == "" else f"the nn.Sequential {blocked!r}"
+            raise ValueError(
+                f"StepBatchNorm2d {name!r} takes the inner step, but {where} does not pass it on, so every step "
+                f"would use step 0's weight and bias; build the stack with maml.nn.StepSequential, or give "
+                f"forward a `step` keyword and hand it to the layer."
+            )

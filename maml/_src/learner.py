@@ -20,10 +20,11 @@ from . import checkpointed, checks, compiled, eager, implicit, reptile
 from .batch import TaskBatch
 from .forward import LossFn, Params, TaskForward, check_finite, exact_attention
 from .implicit import Implicit
+from .layers import check_step_layers
 from .loop import InnerLoop, MetaOutput
 from .model_check import check_model
 from .rates import LEARN_INNER_LR, InnerRates
-from .rules import INNER_OPTIMIZERS, BoundRule, UpdateRule, make_rule, rule_tensors
+from .rules import INNER_OPTIMIZERS, RULE_PREFIX, BoundRule, UpdateRule, make_rule, rule_tensors
 
 Mode = Literal["second_order", "first_order", "checkpointed", "reptile", "implicit"]
 Batching = Literal["auto", "vmap", "loop"]
@@ -64,7 +65,12 @@ class MetaLearner:
             2019: the inner loop solves the proximally regularised support problem, values only,
             and the meta-gradient ``(I + H/lambda)^-1 g`` comes from conjugate gradient on
             Hessian-vector products; memory does not grow with ``steps``; options in
-            ``implicit``). Settable on a live learner (derivative-order annealing).
+            ``implicit``). Settable on a live learner (derivative-order annealing). Inputs that
+            require grad (features of a trainable encoder upstream of the learner) get their
+            gradient in second and first order; ``"checkpointed"``, ``"reptile"``, ``"implicit"``
+            and ``compile=True`` do not backpropagate into inputs and refuse them. ``"reptile"``
+            and ``"implicit"`` move only adapted parameters, so they refuse a trainable parameter
+            outside ``adapt``.
         batching: ``"vmap"`` (tasks as one batched forward pass), ``"loop"`` (one task after
             another) or ``"auto"``: the faster of the two for this model, sizes and device, timed
             on the first batch on each device (forward and backward passes of its support and
@@ -102,7 +108,9 @@ class MetaLearner:
         adapt: the parameters the inner loop updates: a list of ``named_parameters()`` names or a
             predicate ``name -> bool`` (default: every trainable parameter). Trainable parameters
             outside it are not updated by the inner loop but are meta-learned, with the exact
-            meta-gradient (ANIL: adapt the head; BOIL: adapt the body).
+            meta-gradient (ANIL: adapt the head; BOIL: adapt the body). A module used at several
+            places of the model (``nn.Sequential(lin, act, lin)``) is one set of parameters, under
+            the name ``named_parameters()`` gives it.
         inner_optimizer: the update rule: an object with the :class:`~maml.UpdateRule` contract
             (``init(params) -> state``, ``update(grads, state, params, step, rates) -> (params,
             state)``), or a name: ``"sgd"``, ``"momentum"`` or ``"adam"``, following
@@ -173,6 +181,7 @@ class MetaLearner:
             make_rule(inner_optimizer, inner_optimizer_options) if isinstance(inner_optimizer, str) else inner_optimizer
         )
         adapted = checks.adapt_set(adapt, model)
+        check_step_layers(model)
 
         self.model = model
         self.loss_fn = loss_fn
@@ -390,6 +399,8 @@ class MetaLearner:
         self._example_shape = batch.support_x.shape[2:]
         rate_values = self._rate_values()
         grad = torch.is_grad_enabled()
+        if grad:
+            checks.differentiable(self._mode, self.compile, batch, consts, self._names)
         with self._attention():
             if self.compile and grad:
                 if self._mode not in self._compiled:
@@ -418,13 +429,6 @@ class MetaLearner:
                     raise ValueError(
                         "step_weights weigh the query losses of an unrolled inner loop; mode='implicit' "
                         "unrolls none: drop step_weights."
-                    )
-                unadapted = sorted(k for k, v in consts.items() if v.requires_grad and k in self._names)
-                if unadapted:
-                    raise ValueError(
-                        f"mode='implicit' needs every trainable parameter adapted (iMAML's meta-gradient is that of "
-                        f"the adapted weights); {', '.join(unadapted)} is trained but not adapted: adapt it, or "
-                        f"freeze it with requires_grad_(False)."
                     )
                 return implicit.run(self._loop, self.implicit, params, rate_values, consts, batch, steps)
             if self._mode == "checkpointed" and grad:
@@ -532,24 +536,46 @@ class MetaLearner:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Loads what :meth:`state_dict` returned."""
-        self.model.load_state_dict(state["model"])
+        """Loads what :meth:`state_dict` returned, after checking all of it: a mismatch loads nothing.
+
+        Raises:
+            ValueError: the state was saved by a learner built otherwise (another model's shapes,
+                ``learn_inner_lr``, ``steps`` of per-step rates, or rule), naming the entry and both sides.
+        """
+        if not isinstance(state, Mapping) or not {"model", "inner_lrs"} <= set(state):
+            raise ValueError(
+                f"state must be what MetaLearner.state_dict() returned (keys 'model', 'inner_lrs', 'batching'), "
+                f"got {type(state).__name__}{f' with keys {sorted(state)}' if isinstance(state, Mapping) else ''}."
+            )
         if set(state["inner_lrs"]) != set(self.rate_parameters):
             raise ValueError(
                 f"state['inner_lrs'] has rates {sorted(state['inner_lrs'])} but this learner learns "
                 f"{sorted(self.rate_parameters)}; build it with the same learn_inner_lr as the saved one."
             )
+        rule = self.rule if isinstance(self.rule, nn.Module) else None
+        if rule is None and "rule" in state:
+            raise ValueError(
+                f"state holds a rule's own tensors (state['rule']: {sorted(state['rule'])}), but this learner's "
+                f"rule {self.inner_optimizer if isinstance(self.inner_optimizer, str) else type(self.rule).__name__!r} "
+                f"has none; build it with the same inner_optimizer as the saved one (e.g. maml.MetaCurvature(model))."
+            )
+        if rule is not None and "rule" not in state:
+            raise ValueError(
+                f"state has no 'rule' entry, but this learner's rule {type(self.rule).__name__} is a module "
+                f"with a state of its own; load a state_dict saved by a learner with the same rule."
+            )
+        hint = {"inner_lrs": "the same learn_inner_lr and steps", "model": "the same model", "rule": "the same rule"}
+        parts = [("model", self.model.state_dict()), ("inner_lrs", dict(self.rate_parameters))]
+        parts += [("rule", rule.state_dict())] if rule is not None else []
+        for part, mine in parts:
+            checks.same_tensors(f"state[{part!r}]", state[part], mine, hint[part])
+        self.model.load_state_dict(state["model"])
         with torch.no_grad():
             for k, v in state["inner_lrs"].items():
                 self.rate_parameters[k].copy_(v)
         self._forward.chosen = state.get("batching", {})  # absent from checkpoints of earlier versions
-        if isinstance(self.rule, nn.Module):
-            if "rule" not in state:
-                raise ValueError(
-                    f"state has no 'rule' entry, but this learner's rule {type(self.rule).__name__} is a module "
-                    f"with a state of its own; load a state_dict saved by a learner with the same rule."
-                )
-            self.rule.load_state_dict(state["rule"])
+        if rule is not None:
+            rule.load_state_dict(state["rule"])
 
     def to(self, *args: Any, **kwargs: Any) -> MetaLearner:
         """Moves the model, the learnable inner rates and a module rule, like ``nn.Module.to``."""
@@ -619,12 +645,16 @@ class MetaLearner:
         first = params[self._adapted[0]]
         for name, x in zip(("support_x", "query_x"), inputs):
             checks.input_dtype(name, x, first.dtype, self._integer_inputs)
-        for name, rate in self.rate_parameters.items():
+        for name, rate in self._rate_values().items():
             if rate.device != first.device or rate.dtype != first.dtype:
-                raise RuntimeError(
-                    f"the learnable inner rate {name!r} is {rate.dtype} on {rate.device} but the model's "
-                    f"parameters are {first.dtype} on {first.device}; move both with learner.to(...) "
-                    f"instead of model.to(...)."
+                what = (
+                    f"the rule's tensor {name!r}"
+                    if name.startswith(RULE_PREFIX)
+                    else f"the learnable inner rate {name!r}"
+                )
+                raise ValueError(
+                    f"{what} is {rate.dtype} on {rate.device} but the model's parameters are {first.dtype} on "
+                    f"{first.device}; move both with learner.to(...) instead of model.to(...)."
                 )
         adapted = {k: params[k] for k in self._adapted}
         consts = {k: v for k, v in params.items() if k not in adapted}

@@ -27,7 +27,8 @@ from typing import Any, ClassVar, NamedTuple, Protocol
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call
+
+from .functional import Reparametrized
 
 Params = dict[str, Tensor]
 State = tuple[Params, ...]
@@ -195,23 +196,29 @@ class _Update(nn.Module):
 
 
 class BoundRule:
-    """A rule as the inner loop calls it: its own tensors taken from the rates' values, its state's type kept.
+    """A rule as the inner loop calls it: its own tensors taken from the rates' values, its contract checked.
 
     The execution paths rebuild the state from flat tensors (the checkpointed mode keeps and
     restores it), so :meth:`update` gives the rule its state as the type its ``init`` returns
-    (a NamedTuple stays one).
+    (a NamedTuple stays one). Every path reads the rule's output by key, so :meth:`update`
+    returns the new parameters in the order of the parameters it was given, whatever order the
+    rule builds its dict in. The :class:`UpdateRule` contract (a pair; the parameters' keys,
+    shapes, dtypes and devices; a state of dicts keyed and shaped like the parameters) is checked
+    at the first call of each inner step, so a rule that breaks it fails there with a message
+    naming the rule and the key, not deep inside a path.
     """
 
     def __init__(self, rule: UpdateRule) -> None:
         self.rule = rule
         self.linear: bool = bool(getattr(rule, "linear", False))
-        self._module = _Update(rule) if rule_tensors(rule) else None
+        self._module = Reparametrized(_Update(rule)) if rule_tensors(rule) else None
         self._buffers = {RULE_PREFIX + k: b for k, b in rule.named_buffers()} if isinstance(rule, nn.Module) else {}
-        empty = rule.init({})
+        empty = _checked_state(rule, "init", rule.init({}), {})
         self._make = getattr(type(empty), "_make", tuple)
+        self._checked: set[int] = set()  # the inner steps whose first update was checked
 
     def init(self, params: Params) -> State:
-        return self.rule.init(params)
+        return _checked_state(self.rule, "init", self.rule.init(params), params)
 
     def update(
         self, values: Params, grads: Params, state: State, params: Params, step: int, rates: StepRates
@@ -219,10 +226,79 @@ class BoundRule:
         """The rule's step, with its own tensors from ``values`` (keys ``RULE_PREFIX + name``)."""
         state = self._make(state)
         if self._module is None:
-            return self.rule.update(grads, state, params, step, rates)
-        own = {k: v for k, v in values.items() if k.startswith(RULE_PREFIX)}
-        # strict: every tensor of the rule comes from ``values``, none silently from the module itself
-        return functional_call(self._module, {**self._buffers, **own}, (grads, state, params, step, rates), strict=True)
+            out = self.rule.update(grads, state, params, step, rates)
+        else:
+            own = {k: v for k, v in values.items() if k.startswith(RULE_PREFIX)}
+            out = self._module({**self._buffers, **own}, (grads, state, params, step, rates))
+        if step not in self._checked:
+            _check_update(self.rule, out, params)
+            self._checked.add(step)
+        new, new_state = out
+        # By key: a path that lays tensors out by position must not read a reordered dict.
+        return {k: new[k] for k in params}, new_state
+
+
+def _rule_name(rule: UpdateRule) -> str:
+    return f"the update rule {type(rule).__name__}"
+
+
+def _check_tensors(rule: UpdateRule, what: str, got: Any, params: Params) -> None:
+    """``got`` must be a dict with ``params``' keys, each a tensor of its parameter's shape, dtype and device."""
+    if not isinstance(got, Mapping):
+        raise TypeError(
+            f"{_rule_name(rule)}: {what} is a {type(got).__name__}; it must be a dict keyed like the parameters "
+            f"(name -> tensor); see maml.UpdateRule."
+        )
+    missing, extra = [k for k in params if k not in got], [k for k in got if k not in params]
+    if missing or extra:
+        said = "; ".join(
+            part
+            for part in (
+                f"missing {', '.join(map(repr, missing))}" if missing else "",
+                f"unexpected {', '.join(map(repr, extra))}" if extra else "",
+            )
+            if part
+        )
+        raise ValueError(
+            f"{_rule_name(rule)}: {what} must have exactly the keys of the parameters it was given "
+            f"({', '.join(map(repr, params))}); {said}."
+        )
+    for k, p in params.items():
+        t = got[k]
+        if not isinstance(t, Tensor):
+            raise TypeError(
+                f"{_rule_name(rule)}: {what}[{k!r}] is a {type(t).__name__}; it must be a torch.Tensor computed "
+                f"from the inputs (no numpy or Python numbers: the meta-gradient flows through it)."
+            )
+        if t.shape != p.shape or t.dtype != p.dtype or t.device != p.device:
+            raise ValueError(
+                f"{_rule_name(rule)}: {what}[{k!r}] is {tuple(t.shape)} {t.dtype} on {t.device}, but the parameter "
+                f"it belongs to is {tuple(p.shape)} {p.dtype} on {p.device} (a leading task dimension included); "
+                f"return tensors shaped, typed and placed like the parameters."
+            )
+
+
+def _checked_state(rule: UpdateRule, where: str, state: Any, params: Params) -> State:
+    """A rule's state: a tuple (a NamedTuple too) of dicts keyed and shaped like ``params``."""
+    if not isinstance(state, tuple):
+        raise TypeError(
+            f"{_rule_name(rule)}: {where} returned a {type(state).__name__} as its state; it must return a "
+            f"tuple of dicts keyed like the parameters (() for a rule without state); see maml.UpdateRule."
+        )
+    for i, part in enumerate(state):
+        _check_tensors(rule, f"{where}'s state[{i}]", part, params)
+    return state
+
+
+def _check_update(rule: UpdateRule, out: Any, params: Params) -> None:
+    if not isinstance(out, tuple) or len(out) != 2:
+        raise TypeError(
+            f"{_rule_name(rule)}: update returned {type(out).__name__}"
+            f"{f' of {len(out)}' if isinstance(out, tuple) else ''}; it must return a pair "
+            f"(new parameters, new state); see maml.UpdateRule."
+        )
+    _check_tensors(rule, "update's new parameters", out[0], params)
+    _checked_state(rule, "update", out[1], params)
 
 
 def make_rule(name: str, options: Mapping[str, Any] | None) -> UpdateRule:
