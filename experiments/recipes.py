@@ -43,6 +43,10 @@ task per iteration, 30,000 iterations). Where it differs: the engine's inner ste
 support set (the reference draws 5 minibatches of 10 of the 50 images; at sine, 5 of 10 of 50
 points), and the inner Adam starts afresh for each task (the reference's Adam moments outlive a
 task, as its optimizer's slots are no trainable variables). Every pass is transductive here too.
+Its inner loop trains, and its meta-step interpolates, every trainable variable, batch norm
+included; so the Omniglot recipe adapts the strided net's batch-norm offsets (and ``--per-step-bn``'s
+weights) that MAML keeps for the outer loop alone, and ``--adapt head`` or ``body`` is refused:
+Reptile moves nothing the inner loop leaves alone.
 
 iMAML, from ``aravindr93/imaml_dev`` (Omniglot 5-way 1-shot: ``--inner_lr 1e-1 --outer_lr 1e-3
 --n_steps 16 --task_mb_size 32 --lam 2.0 --cg_steps 5``, mean cross-entropy). The engine solves
