@@ -12,7 +12,7 @@ import dataclasses
 import math
 import sys
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -31,6 +31,7 @@ __all__ = [
     "RunFlags",
     "ExperimentConfig",
     "check_config",
+    "check_given",
     "parse_args",
     "load_config",
     "config_text",
@@ -38,6 +39,16 @@ __all__ = [
 ]
 
 COMPILED_MODES = ("second_order", "first_order")  # the modes compile=True applies to
+UNROLLED_MODES = ("second_order", "first_order", "checkpointed")  # the modes that differentiate an unrolled inner loop
+# The most inner steps a run takes, in training (--steps) or in the evaluation (--eval-steps). Each step is a
+# forward and backward pass of every task, and second order keeps each one's graph for the meta-gradient, so
+# 10^12 steps run for days before the first meta-iteration ends. Published protocols take at most 50 (MAML 1-10,
+# MAML++ 5, iMAML 16-25, Reptile's evaluation 50): 10,000 is 200 times that, and still finishes.
+MAX_STEPS = 10_000
+# The most conjugate-gradient iterations of --mode implicit. In exact arithmetic CG solves an n-dimensional
+# system in n iterations, and in float32 it stops gaining long before (iMAML runs 5-20); each iteration is a
+# Hessian-vector product of every task, so 10^12 of them never end. 1,000 is 50 times the most published.
+MAX_CG_ITERATIONS = 1_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,6 +204,30 @@ def check_config(cfg: Any, positive: Sequence[str] = ()) -> None:
                 raise ValueError(f"{flag(key)} {','.join(map(str, value))}: each must be an integer >= {low}.")
             if isinstance(value, int) and value < low:
                 raise ValueError(f"{flag(key)} {value} must be an integer >= {low}.")
+    # Upper bounds on the counts whose loops a meta-iteration runs, so that a run asked for can finish. The
+    # other counts are not bounded: --iterations and the intervals are Python integers, which do not overflow,
+    # and a long run is stopped and resumed from its checkpoint; the sizes are bounded by memory (fit).
+    for key in ("steps", "eval_steps"):
+        value = getattr(cfg, key)
+        if isinstance(value, tuple) and any(v > MAX_STEPS for v in value):
+            raise ValueError(
+                f"{flag(key)} {','.join(map(str, value))}: each must be at most {MAX_STEPS} inner steps, the most a "
+                f"run takes (each step is a forward and backward pass of every task; published protocols take 1 to "
+                f"50); pass values up to {MAX_STEPS}."
+            )
+        if isinstance(value, int) and value > MAX_STEPS:
+            raise ValueError(
+                f"{flag(key)} {value} is above {MAX_STEPS} inner steps, the most a run takes (each step is a "
+                f"forward and backward pass of every task; published protocols take 1 to 50); pass at most "
+                f"{MAX_STEPS}."
+            )
+    if cfg.cg_iterations > MAX_CG_ITERATIONS:
+        raise ValueError(
+            f"--cg-iterations {cfg.cg_iterations} is above {MAX_CG_ITERATIONS}: conjugate gradient solves an "
+            f"n-dimensional system in n iterations in exact arithmetic and stops gaining far sooner in float32 "
+            f"(iMAML runs 5 to 20), and each iteration is a Hessian-vector product of every task; pass at most "
+            f"{MAX_CG_ITERATIONS}."
+        )
     for key in ("inner_lr", "meta_lr", "rate_meta_lr", "implicit_lam"):
         value = getattr(cfg, key)
         if value is not None and not 0 < value <= torch.finfo(torch.float32).max:  # NaN fails; inf overflows float32
@@ -222,21 +257,77 @@ def check_config(cfg: Any, positive: Sequence[str] = ()) -> None:
             f"--msl-fraction {cfg.msl_fraction:g} weighs the query losses of an unrolled inner loop, and --mode "
             f"{cfg.mode} unrolls none; drop it, or pick another --mode."
         )
+    if cfg.mode not in UNROLLED_MODES and cfg.first_order_fraction > 0:
+        raise ValueError(
+            f"--first-order-fraction {cfg.first_order_fraction:g} trains that share in first order, dropping the "
+            f"second derivatives of an unrolled inner loop, and --mode {cfg.mode} differentiates none; drop it, or "
+            f"pick another --mode."
+        )
+    if cfg.mode == "reptile" and cfg.steps == 0:
+        # Reptile's direction is the meta-parameters minus the adapted weights: without a step, zero.
+        raise ValueError(
+            "--steps 0 with --mode reptile: Reptile's meta-gradient is the meta-parameters minus the weights the "
+            "inner steps adapt, which 0 steps leave where they are, so it is zero and nothing trains; pass --steps 1 "
+            "or more (the reptile recipe takes 5)."
+        )
+    if cfg.mode == "implicit" and cfg.steps == 0:
+        # iMAML's gradient holds at the solution of the proximal inner problem; 0 steps leave the meta-parameters,
+        # which solve it only where the support gradient is zero: the gradient would be no iMAML gradient.
+        raise ValueError(
+            "--steps 0 with --mode implicit: iMAML's meta-gradient is that of the inner problem's solution, and 0 "
+            "inner steps solve nothing (the adapted weights stay the meta-parameters); pass --steps 1 or more (the "
+            "imaml recipe takes 10 on sine, 16 on Omniglot)."
+        )
     if cfg.mode in ("reptile", "implicit") and cfg.learn_inner_lr is not None:
         why = "differentiates no inner step" if cfg.mode == "reptile" else "does not depend on how the inner loop ran"
         raise ValueError(
             f"--learn-inner-lr {cfg.learn_inner_lr}: --mode {cfg.mode}'s meta-gradient {why}, so it has none for "
             f"the rates; drop it, or pick another --mode."
         )
-    if cfg.mode == "implicit" and cfg.adapt != "all":
+    if cfg.mode in ("implicit", "reptile") and cfg.adapt != "all":
+        why = (
+            "iMAML's meta-gradient is that of the adapted weights"
+            if cfg.mode == "implicit"
+            else "Reptile moves only what the inner loop moved; its reference adapts every trainable variable"
+        )
         raise ValueError(
-            f"--mode implicit needs every trained parameter adapted (iMAML's meta-gradient is that of the adapted "
-            f"weights), and --adapt {cfg.adapt} leaves some out; pass --adapt all, or pick another --mode."
+            f"--mode {cfg.mode} needs every trained parameter adapted ({why}), and --adapt {cfg.adapt} leaves "
+            f"some out, which would never train; pass --adapt all, or pick another --mode."
         )
     if cfg.compile and cfg.mode not in COMPILED_MODES:
         raise ValueError(
             f"compile applies to mode second_order or first_order, not {cfg.mode}; drop --compile or "
             f"pick another --mode."
+        )
+
+
+# The keys only --mode implicit reads, and what each is: set with another mode, they would do nothing but be
+# recorded in config.yaml and results.json as if they had shaped the run.
+IMPLICIT_KEYS = {
+    "implicit_lam": "iMAML's proximal regularisation",
+    "cg_iterations": "the number of conjugate-gradient iterations of iMAML's linear solve",
+}
+
+
+def check_given(cfg: Any, given: Mapping[str, Path | None]) -> None:
+    """Raises ValueError naming a key the user set that ``cfg``'s mode does not read.
+
+    ``given``: the keys set by a flag (None) or by a ``--config`` file (its path) to a value of
+    their own; the defaults and the recipe's values are not given, so ``--algorithm imaml
+    --mode first_order`` passes while ``--mode first_order --cg-iterations 10`` does not.
+    """
+    if cfg.mode == "implicit":
+        return
+    for key, what in IMPLICIT_KEYS.items():
+        if key not in given:
+            continue
+        value = getattr(cfg, key)
+        shown = f"{value:g}" if isinstance(value, float) else str(value)
+        path = given[key]
+        named = f"{cli.flag(key)} {shown}" if path is None else f"--config {path}: {key} {shown}"
+        raise ValueError(
+            f"{named} is {what} (--mode implicit), and --mode {cfg.mode} does not read it (it would only be "
+            f"recorded in results.json); drop it, or pass --mode implicit."
         )
 
 
@@ -262,10 +353,16 @@ def parse_args(
     types_ = {**typing.get_type_hints(RunFlags), **typing.get_type_hints(cls)}
     flagged = cli.check_argv(argv, types_, switches=("resume", "overwrite"))
     base = cls()
+    given: dict[str, Path | None] = {}  # the keys the user set, by a flag (None) or in --config (its path)
     if flagged is not None:  # (for --help, the defaults of the dataclass)
         from_yaml = load_yaml(flagged["config"], cls) if flagged.get("config") is not None else {}
         algorithm = {**vars(cls()), **from_yaml, **flagged}["algorithm"]
-        base = cls(**{**vars(cls()), **recipes.recipe(experiment, algorithm), **from_yaml})
+        preset = {**vars(cls()), **recipes.recipe(experiment, algorithm)}
+        base = cls(**{**preset, **from_yaml})
+        # A --config file written by a run (config.yaml) holds every key: only a value other than the
+        # default or the recipe's counts as set there.
+        given = {k: flagged["config"] for k, v in from_yaml.items() if v != preset.get(k)}
+        given |= {k: None for k in flagged}
     args_cls = dataclasses.make_dataclass(
         "Args", [("run", RunFlags), (experiment, Annotated[cls, tyro.conf.FlagConversionOff])]
     )
@@ -293,6 +390,7 @@ def parse_args(
             )
     try:
         validate(cfg)
+        check_given(cfg, given)
     except ValueError as e:
         raise UsageError(str(e)) from None
     device = runtime.parse_device(run.device)

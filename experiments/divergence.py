@@ -1,5 +1,8 @@
 """Why a run diverged (NaN/Inf): the outer loop (lower ``--meta-lr``) or the inner loop (lower ``--inner-lr``).
 
+Under Reptile's SGD meta-step at a meta-lr of at most 1, meta-parameters that ran away are the
+inner loop's doing (:class:`DivergenceWatch`).
+
 The trainer asks :class:`DivergenceWatch` at two points of each iteration: when the engine's
 check stops ``learner.run`` (a FloatingPointError: an inner loss is NaN/Inf), and after the
 optimizer step, which :meth:`DivergenceWatch.check_step` checks. Either way the run ends with
@@ -46,16 +49,26 @@ class DivergenceWatch:
     check, one synchronisation per iteration, stops the run before the trainer checkpoints it;
     only then are the losses and gradients looked at.
 
+    Reptile's SGD meta-step (``reptile``) is ``theta += meta_lr (phi - theta)``: at a meta-lr of at
+    most 1 it moves the meta-parameters part of the way to the adapted weights ``phi`` and no
+    further, so meta-parameters that ran away were led there by the inner loop, and the message
+    names ``--inner-lr`` and ``--steps``, not the ``--meta-lr`` the user may already have lowered.
+    Above 1 the step overshoots ``phi``, and the message asks for a meta-lr of at most 1.
+
     Args:
         learner: the one the trainer runs.
         iteration: meta-iterations already done (the resumed checkpoint's, else 0).
         meta_lr, inner_lr: the values to name in the messages.
+        reptile: whether the outer step is Reptile's SGD step (``--mode reptile --meta-optimizer sgd``).
     """
 
     GROWTH = 100.0
 
-    def __init__(self, learner: maml.MetaLearner, iteration: int, meta_lr: float, inner_lr: float) -> None:
+    def __init__(
+        self, learner: maml.MetaLearner, iteration: int, meta_lr: float, inner_lr: float, reptile: bool = False
+    ) -> None:
         self.learner, self.iteration, self.meta_lr, self.inner_lr = learner, iteration, meta_lr, inner_lr
+        self.reptile = reptile
         self._names = {id(p): n for n, p in learner.model.named_parameters()}
         self._names.update({id(p): f"the inner rate {n}" for n, p in learner.rate_parameters.items()})
         self._first: float | None = None  # the mean own loss at this process's first training iteration
@@ -116,16 +129,14 @@ class DivergenceWatch:
         value, before = float(losses[step][task]), float(losses[0][task])
         what = "query loss" if step == steps else "support loss"
         if step == 0:
-            return (
-                f"the outer loop diverged by {where}: the meta-parameters are finite, but their own {what} "
-                f"(before any inner step) is {value} for task {task}; lower --meta-lr {self.meta_lr:g}"
+            return self._outer(
+                f"by {where}",
+                f"the meta-parameters are finite, but their own {what} (before any inner step) is {value} for task "
+                f"{task}",
             )
         after = f"the {what} of task {task} is {value} after {step} inner step{'s' if step != 1 else ''}"
         if self._ran_away(own):
-            return (
-                f"the outer loop diverged by {where}: {self._ran_away(own)}, and from there {after}; "
-                f"lower --meta-lr {self.meta_lr:g}"
-            )
+            return self._outer(f"by {where}", f"{self._ran_away(own)}, and from there {after}")
         return (
             f"the inner loop diverged at {where}: {after}, from a support loss of {before:.4g} at the "
             f"meta-parameters; lower --inner-lr {self.inner_lr:g}{self._rates()}"
@@ -134,21 +145,40 @@ class DivergenceWatch:
     def _gradient(self, where: str, own: float) -> str:
         """The message for a NaN/Inf meta-gradient of finite losses."""
         if self._ran_away(own):
-            return (
-                f"the outer loop diverged by {where}: {self._ran_away(own)}, and the meta-gradient there is "
-                f"NaN/Inf; lower --meta-lr {self.meta_lr:g}"
-            )
+            return self._outer(f"by {where}", f"{self._ran_away(own)}, and the meta-gradient there is NaN/Inf")
         return (
             f"the inner loop diverged at {where}: the meta-gradient through its inner steps is NaN/Inf though "
             f"its losses are finite (the second-order terms overflowed); lower --inner-lr {self.inner_lr:g}"
             f"{self._rates()}"
         )
 
+    def _outer(self, at: str, why: str, fix: str | None = None) -> str:
+        """The message for meta-parameters that diverged ``at`` (``"by meta-iteration 7"``) for the reason ``why``.
+
+        The outer loop's, whose fix is ``fix`` (default: lower --meta-lr); under Reptile's step at a
+        meta-lr of at most 1, the inner loop's (see the class docstring).
+        """
+        if not self.reptile:
+            return f"the outer loop diverged {at}: {why}; {fix or f'lower --meta-lr {self.meta_lr:g}'}"
+        if self.meta_lr > 1:  # the step overshoots the adapted weights: 1 is a value below the user's
+            return (
+                f"the outer loop diverged {at}: {why}; lower --meta-lr {self.meta_lr:g} to at most 1, where "
+                f"Reptile's meta-step stops at the adapted weights instead of overshooting them"
+            )
+        steps = f" or --steps {self.learner.steps}" if self.learner.steps > 1 else ""  # 1 step cannot be lowered
+        return (
+            f"the inner loop diverged {at}: {why}; Reptile's meta-step at --meta-lr {self.meta_lr:g} (at most 1) "
+            f"only moves the meta-parameters towards the weights the inner steps adapt, so those ran away: lower "
+            f"--inner-lr {self.inner_lr:g}{steps}"
+        )
+
     def _ran_away(self, own: float) -> str:
         """How the outer updates raised the meta-parameters' own loss, if they did ``GROWTH``-fold; else ''."""
         if self._first is None or not math.isfinite(own) or not own > self.GROWTH * self._first:
             return ""
-        return f"its updates raised the meta-parameters' own loss (before any inner step) from {self._first:.4g} to {own:.4g}"
+        # Under Reptile's step the outer loop may not be to blame (_outer): "its" would name the loop blamed.
+        who = "the meta-steps" if self.reptile else "its updates"
+        return f"{who} raised the meta-parameters' own loss (before any inner step) from {self._first:.4g} to {own:.4g}"
 
     def _rates(self) -> str:
         if not self.learner.rate_parameters:
@@ -178,8 +208,11 @@ class DivergenceWatch:
             else "overflowed the meta-parameters"
         )
         raise Diverged(
-            f"the outer loop diverged at {where}: its optimizer step with --meta-lr {self.meta_lr:g} "
-            f"{what} from a finite meta-gradient; lower --meta-lr"
+            self._outer(
+                f"at {where}",
+                f"its optimizer step with --meta-lr {self.meta_lr:g} {what} from a finite meta-gradient",
+                "lower --meta-lr",
+            )
         )
 
 

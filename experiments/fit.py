@@ -162,7 +162,8 @@ def fit(experiment: Experiment, argv: Sequence[str] | None = None) -> None:
     )
     optimizer = recipes.meta_optimizer(learner, cfg.meta_lr, cfg.rate_meta_lr, cfg.meta_optimizer)
     trained = peers.Learn2LearnMAML(learner) if model.engine == "learn2learn" else learner
-    watch = DivergenceWatch(trained, resumed["iteration"] if resumed else 0, cfg.meta_lr, cfg.inner_lr)
+    reptile = cfg.mode == "reptile" and cfg.meta_optimizer == "sgd"  # the step towards the adapted weights
+    watch = DivergenceWatch(trained, resumed["iteration"] if resumed else 0, cfg.meta_lr, cfg.inner_lr, reptile)
     tasks = experiment.tasks(cfg, data, opts.device)
     trainer = Trainer(
         learner=trained,

@@ -252,6 +252,8 @@ def memory_needs(cfg: OmniglotConfig, params: int | None) -> list[Need]:
     per_task = cfg.ways * (cfg.shots + cfg.query)  # images of one test task
     per_train_task = cfg.ways * (cfg.train_shots + cfg.query)
     first_layer = cfg.ways * max(cfg.train_shots, cfg.query) * cfg.filters * 14 * 14 * FLOAT_BYTES  # of one pass
+    # --train-shots defaults to --shots: name the flag the user set (as omniglot_data.make_splits does).
+    train_shots = "--train-shots" if cfg.train_shots != cfg.shots else "--shots"
     return [
         Need(
             "the network's weights, meta-gradient, and one task's support gradient and fast weights",
@@ -260,7 +262,7 @@ def memory_needs(cfg: OmniglotConfig, params: int | None) -> list[Need]:
         ),
         Need(
             "the training meta-batch's images and one task's first feature maps",
-            "--meta-batch, --ways, --train-shots, --query, --filters",
+            f"--meta-batch, --ways, {train_shots}, --query, --filters",
             cfg.meta_batch * per_train_task * image + first_layer,
         ),
         Need("the validation tasks' images", "--val-tasks, --ways, --shots, --query", cfg.val_tasks * per_task * image),
@@ -270,7 +272,10 @@ def memory_needs(cfg: OmniglotConfig, params: int | None) -> list[Need]:
 
 def make_model(cfg: OmniglotConfig) -> fit.Model:
     net = build_model(cfg.ways, cfg.filters, cfg.network, cfg.steps if cfg.per_step_bn else None)
-    return fit.Model(net, loss_function(cfg.loss, cfg.ways), meta_only(net), engine=cfg.engine)
+    # openai/supervised-reptile adapts every trainable variable, batch norm included, and interpolates them all:
+    # Reptile moves nothing the inner loop leaves alone, so nothing is meta-only there.
+    kept_out = set() if cfg.mode == "reptile" else meta_only(net)
+    return fit.Model(net, loss_function(cfg.loss, cfg.ways), kept_out, engine=cfg.engine)
 
 
 def train_tasks(cfg: OmniglotConfig, data: Data, device: torch.device) -> fit.Tasks:

@@ -105,6 +105,12 @@ def _check_out(opts: RunOptions, cfg: Any) -> dict[str, Any] | None:
             )
             return None
         if not path.is_file():
+            held = [f for f in RUN_FILES if (out / f).exists()]
+            if held:  # a run of another config that ended before its first checkpoint: nothing to resume
+                raise UsageError(
+                    f"--resume: no checkpoint at {path}, so nothing to resume: the run there ({', '.join(held)}) "
+                    f"wrote none; pass --overwrite instead of --resume to start it anew, or another --out."
+                )
             raise UsageError(f"--resume: no checkpoint at {path}; start the run without --resume.")
         try:
             state = torch.load(path, map_location="cpu", weights_only=False)
@@ -150,6 +156,12 @@ def _check_out(opts: RunOptions, cfg: Any) -> dict[str, Any] | None:
     if taken and not opts.overwrite and unstarted:
         print(f"--out {out} holds this run, ended before its first checkpoint: starting it again", file=sys.stderr)
         return None
+    if taken and not opts.overwrite and "checkpoint.pt" not in taken:
+        # --resume would say there is no checkpoint: name only what works, never a loop of two messages.
+        raise UsageError(
+            f"--out {out} already holds a run ({', '.join(taken)}) without a checkpoint, so there is nothing to "
+            f"resume; pass --overwrite to replace it, or another --out."
+        )
     if taken and not opts.overwrite:
         raise UsageError(
             f"--out {out} already holds a run ({', '.join(taken)}); pass --resume to continue it, "

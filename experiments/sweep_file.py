@@ -46,6 +46,74 @@ class SweepError(Exception):
     """Bad input: the message says what to fix (one ``error:`` line, exit code 2)."""
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (yaml.safe_load keeps the last, silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<:` merges another mapping: no key of its own
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise _DuplicateKey(key, key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+class _DuplicateKey(yaml.YAMLError):
+    """A key given twice in one mapping, and where (the second time)."""
+
+    def __init__(self, key: Any, mark: yaml.Mark) -> None:
+        super().__init__(key, mark)
+        self.key, self.mark = key, mark
+
+
+def _line(text: str, keys: list[str]) -> str:
+    """`` line N`` of the key at ``keys`` (from the top) in the YAML ``text``; '' where it is not found."""
+    node = yaml.compose(text, Loader=yaml.SafeLoader)
+    line = None
+    for key in keys:
+        if not isinstance(node, yaml.MappingNode):
+            return ""
+        found = next(((k, v) for k, v in node.value if isinstance(k, yaml.ScalarNode) and k.value == key), None)
+        if found is None:
+            return ""
+        line, node = found[0].start_mark.line + 1, found[1]
+    return f", line {line}" if line is not None else ""
+
+
+def _check_flat(path: Path, text: str, config: dict[str, Any]) -> None:
+    """Raises SweepError for a parameter the trials' flags cannot carry: nested parameters, or a mapping as a value.
+
+    A trial's command passes each parameter as one ``--name=value`` flag: the engine drops a
+    parameter that holds ``parameters:`` of its own from every trial, and a mapping as a value
+    would reach the program as its Python repr.
+    """
+    parameters = config.get("parameters")
+    for name, spec in parameters.items() if isinstance(parameters, dict) else ():
+        if not isinstance(spec, dict):
+            continue  # the engine's schema says what a parameter must be
+        if "parameters" in spec:
+            raise SweepError(
+                f"{path}{_line(text, ['parameters', str(name), 'parameters'])}: the parameter {name!r} holds nested "
+                f"parameters, which the search would drop from every trial (each trial passes flat --name=value "
+                f"flags); give each flag its own entry under parameters."
+            )
+        if "value" in spec:
+            values = [spec["value"]]
+        else:
+            values = spec["values"] if isinstance(spec.get("values"), list) else []
+        nested = next((value for value in values if isinstance(value, dict)), None)
+        if nested is not None:
+            where = "value" if "value" in spec else "values"
+            raise SweepError(
+                f"{path}{_line(text, ['parameters', str(name), where])}: the parameter {name!r} has the mapping "
+                f"{nested!r} as a value, which a trial's --{name}=VALUE flag cannot carry; give it a number, a string "
+                f"or a bool (one parameter per flag)."
+            )
+
+
 @dataclass
 class Sweep:
     """A checked sweep file, and what the runner takes from it."""
@@ -89,13 +157,20 @@ def load_sweep(path: Path) -> Sweep:
             unsupported command macro or a missing program.
     """
     try:
-        config = yaml.safe_load(path.read_text())
+        text = path.read_text()
+        config = yaml.load(text, Loader=_UniqueKeys)
+    except _DuplicateKey as error:
+        raise SweepError(
+            f"{path}, line {error.mark.line + 1}: the key {error.key!r} is given twice in one mapping, and YAML "
+            f"would keep only the last, silently; keep one."
+        ) from None
     except (OSError, yaml.YAMLError) as error:
         raise SweepError(f"sweep file {path} not found or not valid YAML: {' '.join(str(error).split())}") from None
     if not isinstance(config, dict) or not isinstance(config.get("metric"), dict) or not config["metric"].get("name"):
         raise SweepError(f"{path} needs a metric to rank its trials, e.g. metric: {{name: val/mse, goal: minimize}}")
     if type(config.get("run_cap", 1)) is not int or config.get("run_cap", 1) < 1:
         raise SweepError(f"{path}: run_cap must be a positive integer (got {config['run_cap']!r})")
+    _check_flat(path, text, config)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         engine_input = {key: value for key, value in config.items() if key != "run_cap"}  # not in the engine's schema

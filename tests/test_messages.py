@@ -508,3 +508,66 @@ def test_logged_in_means_a_key_for_the_host_of_the_wandb_server(tmp_path, monkey
     assert default_wandb_mode() == "online"
     monkeypatch.setenv("NETRC", str(tmp_path / "none"))
     assert default_wandb_mode() == "offline"
+
+
+# ---------------------------------------------------------------------------- Reptile's divergence: the inner loop's
+
+
+@pytest.mark.parametrize(
+    "meta_lr, own, fix",
+    [
+        (
+            0.01,
+            "8.817e+18",
+            "the inner loop diverged by meta-iteration 2: the meta-steps raised the meta-parameters' own loss (before "
+            "any inner step) from 0.8196 to {own}, and from there the support loss of task 0 is inf after 1 inner step; "
+            "Reptile's meta-step at --meta-lr 0.01 (at most 1) only moves the meta-parameters towards the weights the "
+            "inner steps adapt, so those ran away: lower --inner-lr 0.01 or --steps 2",
+        ),
+        (
+            50.0,
+            "1.459e+18",
+            "the outer loop diverged by meta-iteration 2: the meta-steps raised the meta-parameters' own loss (before "
+            "any inner step) from 0.8196 to {own}, and from there the support loss of task 0 is inf after 1 inner step; "
+            "lower --meta-lr 50 to at most 1, where Reptile's meta-step stops at the adapted weights instead of "
+            "overshooting them",
+        ),
+    ],
+    ids=["interpolating", "overshooting"],
+)
+def test_reptile_meta_parameters_that_ran_away_blame_what_moved_them(meta_lr: float, own: str, fix: str) -> None:
+    # Reptile's SGD step theta += meta_lr (phi - theta) stops between the meta-parameters and the adapted
+    # weights at a meta-lr of at most 1: meta-parameters that ran away were led there by the inner loop, and
+    # "lower --meta-lr" would send a user who already lowered it to lower it again. Above 1 the step
+    # overshoots, and the fix is a meta-lr of at most 1, below the one passed.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1, 8), nn.ReLU(), nn.Linear(8, 1))
+    learner = maml.MetaLearner(model, F.mse_loss, inner_lr=0.01, steps=2, mode="reptile")
+    optimizer = torch.optim.SGD(learner.parameters(), lr=meta_lr)
+    g = torch.Generator().manual_seed(0)
+    batch = maml.TaskBatch(*(torch.randn(3, 5, 1, generator=g) for _ in range(4)))
+    watch = DivergenceWatch(learner, 0, meta_lr, 0.01, reptile=True)
+    meta_step(watch, learner, optimizer, batch)  # a good iteration: the own loss the run started from
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1e5)
+    with pytest.raises(Diverged) as diverged:
+        meta_step(watch, learner, optimizer, batch)
+    assert str(diverged.value) == fix.format(own=own)
+
+
+def test_a_reptile_run_that_diverges_names_the_inner_lr_not_the_meta_lr_it_lowered(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    argv = ["--algorithm", "reptile", "--inner-lr", "5", "--meta-lr", "0.01", "--iterations", "50", "--out", str(out)]
+    err = exits(capsys, sine.run, [*argv, *TINY_SINE], 1)
+    assert re.fullmatch(
+        r"error: the inner loop diverged by meta-iteration \d+: the meta-steps raised the meta-parameters' own loss "
+        r"\(before any inner step\) from [0-9.e+]+ to [0-9.e+]+, and from there the (support|query) loss of task \d "
+        r"is (inf|nan) after [1-5] inner steps?; Reptile's meta-step at --meta-lr 0\.01 \(at most 1\) only moves the "
+        r"meta-parameters towards the weights the inner steps adapt, so those ran away: lower --inner-lr 5 or "
+        r"--steps 5\. The run stopped; .*",
+        err,
+    ), err
+    assert "lower --meta-lr" not in err

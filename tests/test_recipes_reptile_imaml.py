@@ -142,7 +142,8 @@ def test_reptile_trains_on_more_shots_than_it_tests():
         (
             ["--algorithm", "imaml", "--adapt", "head"],
             "error: --mode implicit needs every trained parameter adapted (iMAML's meta-gradient is that of the "
-            "adapted weights), and --adapt head leaves some out; pass --adapt all, or pick another --mode.",
+            "adapted weights), and --adapt head leaves some out, which would never train; pass --adapt all, or "
+            "pick another --mode.",
         ),
         (
             ["--mode", "reptile", "--compile", "true"],
@@ -187,3 +188,45 @@ def test_each_new_recipe_runs_end_to_end_on_sine(capsys, tmp_path, algorithm):
     run_sine(capsys, ["--algorithm", algorithm, "--iterations", "3", "--steps", "2", "--out", str(out)])
     results = (out / "results.json").read_text()
     assert f'"algorithm": "{algorithm}"' in results
+
+
+def test_reptile_adapt_head_is_refused(capsys, tmp_path):
+    out = tmp_path / "run"
+    line = one_error(run_sine(capsys, ["--algorithm", "reptile", "--adapt", "head", "--out", str(out)], code=2))
+    assert line == (
+        "error: --mode reptile needs every trained parameter adapted (Reptile moves only what the inner loop moved; "
+        "its reference adapts every trainable variable), and --adapt head leaves some out, which would never train; "
+        "pass --adapt all, or pick another --mode."
+    )
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("per_step_bn", [False, True], ids=["offsets", "per-step-bn"])
+def test_reptile_on_omniglot_trains_every_batch_norm_weight(per_step_bn):
+    """supervised-reptile adapts and interpolates every trainable variable: the strided net's batch norms too."""
+    argv = ["--algorithm", "reptile", "--filters", "4", "--steps", "2", *(["--per-step-bn", "true"] if per_step_bn else [])]
+    cfg = parsed("omniglot", omniglot.OmniglotConfig, argv)
+    model = omniglot.make_model(cfg)
+    assert not model.meta_only
+    net = model.module.double()
+    norms = {k for k in meta_only(net)}
+    assert norms  # the strided net's offsets, or the per-step weights and biases
+    learner = maml.MetaLearner(
+        net,
+        model.loss,
+        cfg.inner_lr,
+        cfg.steps,
+        mode="reptile",
+        inner_optimizer="adam",
+        inner_optimizer_options={"betas": cfg.inner_adam_betas},
+    )
+    assert norms <= set(learner.adapted)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 1, 28, 28, generator=g, dtype=torch.float64)
+    y = torch.arange(5).expand(2, 5).contiguous()
+    optimizer = torch.optim.SGD(net.parameters(), lr=1.0)
+    before = {k: v.detach().clone() for k, v in net.named_parameters()}
+    learner.meta_loss(maml.TaskBatch(x, y, x, y)).backward()
+    optimizer.step()
+    moved = {k for k, v in net.named_parameters() if not torch.equal(v, before[k])}
+    assert norms <= moved, sorted(norms - moved)

@@ -3,7 +3,9 @@ value and the fix (exit 2, nothing written), or a note where the input is kept b
 
 from __future__ import annotations
 
+import io
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,8 +13,10 @@ from helpers import omniglot_root
 from test_run_faults import one_error, run_sine
 
 import maml
-from experiments import memory, omniglot
+from experiments import memory, omniglot, sine
+from experiments import sweep as sweep_cli
 from experiments.cli import UsageError
+from experiments.config import parse_args
 
 
 @pytest.mark.parametrize(
@@ -196,3 +200,228 @@ def test_step_weights_that_require_grad_are_refused_where_they_would_get_none():
     weights = torch.tensor([0.5, 0.5], requires_grad=True)
     with pytest.raises(ValueError, match="step_weights require grad, but with compile=True"):
         meta.meta_loss(maml.TaskBatch(X, Y, X, Y), step_weights=weights)
+
+
+# ---------------------------------------------------------------------------- issue: inputs found by outside testing
+
+
+def parse_sine(tmp_path: Path, argv: list[str]) -> sine.SineConfig:
+    """The sine config that ``argv`` makes, checked as the script checks it (nothing is written)."""
+    cfg, _ = parse_args("sine", sine.SineConfig, [*argv, "--out", str(tmp_path / "run")], "", sine.validate_config)
+    return cfg
+
+
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (
+            ["--algorithm", "imaml", "--cg-iterations", TRILLION],
+            f"error: --cg-iterations {TRILLION} is above 1000: conjugate gradient solves an n-dimensional system in "
+            "n iterations in exact arithmetic and stops gaining far sooner in float32 (iMAML runs 5 to 20), and each "
+            "iteration is a Hessian-vector product of every task; pass at most 1000.",
+        ),
+        (
+            ["--steps", TRILLION],
+            f"error: --steps {TRILLION} is above 10000 inner steps, the most a run takes (each step is a forward and "
+            "backward pass of every task; published protocols take 1 to 50); pass at most 10000.",
+        ),
+        (
+            ["--eval-steps", f"1,{TRILLION}"],
+            f"error: --eval-steps 1,{TRILLION}: each must be at most 10000 inner steps, the most a run takes (each "
+            "step is a forward and backward pass of every task; published protocols take 1 to 50); pass values up to "
+            "10000.",
+        ),
+    ],
+    ids=["cg-iterations", "steps", "eval-steps"],
+)
+def test_counts_whose_loops_cannot_finish_are_refused(capsys, tmp_path, args, line):
+    # Each used to run its first meta-iteration (or the evaluation) for hours: --cg-iterations 10^12 was
+    # still in its first iteration after 11 minutes.
+    out = tmp_path / "run"
+    assert one_error(run_sine(capsys, [*args, "--iterations", "20", "--out", str(out)], code=2)) == line
+    assert not out.exists()
+
+
+def test_the_bounds_refuse_no_published_protocol_and_iterations_stay_unbounded(tmp_path):
+    # MAML++ 5 steps, iMAML 16-25 steps and 5-20 CG iterations, Reptile's evaluation at 50 steps: all pass,
+    # and so does the bound itself; --iterations is a Python integer, which overflows nothing.
+    cfg = parse_sine(tmp_path, ["--algorithm", "imaml", "--steps", "25", "--cg-iterations", "20"])
+    assert (cfg.steps, cfg.cg_iterations) == (25, 20)
+    cfg = parse_sine(tmp_path, ["--steps", "10000", "--eval-steps", "1,50,10000"])
+    assert (cfg.steps, cfg.eval_steps) == (10_000, (1, 50, 10_000))
+    assert parse_sine(tmp_path, ["--algorithm", "imaml", "--cg-iterations", "1000"]).cg_iterations == 1000
+    assert parse_sine(tmp_path, ["--iterations", str(10**30)]).iterations == 10**30
+
+
+@pytest.mark.parametrize(
+    "args, mode",
+    [
+        (["--algorithm", "reptile"], "reptile"),
+        (["--algorithm", "imaml"], "implicit"),
+        (["--mode", "reptile"], "reptile"),
+        (["--mode", "implicit"], "implicit"),
+    ],
+)
+def test_first_order_fraction_without_an_unrolled_inner_loop_is_refused(capsys, tmp_path, args, mode):
+    out = tmp_path / "run"
+    err = run_sine(capsys, [*args, "--first-order-fraction", "0.5", "--iterations", "2", "--out", str(out)], code=2)
+    assert one_error(err) == (
+        "error: --first-order-fraction 0.5 trains that share in first order, dropping the second derivatives of an "
+        f"unrolled inner loop, and --mode {mode} differentiates none; drop it, or pick another --mode."
+    )
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (
+            ["--cg-iterations", "10"],
+            "error: --cg-iterations 10 is the number of conjugate-gradient iterations of iMAML's linear solve (--mode "
+            "implicit), and --mode second_order does not read it (it would only be recorded in results.json); drop "
+            "it, or pass --mode implicit.",
+        ),
+        (
+            ["--algorithm", "reptile", "--implicit-lam", "2"],
+            "error: --implicit-lam 2 is iMAML's proximal regularisation (--mode implicit), and --mode reptile does not "
+            "read it (it would only be recorded in results.json); drop it, or pass --mode implicit.",
+        ),
+        (  # a value the user passed is refused even where it equals the default
+            ["--algorithm", "imaml", "--mode", "first_order", "--cg-iterations", "5"],
+            "error: --cg-iterations 5 is the number of conjugate-gradient iterations of iMAML's linear solve (--mode "
+            "implicit), and --mode first_order does not read it (it would only be recorded in results.json); drop it, "
+            "or pass --mode implicit.",
+        ),
+    ],
+    ids=["cg-iterations", "implicit-lam-reptile", "recipe-overridden"],
+)
+def test_implicit_keys_given_with_another_mode_are_refused(capsys, tmp_path, args, line):
+    out = tmp_path / "run"
+    assert one_error(run_sine(capsys, [*args, "--iterations", "2", "--out", str(out)], code=2)) == line
+    assert not out.exists()
+
+
+def test_implicit_keys_in_a_config_file_are_refused_only_where_they_differ_from_the_recipe(capsys, tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("mode: reptile\nimplicit_lam: 0.5\niterations: 2\n")
+    err = run_sine(capsys, ["--config", str(config), "--out", str(tmp_path / "run")], code=2)
+    assert one_error(err) == (
+        f"error: --config {config}: implicit_lam 0.5 is iMAML's proximal regularisation (--mode implicit), and --mode "
+        "reptile does not read it (it would only be recorded in results.json); drop it, or pass --mode implicit."
+    )
+    assert not (tmp_path / "run").exists()
+    # A run's own config.yaml holds every key, at the default or the recipe's value: it is read back as it was.
+    config.write_text("algorithm: imaml\nmode: first_order\nimplicit_lam: 2.0\ncg_iterations: 5\n")
+    assert parse_sine(tmp_path, ["--config", str(config)]).implicit_lam == 2.0
+    # The recipe's values, left alone, are no user's: --algorithm imaml with another mode passes.
+    assert parse_sine(tmp_path, ["--algorithm", "imaml", "--mode", "second_order"]).mode == "second_order"
+
+
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (
+            ["--algorithm", "reptile"],
+            "error: --steps 0 with --mode reptile: Reptile's meta-gradient is the meta-parameters minus the weights the "
+            "inner steps adapt, which 0 steps leave where they are, so it is zero and nothing trains; pass --steps 1 or "
+            "more (the reptile recipe takes 5).",
+        ),
+        (
+            ["--mode", "implicit"],
+            "error: --steps 0 with --mode implicit: iMAML's meta-gradient is that of the inner problem's solution, and "
+            "0 inner steps solve nothing (the adapted weights stay the meta-parameters); pass --steps 1 or more (the "
+            "imaml recipe takes 10 on sine, 16 on Omniglot).",
+        ),
+    ],
+    ids=["reptile", "implicit"],
+)
+def test_zero_steps_where_the_meta_gradient_needs_inner_steps_are_refused(capsys, tmp_path, args, line):
+    out = tmp_path / "run"
+    assert one_error(run_sine(capsys, [*args, "--steps", "0", "--iterations", "2", "--out", str(out)], code=2)) == line
+    assert not out.exists()
+    # MAML's meta-gradient at 0 steps is the query loss's gradient at the meta-parameters (joint training): kept.
+    assert parse_sine(tmp_path, ["--steps", "0"]).steps == 0
+
+
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--shots", "30"], "--shots 30 --query 30"),  # --train-shots defaults to --shots: the user set --shots
+        (["--train-shots", "30"], "--train-shots 30 --query 1"),
+    ],
+    ids=["shots", "train-shots"],
+)
+def test_an_omniglot_size_error_names_the_flag_the_user_set(capsys, tmp_path, monkeypatch, args, named):
+    monkeypatch.setenv("MAML_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "run"
+    argv = ["--data", str(omniglot_root()), *args, "--iterations", "1", "--eval-tasks", "2", "--out", str(out)]
+    line = one_error(run_sine(capsys, argv, code=2, module=omniglot))
+    assert line.startswith(f"error: {named}, the train split: shots + query = "), line
+    assert not out.exists()
+
+
+def write_sweep(path: Path, parameters: str) -> None:
+    """A grid sweep of tests/sweep_program.py whose ``parameters:`` block is ``parameters`` (YAML, indented)."""
+    path.write_text(
+        "name: t\nprogram: tests/sweep_program.py\nmethod: grid\nmetric: {name: val/score, goal: minimize}\n"
+        f"parameters:\n{parameters}"
+    )
+
+
+@pytest.mark.parametrize(
+    "parameters, said",
+    [
+        (
+            "  x:\n    values: [1.0, 2.0]\n  x:\n    values: [3.0]\n",
+            "line 8: the key 'x' is given twice in one mapping, and YAML would keep only the last, silently; keep one.",
+        ),
+        (
+            "  x:\n    values: [1.0]\n    values: [2.0]\n",
+            "line 8: the key 'values' is given twice in one mapping, and YAML would keep only the last, silently; keep "
+            "one.",
+        ),
+        (
+            "  y:\n    values: [1]\n  x:\n    parameters:\n      lr: {values: [0.1, 0.01]}\n",
+            "line 9: the parameter 'x' holds nested parameters, which the search would drop from every trial (each "
+            "trial passes flat --name=value flags); give each flag its own entry under parameters.",
+        ),
+        (
+            "  x:\n    values: [1.0]\n  y:\n    value: {a: 1}\n",
+            "line 9: the parameter 'y' has the mapping {'a': 1} as a value, which a trial's --y=VALUE flag cannot "
+            "carry; give it a number, a string or a bool (one parameter per flag).",
+        ),
+        (
+            "  x:\n    values: [1.0, {b: 2}]\n",
+            "line 7: the parameter 'x' has the mapping {'b': 2} as a value, which a trial's --x=VALUE flag cannot "
+            "carry; give it a number, a string or a bool (one parameter per flag).",
+        ),
+    ],
+    ids=["duplicate-parameter", "duplicate-values", "nested-parameters", "mapping-value", "mapping-among-values"],
+)
+def test_a_sweep_file_key_that_would_be_dropped_is_refused_with_its_line(tmp_path, parameters, said):
+    path = tmp_path / "sweep.yaml"
+    write_sweep(path, parameters)
+    stdout, stderr = io.StringIO(), io.StringIO()
+    assert sweep_cli.main([str(path), "--dry-run"], stdout, stderr) == 2
+    assert stderr.getvalue() == f"error: {path}, {said}\n"
+    assert stdout.getvalue() == ""
+
+
+def test_a_folder_without_a_checkpoint_names_overwrite_not_a_loop_of_resume_and_no_resume(capsys, tmp_path):
+    # What a run of another config leaves when it is stopped before its first checkpoint.
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.yaml").write_text("seed: 7\n")
+    line = one_error(run_sine(capsys, ["--iterations", "2", "--out", str(out)], code=2))
+    assert line == (
+        f"error: --out {out} already holds a run (config.yaml) without a checkpoint, so there is nothing to resume; "
+        "pass --overwrite to replace it, or another --out."
+    )
+    line = one_error(run_sine(capsys, ["--iterations", "2", "--out", str(out), "--resume"], code=2))
+    assert line == (
+        f"error: --resume: no checkpoint at {out / 'checkpoint.pt'}, so nothing to resume: the run there (config.yaml) "
+        "wrote none; pass --overwrite instead of --resume to start it anew, or another --out."
+    )
+    assert (out / "config.yaml").read_text() == "seed: 7\n"
+    run_sine(capsys, ["--iterations", "2", "--eval-tasks", "2", "--out", str(out), "--overwrite"])  # what both name
+    assert (out / "results.json").is_file()

@@ -102,8 +102,8 @@ def test_a_folder_with_only_another_configs_config_yaml_is_still_refused(tmp_pat
     config = (out / "config.yaml").read_text()
     second = script("experiments.sine", [*args, "--seed", "7"], tmp_path)
     assert last_line(second, 2) == (
-        f"error: --out {out} already holds a run (config.yaml); pass --resume to continue it, --overwrite to "
-        f"replace it, or another --out."
+        f"error: --out {out} already holds a run (config.yaml) without a checkpoint, so there is nothing to "
+        f"resume; pass --overwrite to replace it, or another --out."
     )
     assert (out / "config.yaml").read_text() == config
 
