@@ -204,7 +204,8 @@ def test_reptile_adapt_head_is_refused(capsys, tmp_path):
 @pytest.mark.parametrize("per_step_bn", [False, True], ids=["offsets", "per-step-bn"])
 def test_reptile_on_omniglot_trains_every_batch_norm_weight(per_step_bn):
     """supervised-reptile adapts and interpolates every trainable variable: the strided net's batch norms too."""
-    argv = ["--algorithm", "reptile", "--filters", "4", "--steps", "2", *(["--per-step-bn", "true"] if per_step_bn else [])]
+    per_step = ["--per-step-bn", "true"] if per_step_bn else []
+    argv = ["--algorithm", "reptile", "--filters", "4", "--steps", "2", *per_step]
     cfg = parsed("omniglot", omniglot.OmniglotConfig, argv)
     model = omniglot.make_model(cfg)
     assert not model.meta_only

@@ -272,7 +272,11 @@ class Broken:
         ("missing", ValueError, "update's new parameters must have exactly the keys of the parameters it was given"),
         ("extra", ValueError, "unexpected 'bonus'"),
         ("renamed", ValueError, "missing '0.weight'; unexpected 'renamed.0.weight'"),
-        ("no-task-dim", ValueError, "update's new parameters['0.weight'] is (4, 3) torch.float64 on cpu, but the parameter it belongs to is (4, 4, 3)"),
+        (
+            "no-task-dim",
+            ValueError,
+            "update's new parameters['0.weight'] is (4, 3) torch.float64 on cpu, but the parameter it belongs to is (4, 4, 3)",
+        ),
         ("transposed", ValueError, "update's new parameters['0.weight'] is (4, 3, 4)"),
         ("float32", ValueError, "torch.float32 on cpu, but the parameter it belongs to is (4, 4, 3) torch.float64"),
         ("numpy", TypeError, "update's new parameters['0.weight'] is a ndarray; it must be a torch.Tensor"),
