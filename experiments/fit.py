@@ -42,7 +42,16 @@ from experiments.lock import unlock_folders
 from experiments.memory import Need, check_fits, parameter_bytes
 from experiments.results import finish
 from experiments.rundir import prepare_out, take_out
-from experiments.runtime import Terminated, check_shards
+from experiments.runtime import (
+    RankUsageError,
+    Terminated,
+    check_shards,
+    leave_with_launcher,
+    outwait_printer,
+    peer_lost,
+    prints_usage_errors,
+    process_rank,
+)
 from experiments.tracking import init_wandb
 from experiments.trainer import Trainer
 
@@ -238,41 +247,100 @@ def _stopped_line() -> str:
     )
 
 
+def _peer_lost_line(reason: str) -> str:
+    """What a process says when another process of its torchrun run ended during a collective, and what is left."""
+    stage, *out = _STAGE
+    if stage == "start-up":
+        left = "before training, nothing to resume: run the same command again (once what ended it is fixed)."
+    elif stage == "training" and (Path(out[0]) / "checkpoint.pt").is_file():
+        left = f"the last checkpoint in {out[0]} is whole: the same command plus --resume goes on."
+    elif stage == "training" and process_rank() == 0:
+        left = "no checkpoint was written yet: run the same command again."
+    elif stage == "training":  # rank 0 writes the checkpoints, maybe on a disk this machine does not see
+        left = (
+            f"rank 0 keeps the checkpoints in {out[0]} on its machine: the same command plus --resume goes on from "
+            f"the last one (without --resume if there is none)."
+        )
+    else:
+        left = f"training is complete in {out[0]}: the same command plus --resume evaluates it."
+    return (
+        f"error (rank {process_rank()}): another process of this torchrun run ended during a collective "
+        f"(gloo: {reason}); {left}"
+    )
+
+
+def _leaving() -> None:
+    """Ignores Ctrl-C and SIGTERM from here on: this process is already ending (torchrun sends the survivors SIGTERM)."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+
+
 def main(run: Callable[[Sequence[str] | None], None], argv: Sequence[str] | None = None) -> None:
     """Runs an experiment's entry point, turning UsageError into a message and exit code 2.
 
-    Leaves the process group that ``parse_args`` joined under torchrun, however the run ends.
+    Leaves the process group that ``parse_args`` joined under torchrun, however the run ends. A
+    collective that fails because another process ended (killed, crashed) is one line and exit
+    code 1; the death of torchrun's launcher stops this process as SIGTERM does.
     """
     together: int | None = None  # the exit code of an end that every rank reaches at the same point
+    lost: str | None = None  # gloo's reason, when another process ended during a collective
     # SIGTERM outside the training loop (which stops by its own handlers) unwinds as Ctrl-C does.
     main_thread = threading.current_thread() is threading.main_thread()
     if main_thread:
         release_start_up_signals()  # Ctrl-C raises KeyboardInterrupt from here on
     sigterm = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
     try:
+        if main_thread and "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun's agent, its parent
+            leave_with_launcher()  # (its SIGTERM, if the launcher is gone already, raises Terminated here)
         run(argv)
         together = 0
     except KeyboardInterrupt as e:  # Ctrl-C (or SIGTERM) outside the training loop, or a second one in it
-        print(f"\n{_stopped_line()}", file=sys.stderr)
-        raise SystemExit(143 if isinstance(e, Terminated) else 130) from None
+        lost = peer_lost(e)  # torchrun's SIGTERM, come while a failed collective's error unwound
+        if lost is None:
+            print(f"\n{_stopped_line()}", file=sys.stderr)
+            raise SystemExit(143 if isinstance(e, Terminated) else 130) from None
+        _leaving()
     except UsageError as e:
-        # Under torchrun every rank may print it; the rank says which process did.
-        where = f" (rank {dist.get_rank()})" if dist.is_available() and dist.is_initialized() else ""
-        print(f"error{where}: {e}", file=sys.stderr)
+        # Under torchrun every process meets the same error alike, and one per machine says it
+        # (rank 0 on one machine); an error of one process's own (its GPU) is said by it, naming it.
+        if isinstance(e, RankUsageError):
+            print(f"error (rank {process_rank()}): {e}", file=sys.stderr)
+        elif prints_usage_errors():
+            print(f"error: {e}", file=sys.stderr)
+        else:
+            outwait_printer()  # torchrun would end the printing process if this one ended first
         raise SystemExit(2) from None
+    except RuntimeError as e:
+        lost = peer_lost(e)
+        if lost is None:
+            raise
+        _leaving()
     except SystemExit as e:
         if e.code in (130, 143):  # the stop that every rank voted for after one iteration
             together = e.code
         raise
     finally:
-        if main_thread:
+        if main_thread and lost is None:
             signal.signal(signal.SIGTERM, sigterm)
         unlock_folders()  # a script run in a process that goes on (tests, notebooks)
         if dist.is_available() and dist.is_initialized():
             if together is not None:
                 # Ranks > 0 finish before rank 0 (which evaluates and writes): they wait for it, so that
                 # no rank tears down its gloo connections while another still uses them.
-                dist.barrier()
+                try:
+                    dist.barrier()
+                except RuntimeError as e:
+                    if peer_lost(e) is None:
+                        raise
+                    _leaving()
+                    if not (together == 0 and dist.get_rank() == 0):  # rank 0 wrote the results: nothing is lost
+                        lost = peer_lost(e)
+            if lost is not None:
+                print(_peer_lost_line(lost), file=sys.stderr)
             dist.destroy_process_group()
-            if together is not None:
-                _leave_process_group_run(together)
+            if lost is not None or together is not None:
+                _leave_process_group_run(1 if lost is not None else together)
+    if lost is not None:  # (a collective's error comes from a process group: not reached)
+        print(_peer_lost_line(lost), file=sys.stderr)
+        raise SystemExit(1)

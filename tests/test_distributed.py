@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import socket
@@ -13,12 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import REPO
 from test_experiments import SMALL_SINE, assert_logged, checkpoint, env, finished, script
 
 import maml
+from experiments import fit
 from experiments.cli import UsageError
 from experiments.config import RunOptions
-from experiments.runtime import check_shards
+from experiments.lock import lock_holder
+from experiments.runtime import RankUsageError, check_shards, peer_lost
 
 PROCESSES = 2
 
@@ -83,20 +87,222 @@ def test_two_processes_follow_the_trajectory_of_one_and_only_rank_0_writes(tmp_p
     assert results["processes"] == PROCESSES and results["iterations"] == 20
 
 
+ERROR_LINE = re.compile(r"^error(?: \(rank \d+\))?: .*$", re.M)  # the scripts' one-line errors
+
+
 def test_a_meta_batch_the_processes_cannot_share_is_refused_before_anything_is_written(tmp_path):
+    """Refused once, by rank 0, and not once per process; so is an unknown flag (refused before the group exists)."""
     out = tmp_path / "run"
-    proc = torchrun(
+    # Both at once: the launches overlap on the 2 cores.
+    shares = torchrun(
         ["-m", "experiments.sine", "--meta-batch", "25", "--out", str(out), "--wandb", "disabled"], tmp_path
     )
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode != 0
-    assert "--meta-batch 25 cannot be split evenly across 2 processes" in err, err[-3000:]
+    flag = torchrun(["-m", "experiments.sine", "--meta-batch", "10", "--bogus", "3", "--out", str(out)], tmp_path)
+    for proc, message in [
+        (shares, "error: --meta-batch 25 cannot be split evenly across 2 processes"),
+        (flag, "error: unknown flag --bogus"),
+    ]:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode != 0
+        lines = ERROR_LINE.findall(err)
+        assert len(lines) == 1 and lines[0].startswith(message), err[-3000:]
+        # Rank 1 waited for torchrun to end it, so rank 0 was not ended before it printed; the one traceback
+        # is torchrun's own (its ChildFailedError), which a script cannot change.
+        assert "stopped during start-up" not in err, err[-3000:]
+        assert err.count("Traceback (most recent call last)") == 1 and "ChildFailedError" in err, err[-3000:]
     assert not out.exists()
+
+
+def test_a_usage_error_is_printed_once_per_machine_and_a_process_s_own_by_that_process(monkeypatch, capsys):
+    """Every process meets an ordinary usage error alike: LOCAL_RANK 0 prints it. A RankUsageError (the GPU of
+    one LOCAL_RANK) is printed by the process that meets it, naming its rank."""
+
+    def alike(argv: object) -> None:
+        raise UsageError("--meta-batch 3 cannot be split evenly across 2 processes")
+
+    def own(argv: object) -> None:
+        raise RankUsageError("process LOCAL_RANK=1 needs the GPU cuda:1, but this machine has 1")
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)  # (under torchrun, rank 1 would wait to be ended)
+    for rank, run, printed in [
+        ("0", alike, "error: --meta-batch 3 cannot"),
+        ("1", alike, ""),
+        ("1", own, "error (rank 1): process LOCAL_RANK=1 needs"),
+    ]:
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("LOCAL_RANK", rank)
+        with pytest.raises(SystemExit) as stopped:
+            fit.main(run, [])
+        assert stopped.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith(printed) and err.count("error") == (1 if printed else 0), (rank, err)
+
+
+def test_a_failed_collective_is_told_from_other_errors():
+    gloo = (
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:16774: "
+        "Connection reset by peer. This is typically caused by a remote worker hanging or bugs in the application."
+    )
+    assert peer_lost(RuntimeError(gloo)) == "Connection reset by peer"
+    closed = "[../third_party/gloo/gloo/transport/tcp/pair.cc:538] Connection closed by peer [127.0.0.1]:5012"
+    assert peer_lost(torch.distributed.DistBackendError(closed)) == "Connection closed by peer"
+    # torchrun's SIGTERM, come while the collective's error unwound, still tells it.
+    try:
+        try:
+            raise RuntimeError(gloo)
+        except RuntimeError:
+            raise KeyboardInterrupt from None
+    except KeyboardInterrupt as e:
+        assert peer_lost(e) == "Connection reset by peer"
+    # A timeout (a peer that hangs), another library's broken pipe, a ValueError: not a peer that ended.
+    assert peer_lost(RuntimeError("[gloo/transport/tcp/pair.cc:598] Read timeout [127.0.0.1]:5012")) is None
+    assert peer_lost(RuntimeError("[Errno 32] Broken pipe")) is None
+    assert peer_lost(ValueError(gloo)) is None
 
 
 def test_collectives_in_a_real_process_group(tmp_path):
     printed = finished(torchrun(["tests/distributed_program.py"], tmp_path))
     assert printed.count(": ok") == PROCESSES
+
+
+def endless_sine(out: Path, iterations: int = 100_000) -> list[str]:
+    """A sine run of ``iterations`` (too many to finish in a test) with a checkpoint every 20."""
+    return [
+        *("--iterations", str(iterations), "--meta-batch", "10", "--log-every", "50", "--val-every", "50"),
+        *("--checkpoint-every", "20", "--out", str(out), "--wandb", "disabled", *SMALL_SINE),
+    ]
+
+
+def torchrun_logged(args: list[str], tmp_path: Path) -> subprocess.Popen:
+    """torchrun of ``experiments.sine args``, each process's stdout and stderr in its own file under tmp_path/logs."""
+    return torchrun(
+        ["--log-dir", str(tmp_path / "logs"), "--redirects", "3", "-m", "experiments.sine", *args], tmp_path
+    )
+
+
+def rank_log(tmp_path: Path, rank: int) -> str:
+    """What the process of local rank ``rank`` wrote on stderr (see torchrun_logged)."""
+    (path,) = (tmp_path / "logs").glob(f"*/attempt_0/{rank}/stderr.log")
+    return path.read_text()
+
+
+def rank_pids(launcher: subprocess.Popen) -> dict[int, int]:
+    """The pids of ``launcher``'s processes by rank: its children (Linux's /proc) and the RANK in their environment."""
+    pids = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            environ = (stat.parent / "environ").read_bytes().split(b"\0") if ppid == launcher.pid else []
+        except (OSError, IndexError, ValueError):  # a process that ended meanwhile
+            continue
+        pids.update({int(item[5:]): int(stat.parent.name) for item in environ if item.startswith(b"RANK=")})
+    return pids
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie that no parent reaped has ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def training(launcher: subprocess.Popen, out: Path) -> dict[int, int]:
+    """Waits until ``launcher``'s two processes train past their first checkpoint; their pids by rank."""
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and launcher.poll() is None:
+        pids = rank_pids(launcher)
+        if len(pids) == PROCESSES and (out / "checkpoint.pt").exists():
+            return pids
+        time.sleep(0.05)
+    launcher.kill()
+    raise AssertionError(f"the run did not reach its first checkpoint: {launcher.communicate()[1][-3000:]}")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the processes from /proc")
+def test_a_killed_process_leaves_the_other_one_line_and_a_folder_that_resumes(tmp_path):
+    out = tmp_path / "run"
+    launcher = torchrun_logged(endless_sine(out), tmp_path)
+    pids: dict[int, int] = {}
+    try:
+        pids = training(launcher, out)
+        os.kill(pids[1], signal.SIGKILL)
+        _, err = launcher.communicate(timeout=120)
+    finally:
+        for pid in pids.values():
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if launcher.poll() is None:
+            launcher.kill()
+    survivor = rank_log(tmp_path, 0)
+    assert "Traceback" not in survivor, survivor[-3000:]
+    assert re.fullmatch(
+        r"error \(rank 0\): another process of this torchrun run ended during a collective \(gloo: Connection "
+        rf"(reset|closed) by peer\); the last checkpoint in {re.escape(str(out))} is whole: the same command plus "
+        r"--resume goes on\.",
+        survivor.strip().splitlines()[-1],
+    ), survivor[-3000:]
+    assert re.search(rf"exitcode\s*: 1 \(pid: {pids[0]}\)", err), err[-3000:]  # 1, not torchrun's SIGTERM
+    stopped_at = checkpoint(out)["iteration"]
+    # The folder is free and its checkpoint whole: --resume (one process, a length it has reached) evaluates it.
+    finished(script("experiments.sine", [*endless_sine(out, iterations=20), "--resume"], tmp_path))
+    assert checkpoint(out)["iteration"] == stopped_at and (out / "results.json").is_file()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the processes from /proc")
+def test_the_processes_of_a_killed_launcher_stop_with_a_checkpoint_and_free_the_folder(tmp_path):
+    out = tmp_path / "run"
+    launcher = torchrun_logged(endless_sine(out), tmp_path)
+    pids: dict[int, int] = {}
+    try:
+        pids = training(launcher, out)
+        launcher.kill()  # SIGKILL: torchrun passes nothing on
+        launcher.wait(60)
+        killed = time.monotonic()
+        while any(map(alive, pids.values())) and time.monotonic() < killed + 10:
+            time.sleep(0.05)
+        assert not any(map(alive, pids.values())), f"the processes outlived their launcher by 10 s: {pids}"
+    finally:
+        for pid in pids.values():
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    # Each got SIGTERM from the kernel and stopped after the same iteration, as after `kill`.
+    stopped = re.search(
+        r"stopped after iteration (\d+); continue with the same command plus --resume", rank_log(tmp_path, 0)
+    )
+    assert stopped, rank_log(tmp_path, 0)[-3000:]
+    assert checkpoint(out)["iteration"] == int(stopped.group(1))
+    assert "Traceback" not in rank_log(tmp_path, 1), rank_log(tmp_path, 1)[-3000:]
+    assert lock_holder(out) is None  # the folder is free
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) is Linux's")
+def test_a_process_whose_launcher_died_before_it_asked_to_be_told_stops(tmp_path):
+    """The race that prctl alone would lose: the parent dies before the request, and the kernel sends nothing."""
+    child = (
+        "import os, signal, sys, time\n"
+        "from experiments import runtime\n"
+        "print('imported', flush=True)\n"
+        "while os.getppid() == runtime._PARENT_AT_IMPORT:\n"  # the launcher dies here
+        "    time.sleep(0.01)\n"
+        "signal.signal(signal.SIGTERM, lambda signum, frame: (print('SIGTERM', flush=True), os._exit(143)))\n"
+        "runtime.leave_with_launcher()\n"
+        "time.sleep(5)\n"
+        "print('not stopped', flush=True)\n"
+    )
+    said = tmp_path / "said.txt"
+    launcher = (  # starts the child, waits until it has imported the module, and dies
+        "import subprocess, sys, time\n"
+        f"with open({str(said)!r}, 'w') as said:\n"
+        f"    subprocess.Popen([sys.executable, '-c', {child!r}], stdout=said)\n"
+        f"while 'imported' not in open({str(said)!r}).read():\n"
+        "    time.sleep(0.01)\n"
+    )
+    subprocess.run([sys.executable, "-c", launcher], cwd=REPO, env=env(tmp_path), timeout=120, check=True)
+    deadline = time.monotonic() + 60
+    while said.read_text().count("\n") < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert said.read_text() == "imported\nSIGTERM\n"
 
 
 def test_shard_splits_the_tasks_into_equal_contiguous_shares():
