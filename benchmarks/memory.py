@@ -18,6 +18,8 @@ number of inner steps:
                                             vmap, all tasks together (or --chunk-size of them)
   checkpointed_chunk1                       (only with --methods) the checkpointed mode with
                                             chunk_size=1: one task at a time, also with vmap
+  checkpointed_sqrt                         the checkpointed mode with checkpoint_every about
+                                            sqrt(steps): fewer kept iterates, longer replays
   checkpointed_forward_over_reverse         (only with --methods) the checkpointed mode with
                                             checkpoint_hvp="forward_over_reverse" (the others
                                             run the default, "reverse_over_reverse")
@@ -33,8 +35,11 @@ the optimizer, and runs one warm-up step on one task with one inner step (it loa
 and lazy imports, and allocates little that the measured step could reuse). On the CPU it then
 hands freed heap pages back to the system (``malloc_trim``), reads its resident memory (VmRSS)
 as the baseline, resets the peak (``echo 5 > /proc/self/clear_refs``), runs one full step and
-reads the peak (VmHWM): the table's memory is that peak minus the baseline. On a GPU it is the
-peak of ``torch.cuda.max_memory_allocated`` minus the memory allocated before the step.
+reads the peak (VmHWM): the RSS column is that peak minus the baseline. On a GPU it is the
+peak of ``torch.cuda.max_memory_allocated`` minus the memory allocated before the step. After the
+timed steps, one more step runs under ``benchmarks.tensor_peak``: the peak of live tensor bytes
+(on the CPU from the profiler's memory events), the figure that decides between modes; RSS also
+counts the heap glibc keeps after tensors are freed, and where fragmentation puts them.
 
 Every worker builds its model from the same seed, so the measured step starts from the same
 weights everywhere; it hands the meta-gradient of that step to the parent, which prints, below the
@@ -59,6 +64,7 @@ import argparse
 import ctypes
 import gc
 import json
+import math
 import os
 import resource
 import statistics
@@ -81,17 +87,20 @@ import torch.nn.functional as F  # noqa: E402
 import maml  # noqa: E402
 from benchmarks.report import write_report  # noqa: E402
 from benchmarks.sampling import omniglot_net  # noqa: E402
+from benchmarks.tensor_peak import peak_tensor_bytes  # noqa: E402
 
 WAYS, SHOTS, QUERY, TASKS, SIDE = 5, 5, 15, 8, 28
 INNER_LR, META_LR = 0.4, 1e-3
-STEPS = (1, 5, 10, 20, 40)
+STEPS = (1, 5, 10, 20, 40, 80)
 FORWARD_OVER_REVERSE = "checkpointed_forward_over_reverse"
 CHUNKED = "second_order_chunked"  # learner.backward(batch, chunk=1): one task's graph at a time
+SQRT_SEGMENTS = "checkpointed_sqrt"  # the checkpointed mode with checkpoint_every about sqrt(steps)
 ENGINE = (
     "second_order",
     CHUNKED,
     "checkpointed",
     "checkpointed_chunk1",
+    SQRT_SEGMENTS,
     FORWARD_OVER_REVERSE,
     "first_order",
     "implicit",
@@ -135,6 +144,8 @@ def engine_step(method: str, steps: int, batch: maml.TaskBatch, args: argparse.N
     options: dict[str, Any] = {}
     if method == FORWARD_OVER_REVERSE:
         method, options = "checkpointed", {"checkpoint_hvp": "forward_over_reverse"}
+    if method == SQRT_SEGMENTS:  # segments of about sqrt(steps) steps: fewer kept iterates, longer replays
+        method, options = "checkpointed", {"checkpoint_every": max(1, round(math.sqrt(steps)))}
     mode = method.removesuffix("_chunk1").removesuffix("_chunked")
     chunk_size = 1 if method.endswith("_chunk1") else args.chunk_size
     model = omniglot_net(WAYS).to(args.device)
@@ -287,7 +298,10 @@ def worker(method: str, steps: int, args: argparse.Namespace) -> Result:
         torch.save([p.grad.detach().cpu() for p in params], args.grad_file)
     times = [meter.seconds(step) for _ in range(args.repeats)]
     seconds = statistics.median(times or [first])
-    return {**result, "oom": False, "extra_mib": extra, "first_s": first, "seconds": seconds}
+    # Last, in a step of its own: the profiler that counts tensors on the CPU slows the step and keeps
+    # its records in the heap, so it must not touch the RSS or the time measured above.
+    tensors = peak_tensor_bytes(step, args.device) / 2**20
+    return {**result, "oom": False, "extra_mib": extra, "tensor_mib": tensors, "first_s": first, "seconds": seconds}
 
 
 def run_worker(method: str, steps: int, args: argparse.Namespace, grad_file: Path | None = None) -> Result:
@@ -318,7 +332,8 @@ def cell(result: Result | None, limit_gib: float) -> str:
         return "error"
     if result["oom"]:
         return f"> {limit_gib:g} GiB"
-    return f"{result['extra_mib']:.0f} MiB {result['seconds']:.1f} s"
+    tensors = f"{result['tensor_mib']:.0f} MiB tensors, " if "tensor_mib" in result else ""
+    return f"{tensors}{result['extra_mib']:.0f} MiB {result['seconds']:.1f} s"
 
 
 def ratio(results: dict[tuple[str, int], Result], a: str, b: str, steps: int, key: str) -> float | None:
@@ -486,7 +501,11 @@ def main(argv: list[str] | None = None) -> int:
 
     timed = " (timed on each worker's first batch)" if args.batching == "auto" else ""
     clock = "wall time" if args.device.type == "cuda" else f"CPU time, {args.threads} thread(s)"
-    memory = "peak allocated CUDA memory" if args.device.type == "cuda" else "peak resident memory"
+    memory = (
+        "peak allocated CUDA memory"
+        if args.device.type == "cuda"
+        else "peak of live tensor bytes (profiler memory events), peak resident memory"
+    )
     print(
         f"torch {torch.__version__}, device {args.device}; Omniglot conv net, {TASKS} tasks {WAYS}-way "
         f"{args.shots}-shot {QUERY} query per class; engine batching={args.batching!r}{timed}, "

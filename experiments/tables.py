@@ -345,7 +345,9 @@ def memory(path: Path = REPO / "results/benchmarks/memory.json") -> str:
             return "error"
         if r.get("oom"):
             return f"> {limit:g} GiB"
-        return f"{r['extra_mib']:,.0f} MiB, {r['seconds']:.1f} s"
+        tensors = f"{r['tensor_mib']:,.0f} MiB tensors (RSS " if "tensor_mib" in r else ""
+        rss = f"{r['extra_mib']:,.0f} MiB" + (")" if tensors else "")
+        return f"{tensors}{rss}, {r['seconds']:.1f} s"
 
     steps = report["steps"]
     lines = [
@@ -356,7 +358,13 @@ def memory(path: Path = REPO / "results/benchmarks/memory.json") -> str:
     clock = "wall time" if report["device"].startswith("cuda") else f"CPU time of {report['threads']} thread"
     lines += [
         "",
-        f"Peak memory of one meta-training step over the process's baseline, and its {clock} (the MAML "
+        (
+            "Peak of live tensor bytes of one meta-training step (profiler memory events on the CPU, "
+            "`torch.cuda.max_memory_allocated` on a GPU), its peak resident memory over the process's baseline "
+            if any("tensor_mib" in r for r in report["results"])
+            else "Peak memory of one meta-training step over the process's baseline, "
+        )
+        + f"and its {clock} (the MAML "
         f"Omniglot max-pool net, {setting['tasks']} tasks {setting['ways']}-way {setting['shots']}-shot, "
         f"{setting['query']} query images per class, batching `{setting['batching']}`). `{report['command']}`; "
         f"torch {report['versions'].get('torch', '?')}; {provenance([report])}.",

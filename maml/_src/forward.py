@@ -58,6 +58,12 @@ def time_batchings(
     sync = torch.cuda.synchronize if data[0][0].is_cuda else (lambda: None)
     devices = [data[0][0].device.index] if data[0][0].is_cuda else []
     seconds: dict[str, float] = {}
+
+    def one_pass(batching: str, x: Tensor, y: Tensor) -> None:
+        # A function of its own: its graph and outputs are gone before the next pass allocates anything.
+        losses, _ = forward(weights, consts, x[:tasks], y[:tasks], batching=batching)
+        torch.autograd.grad(losses.sum(), list(weights.values()))
+
     with torch.random.fork_rng(devices=devices), torch.enable_grad():  # dropout draws leave the stream alone
         for batching in ("vmap", "loop"):
             times = []
@@ -65,8 +71,7 @@ def time_batchings(
                 sync()
                 began = time.perf_counter()
                 for x, y in data:
-                    losses, _ = forward(weights, consts, x[:tasks], y[:tasks], batching=batching)
-                    torch.autograd.grad(losses.sum(), list(weights.values()))
+                    one_pass(batching, x, y)
                 sync()
                 times.append(time.perf_counter() - began)
             seconds[batching] = min(times[1:])
@@ -122,6 +127,9 @@ class TaskForward:
     def choose(self, fast: Params, consts: Params, data: Sequence[tuple[Tensor, Tensor]]) -> None:
         """With ``"auto"``, settles the batching on the device of ``data``: the loop where it is clearly faster on it.
 
+        One task settles on the loop untimed: vmap would batch nothing (the learner's checkpointed
+        mode hands one, as timing vmap on more would hold more memory than its segments do).
+
         "Clearly": by :data:`LOOP_MARGIN` (:func:`time_batchings`); otherwise ``"vmap"``, so that
         where the two are close, timing noise rarely decides. A configuration (device, model
         architecture, loss, shapes) is timed once per process: its learners batch alike and agree
@@ -130,6 +138,9 @@ class TaskForward:
         """
         device = data[0][0].device
         if self.batching != "auto" or device in self._chosen:
+            return
+        if data[0][0].shape[0] == 1:  # one task at a time (the checkpointed mode's memory plan): nothing to batch
+            self._chosen[device] = "loop"
             return
         # One timing per configuration and process: learners of one architecture on equal sizes batch alike.
         shapes = lambda tensors: tuple((tuple(t.shape), t.dtype) for t in tensors)  # noqa: E731
@@ -179,14 +190,17 @@ class TaskForward:
             consts: parameters and buffers shared by all tasks (no task dimension).
             x: ``(T, n, *x_shape)`` inputs.
             y: ``(T, n, *y_shape)`` targets.
-            batching: ``"vmap"`` or ``"loop"`` for this call (default: :meth:`resolve`'s).
+            batching: ``"vmap"`` or ``"loop"`` for this call (default: :meth:`resolve`'s, and the
+                loop for one task).
             step: the inner step the pass belongs to (0-based), for a model whose ``forward``
                 takes ``step`` (:func:`takes_step`).
 
         Returns:
             ``(T,)`` losses and ``(T, n, ...)`` model outputs.
         """
-        if (batching or self.resolve(x.device)) == "vmap":
+        # One task has nothing to batch: the plain call holds less than vmap's batched kernels (a conv net's
+        # chunk of one task: 5 MB of tensors against 37 MB, tests/test_memory_plan.py) and runs no slower.
+        if batching == "vmap" or (batching is None and x.shape[0] > 1 and self.resolve(x.device) == "vmap"):
             names = tuple(fast)
             # A channels_last model's weights would make its layers ask, inside vmap, whether a
             # tensor is channels_last, which vmap cannot answer: batched calls get contiguous ones.

@@ -75,7 +75,9 @@ class MetaLearner:
             another) or ``"auto"``: the faster of the two for this model, sizes and device, timed
             on the first batch on each device (forward and backward passes of its support and
             query losses on up to 16 tasks, about 3 steps' work; the loop only where it is 1.5x
-            faster, else ``"vmap"``; a checkpoint keeps the choice through :meth:`state_dict`),
+            faster, else ``"vmap"``; a checkpoint keeps the choice through :meth:`state_dict`;
+            ``"checkpointed"``, a mode chosen for memory, takes the loop untimed: timing vmap would
+            hold more than its segments ever do, and the loop holds less than vmap),
             and ``"loop"`` for a model
             vmap cannot batch (recurrent layers); with a ``chunk_size`` outside the checkpointed
             mode, chunked ``"vmap"``. All give the same meta-gradients to float rounding, not to
@@ -673,6 +675,11 @@ class MetaLearner:
         check_model(
             self._forward, one, shared, batch.support_x[:1], batch.support_y[:1], may_fall_back=self.batching == "auto"
         )
+        # The checkpointed mode is chosen for memory: "auto" takes the loop there, untimed. Timing vmap holds
+        # several tasks' graphs at once, more than the mode's segments do, and the loop holds less than vmap
+        # (tests/test_memory_plan.py: a conv net, 2 tasks a chunk, 8 MB against 42 MB of tensors).
+        if self._mode == "checkpointed" and torch.is_grad_enabled():
+            batch = batch[:1]
         tasks = batch.num_tasks
         data = [(batch.support_x, batch.support_y), (batch.query_x, batch.query_y)]
         self._forward.choose({k: v.expand(tasks, *v.shape) for k, v in one.items()}, shared, data)

@@ -1,0 +1,72 @@
+"""What the lean modes hold, counted in live tensor bytes (``benchmarks.tensor_peak``): a test of memory, not of time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import maml
+from benchmarks.tensor_peak import peak_tensor_bytes
+from maml._src import forward
+
+
+def conv_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(16 * 4 * 4, 5),
+    )
+
+
+def batch(tasks: int = 8) -> maml.TaskBatch:
+    g = torch.Generator().manual_seed(1)
+    x = lambda n: torch.randn(tasks, n, 1, 16, 16, generator=g)  # noqa: E731
+    y = lambda n: torch.arange(5).repeat_interleave(n // 5).expand(tasks, -1).contiguous()  # noqa: E731
+    return maml.TaskBatch(x(5), y(5), x(75), y(75))
+
+
+def first_step_peak(**options: object) -> int:
+    """The tensor peak of a new learner's first meta-training step: where ``"auto"`` settles its batching."""
+    forward._CHOICES.clear()  # no timing of an earlier test may stand in for this learner's own
+    learner = maml.MetaLearner(conv_net(), F.cross_entropy, inner_lr=0.1, steps=3, **options)
+    b = batch()
+    return peak_tensor_bytes(lambda: learner.meta_loss(b).backward())
+
+
+def test_the_auto_batching_holds_no_more_than_the_checkpointed_loop():
+    loop = first_step_peak(mode="checkpointed", batching="loop")
+    auto = first_step_peak(mode="checkpointed", batching="auto")
+    full = first_step_peak(mode="second_order", batching="loop")
+    assert auto <= 1.1 * loop, (auto, loop)
+    assert 3 * loop < full  # the measure tells the lean mode from second order
+
+
+@pytest.mark.parametrize("chunk", [1, 2])
+def test_the_checkpointed_mode_in_chunks_takes_the_leaner_loop(chunk):
+    vmap = first_step_peak(mode="checkpointed", batching="vmap", chunk_size=chunk)
+    auto = first_step_peak(mode="checkpointed", batching="auto", chunk_size=chunk)
+    loop = first_step_peak(mode="checkpointed", batching="loop", chunk_size=chunk)
+    assert auto <= 1.1 * loop and loop <= vmap, (auto, vmap, loop)
+
+
+def test_a_chunked_backward_holds_one_chunk_whatever_the_batching():
+    peaks = {}
+    for batching in ("auto", "vmap", "loop"):
+        forward._CHOICES.clear()
+        learner = maml.MetaLearner(conv_net(), F.cross_entropy, inner_lr=0.1, steps=3, batching=batching)
+        b = batch()
+        peaks[batching] = peak_tensor_bytes(lambda learner=learner, b=b: learner.backward(b, chunk=1))
+    forward._CHOICES.clear()
+    whole = maml.MetaLearner(conv_net(), F.cross_entropy, inner_lr=0.1, steps=3, batching="loop")
+    b = batch()
+    full = peak_tensor_bytes(lambda: whole.meta_loss(b).backward())
+    assert max(peaks.values()) <= 1.1 * min(peaks.values()), peaks
+    assert 3 * max(peaks.values()) < full, (peaks, full)
