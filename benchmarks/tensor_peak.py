@@ -2,28 +2,31 @@
 
 On a GPU it is ``torch.cuda.max_memory_allocated`` over the memory allocated before the call.
 On the CPU PyTorch keeps no allocation statistics, so the call runs under ``torch.profiler``
-with its memory events, and the peak is the largest sum of its memory timeline's categories
-(``export_memory_timeline``): every tensor allocated during the call, from its allocation to
-its free, and nothing allocated before it (parameters, data). Peak RSS (VmHWM) counts what glibc
-keeps after tensors are freed and where fragmentation puts them, so two modes can differ in RSS
-by more than they differ in tensors; the benchmarks report it beside this figure, never instead.
+with ``profile_memory=True``, whose trace holds one memory event per allocation (``+bytes``) and
+per free (``-bytes``) of a block allocated while it records, in order: their running sum is the
+bytes of the tensors allocated during the call and alive at that moment, and its maximum the peak
+(the GPU's figure differs only by blocks allocated before the call and freed during it, which
+lower it there and not here: a step that frees last step's gradients). The events
+are read from the profiler's raw trace (``prof.profiler.kineto_results``), as its own memory
+profiler reads them: the public ``events()`` fold an operator's allocations into the operator,
+which loses the order of its allocations and frees. (``export_memory_timeline`` infers lifetimes
+from the operator graph and overcounts under ``torch.func``'s forward mode by ten times.)
 
-The profiler slows the call down (it records every operator and its stack): time a step in a
-separate run, never under this measure.
+Peak RSS (VmHWM) counts what glibc keeps after tensors are freed and where fragmentation puts
+them, so two modes can differ in RSS by more than they differ in tensors; the benchmarks report
+it beside this figure, never instead. The profiler slows the call: time steps in runs of their own.
 """
 
 from __future__ import annotations
 
-import json
-import tempfile
-import warnings
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 __all__ = ["peak_tensor_bytes"]
+
+_CPU = torch._C._autograd.DeviceType.CPU
 
 
 def peak_tensor_bytes(fn: Callable[[], object], device: torch.device | str = "cpu") -> int:
@@ -38,12 +41,11 @@ def peak_tensor_bytes(fn: Callable[[], object], device: torch.device | str = "cp
         return torch.cuda.max_memory_allocated(device) - base
     if device.type != "cpu":
         raise ValueError(f"device={device}: the tensor peak is measured on the CPU or a CUDA GPU.")
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    with tempfile.TemporaryDirectory() as folder, warnings.catch_warnings():
-        # Deprecated in favour of CUDA's memory snapshots, which do not exist on the CPU.
-        warnings.simplefilter("ignore", FutureWarning)
-        path = Path(folder) / "timeline.json"
-        prof.export_memory_timeline(str(path), device="cpu")
-        _, sizes = json.loads(path.read_text())
-    return int(max((sum(s) for s in sizes), default=0))
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type() == _CPU]
+    live = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak

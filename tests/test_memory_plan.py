@@ -54,7 +54,7 @@ def test_the_checkpointed_mode_in_chunks_takes_the_leaner_loop(chunk):
     vmap = first_step_peak(mode="checkpointed", batching="vmap", chunk_size=chunk)
     auto = first_step_peak(mode="checkpointed", batching="auto", chunk_size=chunk)
     loop = first_step_peak(mode="checkpointed", batching="loop", chunk_size=chunk)
-    assert auto <= 1.1 * loop and loop <= vmap, (auto, vmap, loop)
+    assert auto <= 1.1 * loop and loop <= 1.1 * vmap, (auto, vmap, loop)
 
 
 def test_a_chunked_backward_holds_one_chunk_whatever_the_batching():

@@ -190,17 +190,14 @@ class TaskForward:
             consts: parameters and buffers shared by all tasks (no task dimension).
             x: ``(T, n, *x_shape)`` inputs.
             y: ``(T, n, *y_shape)`` targets.
-            batching: ``"vmap"`` or ``"loop"`` for this call (default: :meth:`resolve`'s, and the
-                loop for one task).
+            batching: ``"vmap"`` or ``"loop"`` for this call (default: :meth:`resolve`'s).
             step: the inner step the pass belongs to (0-based), for a model whose ``forward``
                 takes ``step`` (:func:`takes_step`).
 
         Returns:
             ``(T,)`` losses and ``(T, n, ...)`` model outputs.
         """
-        # One task has nothing to batch: the plain call holds less than vmap's batched kernels (a conv net's
-        # chunk of one task: 5 MB of tensors against 37 MB, tests/test_memory_plan.py) and runs no slower.
-        if batching == "vmap" or (batching is None and x.shape[0] > 1 and self.resolve(x.device) == "vmap"):
+        if (batching or self.resolve(x.device)) == "vmap":
             names = tuple(fast)
             # A channels_last model's weights would make its layers ask, inside vmap, whether a
             # tensor is channels_last, which vmap cannot answer: batched calls get contiguous ones.
