@@ -204,3 +204,28 @@ def test_integer_targets_give_what_float_targets_give():
     expected = torch.autograd.grad(learner.meta_loss(floats), list(model.parameters()))
     for a, b in zip(grads, expected):
         assert torch.allclose(a, b, rtol=0, atol=1e-12)
+
+
+def test_evaluation_adapts_as_training_does():
+    """Under no_grad (the scripts' validation and test) iMAML adapts on the proximal problem it trains with."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
+    g = torch.Generator().manual_seed(1)
+    batch = maml.TaskBatch(*(torch.randn(3, 5, n, generator=g, dtype=torch.float64) for n in (3, 1, 3, 1)))
+    learner = maml.MetaLearner(
+        model, torch.nn.functional.mse_loss, 0.1, 10, mode="implicit", implicit=maml.Implicit(lam=0.1)
+    )
+    trained = learner.run(batch)
+    with torch.no_grad():
+        evaluated = learner.run(batch)
+        loss = learner.meta_loss(batch)
+    plain = maml.MetaLearner(model, torch.nn.functional.mse_loss, 0.1, 10)
+    with torch.no_grad():
+        unregularised = plain.run(batch)
+    for k, v in trained.fast.items():
+        assert torch.allclose(evaluated.fast[k], v, rtol=0, atol=1e-12)
+        one = learner.adapt(batch.support_x[1], batch.support_y[1])[k]
+        assert torch.allclose(one, v[1], rtol=0, atol=1e-12)
+        assert (unregularised.fast[k] - v).abs().max() > 1e-3  # the proximal term matters at lam 0.1
+    assert torch.allclose(evaluated.query_losses, trained.query_losses, rtol=0, atol=1e-12)
+    assert abs(float(loss) - float(trained.loss.detach())) < 1e-12

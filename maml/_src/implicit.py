@@ -23,7 +23,7 @@ from .batch import TaskBatch
 from .compiled import with_gradient
 from .forward import Params, TaskForward
 from .hvp import support_hvp
-from .loop import InnerLoop, MetaOutput, autograd_support_grad, per_task, query_step, stacked
+from .loop import Adapted, InnerLoop, MetaOutput, autograd_support_grad, per_task, query_step, stacked
 
 __all__ = ["Implicit", "run"]
 
@@ -136,19 +136,30 @@ def conjugate_gradient(apply: callable, b: Params, iterations: int, tolerance: f
     return v
 
 
-def run(
+def proximal_adapt(
     loop: InnerLoop,
     options: Implicit,
     params: Params,
     rate_values: Params,
     consts: Params,
-    batch: TaskBatch,
+    x: Tensor,
+    y: Tensor,
     steps: int,
-) -> MetaOutput:
-    """Adapts to the proximal problem (values only), then returns the query loss carrying iMAML's meta-gradient."""
-    tasks, lam = batch.num_tasks, options.lam
-    x, y = batch.support_x, batch.support_y
-    anchor = per_task({k: v.detach() for k, v in params.items()}, tasks)
+) -> Adapted:
+    """The inner loop on each task's proximal problem ``L_s(phi) + lam/2 |phi - theta|^2``, values only.
+
+    What iMAML adapts with, in training and in evaluation alike.
+
+    Args:
+        params: the adapted parameters ``theta`` (no task dimension).
+        x: ``(T, n, *x_shape)`` support inputs.
+        y: ``(T, n, *y_shape)`` support targets.
+
+    Returns:
+        The loop's result, its ``(T, *shape)`` fast weights detached.
+    """
+    lam = options.lam
+    anchor = per_task({k: v.detach() for k, v in params.items()}, x.shape[0])
     consts = {k: v.detach() for k, v in consts.items()}
     rates = {k: v.detach() for k, v in rate_values.items()}
     plain = autograd_support_grad(loop.forward, consts, x, y, create_graph=False)
@@ -165,7 +176,47 @@ def run(
     with torch.enable_grad():
         fast = {k: v.clone().requires_grad_() for k, v in anchor.items()}
         done = loop.run(support_grad, fast, loop.rule.init(fast), rates, steps, keep=values)
-        fast = {k: v.detach() for k, v in done.fast.items()}
+    return done._replace(fast={k: v.detach() for k, v in done.fast.items()})
+
+
+def evaluate(
+    loop: InnerLoop,
+    options: Implicit,
+    params: Params,
+    rate_values: Params,
+    consts: Params,
+    batch: TaskBatch,
+    steps: int,
+) -> MetaOutput:
+    """The query losses after the proximal adaptation, without a meta-gradient (evaluation)."""
+    done = proximal_adapt(loop, options, params, rate_values, consts, batch.support_x, batch.support_y, steps)
+    with torch.no_grad():
+        query_losses, query_out = loop.forward(done.fast, consts, batch.query_x, batch.query_y, step=query_step(steps))
+    return MetaOutput(
+        loss=query_losses.mean(),
+        query_losses=query_losses,
+        query_out=query_out,
+        support_losses=stacked(done.support_losses, batch.num_tasks, batch.support_x),
+        fast=done.fast,
+        step_query_losses=None,
+    )
+
+
+def run(
+    loop: InnerLoop,
+    options: Implicit,
+    params: Params,
+    rate_values: Params,
+    consts: Params,
+    batch: TaskBatch,
+    steps: int,
+) -> MetaOutput:
+    """Adapts to the proximal problem (values only), then returns the query loss carrying iMAML's meta-gradient."""
+    tasks, lam = batch.num_tasks, options.lam
+    x, y = batch.support_x, batch.support_y
+    done = proximal_adapt(loop, options, params, rate_values, consts, x, y, steps)
+    fast, consts = done.fast, {k: v.detach() for k, v in consts.items()}
+    with torch.enable_grad():
         last = query_step(steps)
         leaves = {k: v.clone().requires_grad_() for k, v in fast.items()}
         query_losses, query_out = loop.forward(leaves, consts, batch.query_x, batch.query_y, step=last)

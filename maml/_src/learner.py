@@ -426,7 +426,9 @@ class MetaLearner:
                         "differentiates none: drop step_weights."
                     )
                 return reptile.run(self._loop, params, rate_values, consts, batch, steps)
-            if self._mode == "implicit" and grad:
+            if self._mode == "implicit" and not grad:  # evaluation adapts as training does: proximally
+                return implicit.evaluate(self._loop, self.implicit, params, rate_values, consts, batch, steps)
+            if self._mode == "implicit":
                 if step_weights is not None:
                     raise ValueError(
                         "step_weights weigh the query losses of an unrolled inner loop; mode='implicit' "
@@ -490,7 +492,8 @@ class MetaLearner:
         Returns:
             Every parameter of the model, name -> tensor, the adapted ones replaced by their
             fast weights; use them with ``torch.func.functional_call(model, fast, x)``.
-            Differentiable with respect to the initial parameters when grad mode is on.
+            Differentiable with respect to the initial parameters when grad mode is on (not with
+            ``mode="implicit"``, which adapts on the proximal problem for values only, as it trains).
         """
         for name, t in (("support_x", support_x), ("support_y", support_y)):
             if not isinstance(t, Tensor) or t.ndim < 1:
@@ -512,17 +515,21 @@ class MetaLearner:
         checks.examples(support_x.shape[0], None, steps)
         self._probe(params, consts, TaskBatch(x, y, x, y))
         self._example_shape = support_x.shape[1:]
-        with self._attention():
-            fast, _, _ = eager.adapt(
-                self._loop,
-                params,
-                self._rate_values(),
-                consts,
-                x,
-                y,
-                steps,
-                first_order=self._mode == "first_order",
-            )
+        if self._mode == "implicit":  # iMAML's adaptation: the proximal problem, values only
+            done = implicit.proximal_adapt(self._loop, self.implicit, params, self._rate_values(), consts, x, y, steps)
+            fast = done.fast
+        else:
+            with self._attention():
+                fast, _, _ = eager.adapt(
+                    self._loop,
+                    params,
+                    self._rate_values(),
+                    consts,
+                    x,
+                    y,
+                    steps,
+                    first_order=self._mode == "first_order",
+                )
         frozen = {k: v for k, v in consts.items() if k in self._names}
         return {**frozen, **{k: v[0] for k, v in fast.items()}}
 
