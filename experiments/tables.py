@@ -372,6 +372,35 @@ def memory(path: Path = REPO / "results/benchmarks/memory.json") -> str:
     return "\n".join(lines) + "\n"
 
 
+def speed(path: Path = REPO / "results/benchmarks/speed.json") -> str:
+    """``benchmarks/speed.py --json``: one meta-training step's median time per method, per workload, against learn2learn."""
+    report = _json(path)
+    blocks = []
+    for table in (t for t in report["tables"] if t["table"] == "main"):
+        lines = [
+            f'**{table["workload"]}**: {table["name"]} (`batching="auto"` picks `{table["batching"]}`; '
+            f"median of {table['repeats']} steps)",
+            "",
+            "| method | median | spread | vs learn2learn | % of peak |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for row in table["rows"]:
+            speedup = "-" if math.isnan(row["speedup"]) else f"{row['speedup']:.2f}x"
+            lines.append(
+                f"| {row['method']} | {1e3 * row['median']:,.2f} ms | {1e3 * row['min']:,.2f}..{1e3 * row['max']:,.2f} ms "
+                f"| {speedup} | {100 * row['peak_fraction']:.1f} |"
+            )
+        blocks.append("\n".join(lines))
+    blocks.append(
+        f"Wall time of one meta-training step (zero the gradients, meta-loss, backward, Adam step), every method "
+        f"interleaved in one process after warm-up; spread: fastest..slowest step; vs learn2learn: its second "
+        f"order's median over the row's (first-order rows against its first order); % of peak: the step's "
+        f"FLOPs over its time against the measured float32 matmul peak ({report['peak_gflops']:.0f} GFLOP/s). "
+        f"`{report['command']}`; torch {report['versions'].get('torch', '?')}; {provenance([report])}."
+    )
+    return "\n\n".join(blocks) + "\n"
+
+
 def _field_docs(cls: type) -> dict[str, str]:
     """The attribute docstrings of a dataclass and its bases (what ``--help`` prints for each field)."""
     docs: dict[str, str] = {}
@@ -499,6 +528,7 @@ def sine_seeds(sweep: Path = REPO / "results/sine/seeds") -> str:
 
 
 RENDERERS: dict[str, Callable[[], str]] = {
+    "speed": speed,
     "sine-seeds": sine_seeds,
     "omniglot-curve": omniglot_curve,
     "omniglot-seeds": omniglot_seeds,
