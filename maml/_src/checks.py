@@ -326,25 +326,25 @@ def differentiable(mode: str, compiled: bool, batch: Any, consts: Mapping[str, T
             )
 
 
+def key_differences(expected: Iterable[str], got: Iterable[str]) -> str:
+    """``"missing 'a'; unexpected 'b'"``: the keys of ``expected`` not in ``got`` and the reverse ("" if none)."""
+    expected, got = list(expected), list(got)
+    missing, extra = [k for k in expected if k not in got], [k for k in got if k not in expected]
+    parts = [
+        f"{what} {', '.join(map(repr, keys))}" for what, keys in (("missing", missing), ("unexpected", extra)) if keys
+    ]
+    return "; ".join(parts)
+
+
 def same_tensors(what: str, saved: Any, mine: Mapping[str, Tensor], build: str) -> None:
     """``saved`` must hold the keys and shapes of ``mine``; else one ValueError naming the entry and both sides."""
     if not isinstance(saved, Mapping):
         raise ValueError(
             f"{what} is a {type(saved).__name__}; it must be a dict name -> tensor, as state_dict() saves."
         )
-    missing, extra = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
-    if missing or extra:
+    if differences := key_differences(mine, saved):
         raise ValueError(
-            f"{what} does not match this learner: "
-            + "; ".join(
-                s
-                for s in (
-                    f"missing {', '.join(missing)}" if missing else "",
-                    f"unexpected {', '.join(extra)}" if extra else "",
-                )
-                if s
-            )
-            + f". Build the learner with {build} as the saved one."
+            f"{what} does not match this learner: {differences}. Build the learner with {build} as the saved one."
         )
     for k, t in mine.items():
         s = saved[k]

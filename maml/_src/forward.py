@@ -59,11 +59,6 @@ def time_batchings(
     devices = [data[0][0].device.index] if data[0][0].is_cuda else []
     seconds: dict[str, float] = {}
 
-    def one_pass(batching: str, x: Tensor, y: Tensor) -> None:
-        # A function of its own: its graph and outputs are gone before the next pass allocates anything.
-        losses, _ = forward(weights, consts, x[:tasks], y[:tasks], batching=batching)
-        torch.autograd.grad(losses.sum(), list(weights.values()))
-
     with torch.random.fork_rng(devices=devices), torch.enable_grad():  # dropout draws leave the stream alone
         for batching in ("vmap", "loop"):
             times = []
@@ -71,7 +66,8 @@ def time_batchings(
                 sync()
                 began = time.perf_counter()
                 for x, y in data:
-                    one_pass(batching, x, y)
+                    losses, _ = forward(weights, consts, x[:tasks], y[:tasks], batching=batching)
+                    torch.autograd.grad(losses.sum(), list(weights.values()))
                 sync()
                 times.append(time.perf_counter() - began)
             seconds[batching] = min(times[1:])
@@ -127,9 +123,6 @@ class TaskForward:
     def choose(self, fast: Params, consts: Params, data: Sequence[tuple[Tensor, Tensor]]) -> None:
         """With ``"auto"``, settles the batching on the device of ``data``: the loop where it is clearly faster on it.
 
-        One task settles on the loop untimed: vmap would batch nothing (the learner's checkpointed
-        mode hands one, as timing vmap on more would hold more memory than its segments do).
-
         "Clearly": by :data:`LOOP_MARGIN` (:func:`time_batchings`); otherwise ``"vmap"``, so that
         where the two are close, timing noise rarely decides. A configuration (device, model
         architecture, loss, shapes) is timed once per process: its learners batch alike and agree
@@ -138,9 +131,6 @@ class TaskForward:
         """
         device = data[0][0].device
         if self.batching != "auto" or device in self._chosen:
-            return
-        if data[0][0].shape[0] == 1:  # one task at a time (the checkpointed mode's memory plan): nothing to batch
-            self._chosen[device] = "loop"
             return
         # One timing per configuration and process: learners of one architecture on equal sizes batch alike.
         shapes = lambda tensors: tuple((tuple(t.shape), t.dtype) for t in tensors)  # noqa: E731

@@ -40,7 +40,6 @@ class Reparametrized:
         canonical: dict[int, str] = {}  # id of a tensor -> the name it has in named_parameters()/named_buffers()
         for name, t in (*module.named_parameters(), *module.named_buffers()):
             canonical.setdefault(id(t), name)
-        self.names = frozenset(canonical.values())
         seen: set[tuple[int, str]] = set()
         self._aliases: dict[str, str] = {}  # one name per (module, attribute) -> its tensor's canonical name
         for prefix, sub in module.named_modules(remove_duplicate=False):

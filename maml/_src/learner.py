@@ -685,8 +685,8 @@ class MetaLearner:
         # The checkpointed mode is chosen for memory: "auto" takes the loop there, untimed. Timing vmap holds
         # several tasks' graphs at once, more than the mode's segments do, and the loop holds less than vmap
         # (a conv net of tests/test_memory_plan.py, 2 tasks a chunk: 7.0 MB of tensors against 9.8 MB).
-        if self._mode == "checkpointed" and torch.is_grad_enabled():
-            batch = batch[:1]
+        if self._mode == "checkpointed" and torch.is_grad_enabled() and self.batching == "auto":
+            self._forward.use_loop(device)
         tasks = batch.num_tasks
         data = [(batch.support_x, batch.support_y), (batch.query_x, batch.query_y)]
         self._forward.choose({k: v.expand(tasks, *v.shape) for k, v in one.items()}, shared, data)

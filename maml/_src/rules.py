@@ -28,6 +28,7 @@ from typing import Any, ClassVar, NamedTuple, Protocol
 import torch
 from torch import Tensor, nn
 
+from . import checks
 from .functional import Reparametrized
 
 Params = dict[str, Tensor]
@@ -249,16 +250,7 @@ def _check_tensors(rule: UpdateRule, what: str, got: Any, params: Params) -> Non
             f"{_rule_name(rule)}: {what} is a {type(got).__name__}; it must be a dict keyed like the parameters "
             f"(name -> tensor); see maml.UpdateRule."
         )
-    missing, extra = [k for k in params if k not in got], [k for k in got if k not in params]
-    if missing or extra:
-        said = "; ".join(
-            part
-            for part in (
-                f"missing {', '.join(map(repr, missing))}" if missing else "",
-                f"unexpected {', '.join(map(repr, extra))}" if extra else "",
-            )
-            if part
-        )
+    if said := checks.key_differences(params, got):
         raise ValueError(
             f"{_rule_name(rule)}: {what} must have exactly the keys of the parameters it was given "
             f"({', '.join(map(repr, params))}); {said}."
