@@ -11,20 +11,28 @@ import yaml
 from experiments import cli
 from experiments.cli import UsageError
 
-__all__ = ["load_yaml"]
+__all__ = ["DuplicateKey", "UniqueKeys", "load_yaml"]
 
 
-class _UniqueKeys(yaml.SafeLoader):
+class DuplicateKey(yaml.constructor.ConstructorError):
+    """A key given twice in one YAML mapping: ``key``, and ``problem_mark`` where it stands the second time."""
+
+    def __init__(self, key: Any, mark: yaml.Mark) -> None:
+        super().__init__(None, None, f"the key {key!r} is given twice; keep one", mark)
+        self.key = key
+
+
+class UniqueKeys(yaml.SafeLoader):
     """YAML's safe loader, refusing a key given twice in one mapping (yaml.safe_load keeps the last silently)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<:` merges another mapping: no key of its own
+                continue
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"the key {key!r} is given twice; keep one", key_node.start_mark
-                )
+                raise DuplicateKey(key, key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep)
 
@@ -39,7 +47,7 @@ def load_yaml(path: Path, cls: type) -> dict[str, Any]:
     if not path.is_file():
         raise UsageError(f"--config {path}: no such file.")
     try:
-        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeys) or {}
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=UniqueKeys) or {}
     except UnicodeDecodeError as e:
         raise UsageError(f"--config {path}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8.") from None
     except yaml.MarkedYAMLError as e:  # one line: where, and what

@@ -331,11 +331,12 @@ def main(run: Callable[[Sequence[str] | None], None], argv: Sequence[str] | None
                 try:
                     dist.barrier()
                 except RuntimeError as e:
-                    if peer_lost(e) is None:
+                    reason = peer_lost(e)
+                    if reason is None:
                         raise
                     _leaving()
                     if not (together == 0 and dist.get_rank() == 0):  # rank 0 wrote the results: nothing is lost
-                        lost = peer_lost(e)
+                        lost = reason
             if lost is not None:
                 print(_peer_lost_line(lost), file=sys.stderr)
             dist.destroy_process_group()

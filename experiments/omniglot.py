@@ -108,6 +108,12 @@ class OmniglotConfig(ExperimentConfig):
     eval_chunk: int = 50
     """test tasks per evaluation pass (bounds memory)"""
 
+    @property
+    def train_shots_flag(self) -> str:
+        """The flag that set the train K of a resolved config: ``--train-shots`` defaults to ``--shots``, so one
+        equal to ``--shots`` is named ``--shots``, one of its own (a flag, or Reptile's recipe) ``--train-shots``."""
+        return "--train-shots" if self.train_shots != self.shots else "--shots"
+
     def resolved(self) -> OmniglotConfig:
         """The config with the paper's per-ways defaults and the data path filled in."""
         steps, lr, batch = PAPER.get(self.ways, PAPER[5] if self.ways < 20 else PAPER[20])
@@ -252,8 +258,6 @@ def memory_needs(cfg: OmniglotConfig, params: int | None) -> list[Need]:
     per_task = cfg.ways * (cfg.shots + cfg.query)  # images of one test task
     per_train_task = cfg.ways * (cfg.train_shots + cfg.query)
     first_layer = cfg.ways * max(cfg.train_shots, cfg.query) * cfg.filters * 14 * 14 * FLOAT_BYTES  # of one pass
-    # --train-shots defaults to --shots: name the flag the user set (as omniglot_data.make_splits does).
-    train_shots = "--train-shots" if cfg.train_shots != cfg.shots else "--shots"
     return [
         Need(
             "the network's weights, meta-gradient, and one task's support gradient and fast weights",
@@ -262,7 +266,7 @@ def memory_needs(cfg: OmniglotConfig, params: int | None) -> list[Need]:
         ),
         Need(
             "the training meta-batch's images and one task's first feature maps",
-            f"--meta-batch, --ways, {train_shots}, --query, --filters",
+            f"--meta-batch, --ways, {cfg.train_shots_flag}, --query, --filters",
             cfg.meta_batch * per_train_task * image + first_layer,
         ),
         Need("the validation tasks' images", "--val-tasks, --ways, --shots, --query", cfg.val_tasks * per_task * image),

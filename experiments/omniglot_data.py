@@ -75,9 +75,7 @@ def make_splits(omni: tasks.Omniglot, cfg: OmniglotConfig) -> Data:
             )
         try:
             shots = cfg.train_shots if name == "train" else cfg.shots
-            # The flag the user set: --train-shots defaults to --shots (resolved() fills it in), so a train
-            # K equal to --shots is named --shots; one of its own (a flag, or Reptile's recipe) --train-shots.
-            flag = "--train-shots" if name == "train" and cfg.train_shots != cfg.shots else "--shots"
+            flag = cfg.train_shots_flag if name == "train" else "--shots"
             samplers.append(tasks.FewShotSampler(part.images, part.labels, cfg.ways, shots, cfg.query))
         except ValueError as e:  # fewer images per class than shots + query
             raise UsageError(f"{flag} {shots} --query {cfg.query}, the {name} split: {e}") from None

@@ -19,6 +19,8 @@ from typing import Any
 
 import yaml
 
+from experiments.config_file import DuplicateKey, UniqueKeys
+
 with warnings.catch_warnings():  # the engine's pydantic deprecation warnings
     warnings.simplefilter("ignore")
     import sweeps
@@ -44,29 +46,6 @@ DONE = ("finished", "failed")  # trials that ran to their end: --resume keeps th
 
 class SweepError(Exception):
     """Bad input: the message says what to fix (one ``error:`` line, exit code 2)."""
-
-
-class _UniqueKeys(yaml.SafeLoader):
-    """YAML's safe loader, refusing a key given twice in one mapping (yaml.safe_load keeps the last, silently)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<:` merges another mapping: no key of its own
-                continue
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise _DuplicateKey(key, key_node.start_mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep)
-
-
-class _DuplicateKey(yaml.YAMLError):
-    """A key given twice in one mapping, and where (the second time)."""
-
-    def __init__(self, key: Any, mark: yaml.Mark) -> None:
-        super().__init__(key, mark)
-        self.key, self.mark = key, mark
 
 
 def _line(text: str, keys: list[str]) -> str:
@@ -158,10 +137,10 @@ def load_sweep(path: Path) -> Sweep:
     """
     try:
         text = path.read_text()
-        config = yaml.load(text, Loader=_UniqueKeys)
-    except _DuplicateKey as error:
+        config = yaml.load(text, Loader=UniqueKeys)
+    except DuplicateKey as error:
         raise SweepError(
-            f"{path}, line {error.mark.line + 1}: the key {error.key!r} is given twice in one mapping, and YAML "
+            f"{path}, line {error.problem_mark.line + 1}: the key {error.key!r} is given twice in one mapping, and YAML "
             f"would keep only the last, silently; keep one."
         ) from None
     except (OSError, yaml.YAMLError) as error:

@@ -28,15 +28,15 @@ import functools
 import inspect
 import json
 import math
-import os
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
+
+from experiments.cli import UsageError
+from experiments.files import atomic_write
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCK = re.compile(r"(<!-- table: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
@@ -629,19 +629,6 @@ def _shown(page: Path, root: Path) -> str:
         return str(page)
 
 
-def _write(page: Path, text: str) -> None:
-    """Replaces ``page`` by ``text`` in one step (a file beside it, renamed over it): never half written."""
-    handle, temporary = tempfile.mkstemp(dir=page.parent, prefix=f".{page.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "w") as file:
-            file.write(text)
-        shutil.copymode(page, temporary)  # mkstemp's file is private: keep the page's permissions
-        os.replace(temporary, page)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-
-
 def main(argv: Sequence[str] | None = None, root: Path = REPO) -> int:
     """The command line; ``root``: the repository whose pages are rendered, and to which messages name them."""
     parser = argparse.ArgumentParser(prog="python -m experiments.tables", description=__doc__.split("\n\n")[0])
@@ -649,12 +636,10 @@ def main(argv: Sequence[str] | None = None, root: Path = REPO) -> int:
     parser.add_argument("--page", type=Path, action="append", help="render only this page (again for more)")
     args = parser.parse_args(argv)
     chosen = args.page or pages(root)
-    # Read and validate every page, then render every page, and only then write: an error on any
-    # page (exit 2) leaves every page as it was, the sound ones too.
+    # Read and render every page (render validates its markers first), and only then write: an error on
+    # any page (exit 2) leaves every page as it was, the sound ones too.
     try:
         texts = [page.read_text() for page in chosen]
-        for page, text in zip(chosen, texts):
-            validate(text, _shown(page, root))
         rendered = [render(text, _shown(page, root)) for page, text in zip(chosen, texts)]
     except (OSError, TableError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -670,7 +655,11 @@ def main(argv: Sequence[str] | None = None, root: Path = REPO) -> int:
             )
             stale.append(f"{_shown(page, root)} is stale from line {line + 1}")
         else:
-            _write(page, new)
+            try:
+                atomic_write(page, lambda tmp, new=new: tmp.write_text(new))
+            except UsageError as e:  # a full disk or a page that cannot be written: one line
+                print(f"error: {e}", file=sys.stderr)
+                return 2
     if stale:
         print(f"{'; '.join(stale)}: run python -m experiments.tables", file=sys.stderr)
         return 1
