@@ -1,6 +1,6 @@
 """N-way K-shot Omniglot with MAML, as Finn et al.'s released code runs it (cbfinn/maml), by default.
 
-    python -m experiments.omniglot --data ../shared/data/omniglot
+    python -m experiments.omniglot --data PATH
     python -m experiments.omniglot --data ~/data/omniglot --ways 20     # 20-way: 5 steps, lr 0.1, meta-batch 16
     python -m experiments.omniglot --network maxpool --loss mean --query 15   # learn2learn's and MAML++'s setting
     python -m experiments.omniglot --engine learn2learn                 # the peer: learn2learn's MAML trains
