@@ -266,12 +266,16 @@ def test_the_processes_of_a_killed_launcher_stop_with_a_checkpoint_and_free_the_
         for pid in pids.values():
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
-    # Each got SIGTERM from the kernel and stopped after the same iteration, as after `kill`.
-    stopped = re.search(
-        r"stopped after iteration (\d+); continue with the same command plus --resume", rank_log(tmp_path, 0)
-    )
-    assert stopped, rank_log(tmp_path, 0)[-3000:]
-    assert checkpoint(out)["iteration"] == int(stopped.group(1))
+    # Each got SIGTERM from the kernel and stopped as after `kill`: after the iteration every rank voted for, or,
+    # where a rank left before the vote (seen once in a dozen runs on 2 busy cores), at once at its last checkpoint.
+    log = rank_log(tmp_path, 0)
+    stopped = re.search(r"stopped after iteration (\d+); continue with the same command plus --resume", log)
+    at_once = f"stopped at once; the last checkpoint in {out} is whole: the same command plus --resume goes on."
+    assert stopped or at_once in log, log[-3000:]
+    if stopped:
+        assert checkpoint(out)["iteration"] == int(stopped.group(1))
+    else:
+        assert checkpoint(out)["iteration"] >= 1
     assert "Traceback" not in rank_log(tmp_path, 1), rank_log(tmp_path, 1)[-3000:]
     assert lock_holder(out) is None  # the folder is free
 
