@@ -6,14 +6,34 @@ batch = sine.sample(25, shots=10, query=10, generator=g)          # (T, n, 1) re
 omni = tasks.Omniglot(root, rotations=False)                       # the real data set, cached
 sampler = tasks.FewShotSampler(omni.images, omni.labels, ways=5, shots=1, query=15)
 batch = sampler.sample(32, generator=g)                            # (T, ways * n, 1, 28, 28)
+mini = tasks.MiniImageNet(root, "train")                           # any layout it is held in, cached
+batch = mini.sampler(ways=5, shots=1, query=15).sample(4, generator=g)  # (T, ways * n, 3, 84, 84)
 """
 
+from ._src.image_data import (
+    CIFARFS,
+    FC100,
+    IMAGE_DATASETS,
+    FewShotImages,
+    ImageSplits,
+    MiniImageNet,
+    TieredImageNet,
+)
+from ._src.image_layouts import DATASETS as IMAGE_LAYOUTS
 from ._src.interop import batches, collate, from_learn2learn, split_task
 from ._src.omniglot import LAYOUT_HELP, OMNIGLOT_URL, SPLIT_BY, Omniglot, OmniglotSplits
 from ._src.sampler import FewShotIndices, FewShotSampler
 from ._src.sine import Sine, SineTasks
 
 __all__ = [
+    "CIFARFS",
+    "FC100",
+    "IMAGE_DATASETS",
+    "IMAGE_LAYOUTS",
+    "FewShotImages",
+    "ImageSplits",
+    "MiniImageNet",
+    "TieredImageNet",
     "LAYOUT_HELP",
     "OMNIGLOT_URL",
     "SPLIT_BY",

@@ -45,8 +45,13 @@ def candidates(data_dir: Path, cache_dir: str | os.PathLike[str] | None) -> list
     return [data_dir / _NEXT_TO_DATA, user_cache_dir()]
 
 
-def load(folders: list[Path], name: str, validate: Callable[[Any], bool]) -> tuple[Any, Path] | None:
+def load(
+    folders: list[Path], name: str, validate: Callable[[Any], bool], *, mmap: bool = False
+) -> tuple[Any, Path] | None:
     """The first readable, valid cache file ``name`` in ``folders`` and its path, else ``None``.
+
+    ``mmap``: map the file's tensors into memory instead of reading them (pages are read when
+    touched, and processes reading the same file share them): for caches of gigabytes.
 
     An unreadable or invalid file (truncated, from another version, tampered with) is a miss,
     never an error: the caller decodes again and overwrites it.
@@ -56,7 +61,7 @@ def load(folders: list[Path], name: str, validate: Callable[[Any], bool]) -> tup
         if not path.is_file():
             continue
         try:
-            payload = torch.load(path, map_location="cpu", weights_only=True)
+            payload = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
             if validate(payload):
                 return payload, path
         except Exception:  # noqa: BLE001 - any failure to read a cache is a cache miss

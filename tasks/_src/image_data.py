@@ -1,0 +1,254 @@
+"""mini-ImageNet, tieredImageNet, CIFAR-FS and FC100, read offline from any layout they are held in.
+
+Each split is decoded once into a uint8 cache file (``tasks._src.cache``) that later loads map
+into memory instead of reading, so a 16 GB tieredImageNet costs no start-up and no private copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any, ClassVar, NamedTuple
+
+import torch
+from torch import Tensor
+
+from . import cache as cache_files
+from . import checks
+from .image_layouts import CIFAR_FS, FC100, MINI_IMAGENET, SPLITS, TIERED_IMAGENET, DataSpec, Layout, detect
+from .sampler import FewShotSampler
+
+# Bump when decoding changes, so that caches written by older code are never read.
+_CACHE_FORMAT = 1
+_SPLIT_NAMES = {"train": "train", "val": "val", "validation": "val", "test": "test"}
+
+
+class ImageSplits(NamedTuple):
+    """The train, validation and test splits of a data set (disjoint classes)."""
+
+    train: FewShotImages
+    validation: FewShotImages
+    test: FewShotImages
+
+
+class FewShotImages:
+    """One split of a few-shot image data set, as uint8 tensors mapped from a decoded cache.
+
+    Subclasses name the data set (:class:`MiniImageNet`, :class:`TieredImageNet`, :class:`CIFARFS`,
+    :class:`FC100`). The layout is detected by its files (``tasks.IMAGE_LAYOUTS`` lists them);
+    the number of classes of the split is checked against the published split.
+
+    Args:
+        root: the folder holding the data (default: the data set's variable, e.g. ``$MINIIMAGENET_DIR``).
+        split: ``"train"``, ``"val"`` (or ``"validation"``) or ``"test"``.
+        class_counts: the classes expected in train, val and test (default: the published split,
+            e.g. 64, 16, 20 for mini-ImageNet); pass others only for a subset you made on purpose.
+        cache_dir: folder for the decoded cache (default as :class:`tasks.Omniglot`:
+            ``$MAML_CACHE_DIR``, else ``.maml-cache`` next to the data when writable, else the
+            user cache folder).
+        cache: read and write the decoded cache at all.
+
+    Attributes:
+        images: ``(N, 3, S, S)`` uint8 RGB images (S = 84, or 32 for CIFAR-FS and FC100).
+        labels: ``(N,)`` int64 class of each image, ``0..num_classes-1``.
+        classes: the name of each class (a WordNet id such as ``n01532829``, or a number).
+        layout: the layout read, e.g. ``"ren-pickles"``.
+        from_cache: whether the images came from the decoded cache.
+        cache_path: the cache file read or written, or ``None``.
+
+    Raises:
+        FileNotFoundError: ``root`` does not exist.
+        ValueError: one line naming the file, the layout expected and where the data comes from:
+            no layout's files, a missing, truncated or wrong file, or the wrong number of classes.
+    """
+
+    spec: ClassVar[DataSpec]
+    images: Tensor
+    labels: Tensor
+    classes: list[str]
+    split: str
+    layout: str
+    root: Path
+    from_cache: bool
+    cache_path: Path | None
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str] | None = None,
+        split: str = "train",
+        *,
+        class_counts: tuple[int, int, int] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache: bool = True,
+    ) -> None:
+        spec = self.spec
+        if split not in _SPLIT_NAMES:
+            raise ValueError(f"split={split!r} is not one of 'train', 'val' ('validation') or 'test'.")
+        split = _SPLIT_NAMES[split]
+        counts = _counts(class_counts, spec)
+        if root is None:
+            if not os.environ.get(spec.env):
+                raise ValueError(f"no {spec.name} folder: pass root= the folder or set ${spec.env}; {spec.help()}")
+            root = os.environ[spec.env]
+        self.root = Path(root).expanduser()
+        layout = detect(spec, self.root, split)
+        identity = json.dumps(
+            {"format": _CACHE_FORMAT, "data": spec.key, "split": split, "layout": layout.name, "side": spec.side,
+             "files": [_identity(p) for p in layout.files(self.root, split)]},
+            sort_keys=True,
+        )  # fmt: skip
+        key = hashlib.sha256(identity.encode()).hexdigest()
+        name = f"{spec.key}-{split}-{spec.side}px-{key[:24]}.pt"
+        folders = cache_files.candidates(self.root, cache_dir) if cache else []
+        expected = counts[SPLITS.index(split)]
+        found = cache_files.load(folders, name, lambda p: _valid(p, key, spec.side), mmap=True)
+        if found is None:
+            payload = _decode(spec, layout, self.root, split)
+            payload["key"] = key
+            _check_count(payload, expected, spec, layout, self.root, split)  # before a wrong split is cached
+            path = _save(folders, name, payload, spec) if folders else None
+            # Mapped from the file just written: the decoded copy in memory is let go.
+            found = cache_files.load([path.parent], name, lambda p: True, mmap=True) if path is not None else None
+            self.from_cache, self.cache_path = False, path
+        else:
+            payload, self.cache_path = found
+            self.from_cache = True
+            _check_count(payload, expected, spec, layout, self.root, split)
+        if found is not None:
+            payload = found[0]
+        self.images, self.labels, self.classes = payload["images"], payload["labels"], list(payload["classes"])
+        self.split, self.layout = split, layout.name
+
+    @classmethod
+    def splits(cls, root: str | os.PathLike[str] | None = None, **kwargs: Any) -> ImageSplits:
+        """The train, validation and test splits under ``root`` (keyword arguments as the constructor's)."""
+        return ImageSplits(*(cls(root, split, **kwargs) for split in SPLITS))
+
+    @property
+    def num_classes(self) -> int:
+        """The number of classes of this split."""
+        return len(self.classes)
+
+    @property
+    def image_size(self) -> int:
+        """The side of the images in pixels."""
+        return self.images.shape[-1]
+
+    def __len__(self) -> int:
+        return self.images.shape[0]
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({self.split}: {self.num_classes} classes, {len(self)} images of "
+            f"{self.image_size}x{self.image_size}, layout {self.layout!r})"
+        )
+
+    def sampler(self, ways: int, shots: int, query: int) -> FewShotSampler:
+        """A :class:`FewShotSampler` of ``ways``-way ``shots``-shot tasks: ``(T, ways * n, 3, S, S)`` batches."""
+        return FewShotSampler(self.images, self.labels, ways, shots, query)
+
+
+class MiniImageNet(FewShotImages):
+    """mini-ImageNet (Vinyals et al. 2016, Ravi and Larochelle's split): 64/16/20 classes of 600 84x84 images."""
+
+    spec = MINI_IMAGENET
+
+
+class TieredImageNet(FewShotImages):
+    """tieredImageNet (Ren et al. 2018): 351/97/160 classes of 84x84 images (608 classes, 779,165 images)."""
+
+    spec = TIERED_IMAGENET
+
+
+class CIFARFS(FewShotImages):
+    """CIFAR-FS (Bertinetto et al. 2019): 64/16/20 CIFAR-100 classes of 600 32x32 images."""
+
+    spec = CIFAR_FS
+
+
+class FC100(FewShotImages):
+    """FC100 (Oreshkin et al. 2018): 60/20/20 CIFAR-100 classes split by superclass, 600 32x32 images each."""
+
+    spec = FC100
+
+
+IMAGE_DATASETS: dict[str, type[FewShotImages]] = {c.spec.key: c for c in (MiniImageNet, TieredImageNet, CIFARFS, FC100)}
+
+
+def _counts(class_counts: Any, spec: DataSpec) -> tuple[int, int, int]:
+    if class_counts is None:
+        return spec.counts
+    if not isinstance(class_counts, (tuple, list)) or len(class_counts) != 3:
+        raise TypeError(f"class_counts must be three ints (train, val, test), got {class_counts!r}.")
+    return tuple(checks.positive_int("class_counts", c) for c in class_counts)  # type: ignore[return-value]
+
+
+def _identity(path: Path) -> list[Any]:
+    """What the cache is keyed on: the path, size and modification time of a file, or of a folder's files."""
+    if path.is_file():
+        st = path.stat()
+        return [str(path.resolve()), st.st_size, st.st_mtime_ns]
+    stats = [p.stat() for p in path.rglob("*") if p.is_file() and ".maml-cache" not in p.parts]
+    return [
+        str(path.resolve()),
+        len(stats),
+        sum(s.st_size for s in stats),
+        max((s.st_mtime_ns for s in stats), default=0),
+    ]
+
+
+def _decode(spec: DataSpec, layout: Layout, root: Path, split: str) -> dict[str, Any]:
+    images, labels, classes = layout.read(root, split, spec.side, spec.help())
+    return {
+        "format": _CACHE_FORMAT,
+        # (N, S, S, 3) as stored -> (N, 3, S, S) as the network reads, contiguous, once.
+        "images": torch.from_numpy(images).permute(0, 3, 1, 2).contiguous(),
+        "labels": torch.from_numpy(labels),
+        "classes": classes,
+    }
+
+
+def _check_count(
+    payload: dict[str, Any], expected: int, spec: DataSpec, layout: Layout, root: Path, split: str
+) -> None:
+    got = len(payload["classes"])
+    if got != expected:
+        where = ", ".join(p.name for p in layout.files(root, split))
+        raise ValueError(
+            f"{root / where} holds {got} classes, and the {split} split of {spec.name} has {expected} "
+            f"({layout.name} layout): the file is incomplete or of another data set (class_counts= accepts a "
+            f"subset made on purpose); {spec.help()}"
+        )
+
+
+def _valid(p: Any, key: str, side: int) -> bool:
+    if not isinstance(p, dict) or p.get("format") != _CACHE_FORMAT or p.get("key") != key:
+        return False
+    images, labels, classes = p.get("images"), p.get("labels"), p.get("classes")
+    if not isinstance(images, Tensor) or not isinstance(labels, Tensor) or not isinstance(classes, list):
+        return False
+    n = images.shape[0]
+    return (
+        images.dtype == torch.uint8
+        and tuple(images.shape[1:]) == (3, side, side)
+        and labels.dtype == torch.int64
+        and tuple(labels.shape) == (n,)
+        and n > 0
+        and int(labels.min()) >= 0
+        and int(labels.max()) < len(classes)
+    )
+
+
+def _save(folders: list[Path], name: str, payload: dict[str, Any], spec: DataSpec) -> Path | None:
+    path = cache_files.save(folders, name, payload)
+    if path is None:
+        warnings.warn(
+            f"could not write the decoded {spec.name} cache in any of {[str(f) for f in folders]}; every load "
+            f"will decode the images again. Pass cache_dir= a writable folder or set ${cache_files.CACHE_ENV}.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return path

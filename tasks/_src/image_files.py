@@ -1,0 +1,187 @@
+"""Reading the files few-shot image data sets come in: pickles (safely), npz arrays, image files.
+
+Each reader returns ``(images, labels, classes)``: ``(N, S, S, 3)`` uint8 images, ``(N,)`` int64
+labels in ``0..C-1`` and the ``C`` class names; every failure is a ``ValueError`` of one line
+naming the file, the layout that was expected and where the data comes from (``help``).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import pickle
+import zipfile
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+Decoded = tuple[np.ndarray, np.ndarray, list[str]]  # (N, S, S, 3) uint8, (N,) int64, class names
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp")
+
+# What a data set pickle may build: numpy arrays and the containers around them. Anything else
+# (a pickle can run any code as it loads) is refused, so a wrong file is an error and no exploit.
+_ALLOWED = {
+    ("numpy", "ndarray"),
+    ("numpy", "dtype"),
+    ("numpy.core.multiarray", "_reconstruct"),
+    ("numpy.core.multiarray", "scalar"),
+    ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy._core.multiarray", "scalar"),
+    ("numpy.core.numeric", "_frombuffer"),
+    ("numpy._core.numeric", "_frombuffer"),
+    ("_codecs", "encode"),  # how protocol-2 pickles (Python 2 era) store bytes
+    ("collections", "OrderedDict"),
+    ("collections", "defaultdict"),
+    ("builtins", "list"),
+    ("builtins", "dict"),
+    ("builtins", "set"),
+    ("builtins", "bytearray"),
+    ("__builtin__", "list"),
+    ("copy_reg", "_reconstructor"),
+    ("copyreg", "_reconstructor"),
+    ("builtins", "object"),
+    ("__builtin__", "object"),
+}
+
+
+class _DataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in _ALLOWED:
+            raise pickle.UnpicklingError(f"it asks for {module}.{name}, which no image data set holds")
+        return super().find_class(module, name)
+
+
+def read_pickle(path: Path, help: str) -> Any:
+    """The object in the pickle ``path`` (Python 2 pickles too: their strings are read as latin-1)."""
+    try:
+        with open(path, "rb") as f:
+            return _DataUnpickler(f, encoding="latin1").load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, OSError) as exc:
+        raise ValueError(
+            f"cannot read the pickle {path} ({exc or type(exc).__name__}): it is truncated or another file; {help}"
+        ) from None
+
+
+def field(payload: Any, keys: Sequence[str], path: Path, help: str) -> Any:
+    """``payload[key]`` for the first of ``keys`` present (a Python 2 pickle may key by bytes)."""
+    if isinstance(payload, dict):
+        for key in keys:
+            for k in (key, key.encode()):
+                if k in payload:
+                    return payload[k]
+    have = sorted(str(k) for k in payload) if isinstance(payload, dict) else type(payload).__name__
+    raise ValueError(f"{path} holds no {keys[0]!r} (it holds {have}); {help}")
+
+
+def as_images(array: Any, side: int, path: Path, help: str) -> np.ndarray:
+    """``array`` checked to be ``(N, side, side, 3)`` uint8 images."""
+    array = np.asarray(array)
+    if array.dtype != np.uint8 or array.ndim != 4 or array.shape[1:] != (side, side, 3):
+        raise ValueError(
+            f"{path} holds images of shape {array.shape} and dtype {array.dtype}, not (N, {side}, {side}, 3) "
+            f"uint8; {help}"
+        )
+    return array
+
+
+def relabel(raw: Sequence[Any], names: dict[Any, str] | None = None) -> tuple[np.ndarray, list[str]]:
+    """Labels of any values as ``0..C-1`` in sorted order of the values, and each class's name."""
+    values, labels = np.unique(np.asarray(raw), return_inverse=True)
+    classes = [names.get(v, str(v)) if names else str(v) for v in values.tolist()]
+    return labels.astype(np.int64).reshape(-1), classes
+
+
+def read_npz(path: Path, key: str, help: str) -> np.ndarray:
+    """The array ``key`` of the npz archive ``path`` (no pickled objects allowed)."""
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            if key not in archive.files:
+                raise ValueError(f"{path} holds no {key!r} array (it holds {archive.files}); {help}")
+            return archive[key]
+    except ValueError as exc:
+        if str(exc).startswith(str(path)):
+            raise
+        raise ValueError(
+            f"cannot read the npz archive {path} ({exc}): it is truncated or another file; {help}"
+        ) from None
+    except (OSError, EOFError, KeyError, zipfile.BadZipFile) as exc:
+        raise ValueError(
+            f"cannot read the npz archive {path} ({exc}): it is truncated or another file; {help}"
+        ) from None
+
+
+def decode(blob: bytes, side: int, where: str, help: str) -> np.ndarray:
+    """One encoded image as ``(side, side, 3)`` uint8 RGB, resized with Lanczos if it is another size.
+
+    Lanczos is what cbfinn/maml's ``data/miniImagenet/proc_images.py`` resizes the originals with.
+    """
+    try:
+        with Image.open(io.BytesIO(blob)) as im:
+            rgb = im.convert("RGB")
+            if rgb.size != (side, side):
+                rgb = rgb.resize((side, side), Image.Resampling.LANCZOS)
+            return np.asarray(rgb, dtype=np.uint8)
+    except Exception as exc:  # noqa: BLE001 - PIL reports broken images as OSError, SyntaxError, ...
+        raise ValueError(f"cannot decode the image {where} ({exc}): the file is corrupt or truncated; {help}") from None
+
+
+def decode_all(jobs: Sequence[tuple[str, Callable[[], bytes]]], side: int, help: str) -> np.ndarray:
+    """Every ``(where, read bytes)`` job decoded into one ``(N, side, side, 3)`` array, on a few threads."""
+    out = np.empty((len(jobs), side, side, 3), dtype=np.uint8)
+
+    def run(start: int) -> None:
+        for i in range(start, min(start + 256, len(jobs))):
+            where, read = jobs[i]
+            out[i] = decode(read(), side, where, help)
+
+    # PIL releases the GIL while it decodes and resizes; threads cost no start-up.
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        for done in [pool.submit(run, s) for s in range(0, len(jobs), 256)]:
+            done.result()
+    return out
+
+
+def class_folders(folder: Path) -> list[Path]:
+    """The class folders under a split folder (hidden ones skipped), sorted by name."""
+    return sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def image_files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith("."))
+
+
+def read_folders(split: Path, side: int, help: str) -> Decoded:
+    """``split/<class>/<image>``: a folder per class (cbfinn/maml's and MAML++'s layout)."""
+    folders = class_folders(split)
+    files = [(c, p) for c, folder in enumerate(folders) for p in image_files(folder)]
+    empty = [f.name for f in folders if not image_files(f)]
+    if not folders or empty:
+        what = f"class folders without images ({', '.join(empty[:3])})" if empty else "no class folder"
+        raise ValueError(f"{split} has {what}; {help}")
+    images = decode_all([(str(p), p.read_bytes) for _, p in files], side, help)
+    return images, np.array([c for c, _ in files], dtype=np.int64), [f.name for f in folders]
+
+
+def read_csv_split(csv_path: Path, images: Path, side: int, help: str) -> Decoded:
+    """Ravi and Larochelle's ``<split>.csv`` (``filename,label`` with a header) of files in ``images/``."""
+    try:
+        with open(csv_path, newline="") as f:
+            rows = list(csv.reader(f))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read {csv_path} ({exc}); {help}") from None
+    body = [r for r in rows[1:] if r]
+    if not rows or [c.strip() for c in rows[0][:2]] != ["filename", "label"] or any(len(r) < 2 for r in body):
+        raise ValueError(f"{csv_path} is not a 'filename,label' table with that header; {help}")
+    if not body:
+        raise ValueError(f"{csv_path} lists no image; {help}")
+    missing = [r[0] for r in body if not (images / r[0]).is_file()]
+    if missing:
+        raise ValueError(f"{csv_path} lists {len(missing)} images missing from {images} (first: {missing[0]}); {help}")
+    labels, classes = relabel([r[1] for r in body])
+    decoded = decode_all([(str(images / r[0]), (images / r[0]).read_bytes) for r in body], side, help)
+    return decoded, labels, classes

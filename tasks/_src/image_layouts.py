@@ -1,0 +1,268 @@
+"""The layouts mini-ImageNet, tieredImageNet, CIFAR-FS and FC100 are held in, and which one a folder holds.
+
+A layout is a set of files per split (``train``, ``val``, ``test``) and a reader of one split's
+files. :func:`detect` picks the layout by the files present; a layout whose files are only
+partly there is an error naming the missing file, never a silent fall-back to another.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from . import image_files as files
+from .image_files import Decoded
+
+SPLITS = ("train", "val", "test")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One way a data set is held: its name, the files of a split and their reader."""
+
+    name: str  # e.g. "ren-pickles"
+    origin: str  # who publishes (or uses) it
+    files: Callable[[Path, str], list[Path]]  # (root, split) -> the files (or folders) read for that split
+    read: Callable[[Path, str, int, str], Decoded]  # (root, split, side, help) -> images, labels, classes
+
+    def describe(self, root: Path) -> str:
+        """The files of this layout, for an error message: ``train.csv, val.csv, test.csv and images/``."""
+        names = [p.name + ("/" if p.suffix == "" else "") for s in SPLITS for p in self.files(root, s)]
+        unique = list(dict.fromkeys(names))
+        return f"{self.name} ({self.origin}: {', '.join(unique)})"
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSpec:
+    """A data set: its name, image side, classes per split, variable, layouts and where it comes from."""
+
+    name: str  # as papers write it, e.g. "mini-ImageNet"
+    key: str  # --dataset value and cache-file prefix
+    side: int  # image side in pixels
+    counts: tuple[int, int, int]  # classes in train, val, test
+    env: str  # the environment variable naming its folder
+    source: str  # where researchers get the files
+    layouts: tuple[Layout, ...]  # in the order they are looked for
+
+    def help(self) -> str:
+        return f"{self.name} is not downloaded at run time: {self.source} (docs/data.md lists each layout)."
+
+
+# ---------------------------------------------------------------------- readers
+
+
+def _read_folders(root: Path, split: str, side: int, help: str) -> Decoded:
+    return files.read_folders(root / split, side, help)
+
+
+def _read_csv(root: Path, split: str, side: int, help: str) -> Decoded:
+    return files.read_csv_split(root / f"{split}.csv", root / "images", side, help)
+
+
+def _checked(images: np.ndarray, raw_labels: object, path: Path, help: str) -> np.ndarray:
+    labels = np.asarray(raw_labels).reshape(-1)
+    if labels.shape[0] != images.shape[0] or labels.dtype.kind not in "iu":
+        raise ValueError(
+            f"{path} holds {images.shape[0]} images and {labels.shape[0]} labels of dtype {labels.dtype}: one "
+            f"integer label per image is needed; {help}"
+        )
+    return labels
+
+
+def _read_metaoptnet(path_of: Callable[[Path, str], Path]) -> Callable[[Path, str, int, str], Decoded]:
+    """MetaOptNet's pickles: ``{"data": (N, S, S, 3) uint8, "labels": N ints}`` (maybe ``catname2label``)."""
+
+    def read(root: Path, split: str, side: int, help: str) -> Decoded:
+        path = path_of(root, split)
+        payload = files.read_pickle(path, help)
+        images = files.as_images(files.field(payload, ["data"], path, help), side, path, help)
+        raw = _checked(images, files.field(payload, ["labels"], path, help), path, help)
+        names = payload.get("catname2label") if isinstance(payload, dict) else None
+        by_label = {v: str(k) for k, v in names.items()} if isinstance(names, dict) else None
+        labels, classes = files.relabel(raw, by_label)
+        return images, labels, classes
+
+    return read
+
+
+def _read_ren_mini(root: Path, split: str, side: int, help: str) -> Decoded:
+    """Ren et al.'s ``mini-imagenet-cache-<split>.pkl``: ``image_data`` and ``class_dict`` (name -> indices)."""
+    path = root / f"mini-imagenet-cache-{split}.pkl"
+    payload = files.read_pickle(path, help)
+    images = files.as_images(files.field(payload, ["image_data"], path, help), side, path, help)
+    class_dict = files.field(payload, ["class_dict"], path, help)
+    if not isinstance(class_dict, dict):
+        raise ValueError(f"{path}: class_dict is a {type(class_dict).__name__}, not a dict of class -> indices; {help}")
+    labels = np.full(images.shape[0], -1, dtype=np.int64)
+    classes = sorted(class_dict, key=str)
+    for c, name in enumerate(classes):
+        index = np.asarray(class_dict[name], dtype=np.int64).reshape(-1)
+        if index.size and (index.min() < 0 or index.max() >= images.shape[0]):
+            raise ValueError(f"{path}: class_dict[{name!r}] indexes past its {images.shape[0]} images; {help}")
+        labels[index] = c
+    keep = labels >= 0  # an image in no class is not in the split
+    return images[keep], labels[keep], [str(c) for c in classes]
+
+
+def _read_ren_tiered(root: Path, split: str, side: int, help: str) -> Decoded:
+    """Ren et al.'s ``<split>_images_png.pkl`` (PNG bytes per image) and ``<split>_labels.pkl``."""
+    image_path, label_path = root / f"{split}_images_png.pkl", root / f"{split}_labels.pkl"
+    blobs = files.read_pickle(image_path, help)
+    if not isinstance(blobs, (list, tuple, np.ndarray)):
+        raise ValueError(f"{image_path} holds a {type(blobs).__name__}, not a list of PNG-encoded images; {help}")
+    payload = files.read_pickle(label_path, help)
+    raw = np.asarray(files.field(payload, ["label_specific", "labels"], label_path, help)).reshape(-1)
+    if raw.shape[0] != len(blobs) or raw.dtype.kind not in "iu":
+        raise ValueError(
+            f"{label_path} holds {raw.shape[0]} labels for the {len(blobs)} images of {image_path}; {help}"
+        )
+    names = payload.get("label_specific_str") if isinstance(payload, dict) else None
+    images = files.decode_all(
+        [(f"{i} of {image_path}", lambda b=b: np.asarray(b, dtype=np.uint8).tobytes()) for i, b in enumerate(blobs)],
+        side,
+        help,
+    )
+    by_label = {i: str(n) for i, n in enumerate(names)} if isinstance(names, (list, tuple)) else None
+    labels, classes = files.relabel(raw, by_label)
+    return images, labels, classes
+
+
+def _read_metaoptnet_tiered(root: Path, split: str, side: int, help: str) -> Decoded:
+    """MetaOptNet's ``<split>_images.npz`` (``images``) and ``<split>_labels.pkl`` (``labels``)."""
+    image_path, label_path = root / f"{split}_images.npz", root / f"{split}_labels.pkl"
+    images = files.as_images(files.read_npz(image_path, "images", help), side, image_path, help)
+    payload = files.read_pickle(label_path, help)
+    raw = _checked(images, files.field(payload, ["labels", "label_specific"], label_path, help), label_path, help)
+    labels, classes = files.relabel(raw)
+    return images, labels, classes
+
+
+# ---------------------------------------------------------------------- layouts
+
+_METAOPT_MINI = {
+    "train": "miniImageNet_category_split_train_phase_train.pickle",
+    "val": "miniImageNet_category_split_val.pickle",
+    "test": "miniImageNet_category_split_test.pickle",
+}
+
+FOLDERS = Layout("folders", "cbfinn/maml's proc_images.py, MAML++", lambda r, s: [r / s], _read_folders)
+
+
+def _pickles(prefix: str) -> Layout:
+    return Layout(
+        "metaoptnet-pickles",
+        "MetaOptNet, few-shot-meta-baseline",
+        lambda r, s: [r / f"{prefix}_{s}.pickle"],
+        _read_metaoptnet(lambda r, s: r / f"{prefix}_{s}.pickle"),
+    )
+
+
+MINI_IMAGENET = DataSpec(
+    "mini-ImageNet",
+    "miniimagenet",
+    84,
+    (64, 16, 20),
+    "MINIIMAGENET_DIR",
+    "Ravi and Larochelle's split CSVs are in github.com/twitter/meta-learning-lstm (data/miniImagenet) beside the "
+    "images/ of Vinyals et al.; Ren et al.'s mini-imagenet-cache-*.pkl are the files learn2learn reads; MetaOptNet's "
+    "miniImageNet_category_split_*.pickle are linked from github.com/kjunelee/MetaOptNet",
+    (
+        Layout(
+            "ren-pickles", "Ren et al., learn2learn", lambda r, s: [r / f"mini-imagenet-cache-{s}.pkl"], _read_ren_mini
+        ),
+        Layout(
+            "metaoptnet-pickles",
+            "MetaOptNet, few-shot-meta-baseline",
+            lambda r, s: [r / _METAOPT_MINI[s]],
+            _read_metaoptnet(lambda r, s: r / _METAOPT_MINI[s]),
+        ),
+        Layout(
+            "ravi-csv", "Ravi and Larochelle, LibFewShot, FEAT", lambda r, s: [r / f"{s}.csv", r / "images"], _read_csv
+        ),
+        FOLDERS,
+    ),
+)
+TIERED_IMAGENET = DataSpec(
+    "tieredImageNet",
+    "tieredimagenet",
+    84,
+    (351, 97, 160),
+    "TIEREDIMAGENET_DIR",
+    "Ren et al.'s <split>_images_png.pkl and <split>_labels.pkl are linked from "
+    "github.com/renmengye/few-shot-ssl-public; MetaOptNet's <split>_images.npz and <split>_labels.pkl from "
+    "github.com/kjunelee/MetaOptNet",
+    (
+        Layout(
+            "ren-pickles",
+            "Ren et al.",
+            lambda r, s: [r / f"{s}_images_png.pkl", r / f"{s}_labels.pkl"],
+            _read_ren_tiered,
+        ),
+        Layout(
+            "metaoptnet-npz",
+            "MetaOptNet, RFS",
+            lambda r, s: [r / f"{s}_images.npz", r / f"{s}_labels.pkl"],
+            _read_metaoptnet_tiered,
+        ),
+        FOLDERS,
+    ),
+)
+CIFAR_FS = DataSpec(
+    "CIFAR-FS",
+    "cifarfs",
+    32,
+    (64, 16, 20),
+    "CIFARFS_DIR",
+    "Bertinetto et al.'s split of CIFAR-100; MetaOptNet's CIFAR_FS_<split>.pickle are linked from "
+    "github.com/kjunelee/MetaOptNet",
+    (_pickles("CIFAR_FS"), FOLDERS),
+)
+FC100 = DataSpec(
+    "FC100",
+    "fc100",
+    32,
+    (60, 20, 20),
+    "FC100_DIR",
+    "Oreshkin et al.'s superclass split of CIFAR-100; MetaOptNet's FC100_<split>.pickle are linked from "
+    "github.com/kjunelee/MetaOptNet",
+    (_pickles("FC100"), FOLDERS),
+)
+DATASETS: dict[str, DataSpec] = {d.key: d for d in (MINI_IMAGENET, TIERED_IMAGENET, CIFAR_FS, FC100)}
+
+
+def _present(layout: Layout, root: Path) -> list[Path]:
+    # By each split's first file, the one only this layout has (Ren's and MetaOptNet's tieredImageNet
+    # share <split>_labels.pkl, and differ by their images' file).
+    found = [p for p in (layout.files(root, s)[0] for s in SPLITS) if p.exists()]
+    if layout is FOLDERS:  # a split folder counts when it holds class folders
+        found = [p for p in found if p.is_dir() and files.class_folders(p)]
+    return found
+
+
+def detect(spec: DataSpec, root: Path, split: str) -> Layout:
+    """The layout ``root`` holds ``split`` of ``spec`` in.
+
+    Raises:
+        FileNotFoundError: ``root`` does not exist.
+        ValueError: one line: no layout's files are there, or a layout's files are there for some
+            splits and not for ``split`` (naming the missing file).
+    """
+    if not root.is_dir():
+        what = "does not exist" if not root.exists() else "is a file, not the folder holding the data"
+        raise FileNotFoundError(f"{spec.name} folder {root} {what}; {spec.help()}")
+    for layout in spec.layouts:
+        present = _present(layout, root)
+        if not present:
+            continue
+        missing = [p for p in layout.files(root, split) if not p.exists()]
+        if missing:
+            raise ValueError(
+                f"{root} holds {present[0].name} of the {layout.name} layout but not {missing[0].name} "
+                f"(the {split} split); {spec.help()}"
+            )
+        return layout
+    expected = "; ".join(layout.describe(root) for layout in spec.layouts)
+    raise ValueError(f"{root} holds none of the {spec.name} layouts, expected one of: {expected}. {spec.help()}")
