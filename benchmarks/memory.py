@@ -271,12 +271,12 @@ class Meter:
         return time.process_time() - start
 
 
-def worker(method: str, steps: int, args: argparse.Namespace) -> Result:
+def worker(method: str, tasks: int, steps: int, args: argparse.Namespace) -> Result:
     """Measures one configuration in this (fresh) process; see the module docstring."""
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
-    batch = synthetic_batch(TASKS, g, args.device, args.shots)
+    batch = synthetic_batch(tasks, g, args.device, args.shots)
     make_step(method, 1, synthetic_batch(1, g, args.device, args.shots), args)[1]()  # warm-up
     torch.manual_seed(0)  # the same initial weights in every worker, for the gradient check
     params, step = make_step(method, steps, batch, args)
@@ -286,7 +286,7 @@ def worker(method: str, steps: int, args: argparse.Namespace) -> Result:
         size = proc_status_kib("VmSize")["VmSize"] * 1024
         limit = size + int(args.limit_gib * 2**30)
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    result: Result = {"method": method, "steps": steps, "baseline_mib": baseline}
+    result: Result = {"method": method, "tasks": tasks, "steps": steps, "baseline_mib": baseline}
     try:
         first = meter.seconds(step)
     except (RuntimeError, MemoryError) as e:  # the allocator's failure: over --limit-gib or the GPU's memory
@@ -304,10 +304,10 @@ def worker(method: str, steps: int, args: argparse.Namespace) -> Result:
     return {**result, "oom": False, "extra_mib": extra, "tensor_mib": tensors, "first_s": first, "seconds": seconds}
 
 
-def run_worker(method: str, steps: int, args: argparse.Namespace, grad_file: Path | None = None) -> Result:
+def run_worker(method: str, tasks: int, steps: int, args: argparse.Namespace, grad_file: Path | None = None) -> Result:
     """Runs :func:`worker` in a fresh process and returns its result (or its error); the worker
     writes the measured step's meta-gradient to ``grad_file`` if given."""
-    command = [sys.executable, "-m", "benchmarks.memory", "--one", method, str(steps)]
+    command = [sys.executable, "-m", "benchmarks.memory", "--one", method, str(tasks), str(steps)]
     command += ["--device", str(args.device), "--batching", args.batching, "--threads", str(args.threads)]
     command += ["--repeats", str(args.repeats), "--limit-gib", str(args.limit_gib), "--shots", str(args.shots)]
     if grad_file is not None:
@@ -318,7 +318,7 @@ def run_worker(method: str, steps: int, args: argparse.Namespace, grad_file: Pat
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         lines = done.stderr.strip().splitlines() or [f"exit status {done.returncode}"]
-        return {"method": method, "steps": steps, "oom": False, "error": lines[-1]}
+        return {"method": method, "tasks": tasks, "steps": steps, "oom": False, "error": lines[-1]}
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -479,6 +479,9 @@ def main(argv: list[str] | None = None) -> int:
         default=DEFAULT_METHODS,
         help=f"(default: all but checkpointed_chunk1 and {FORWARD_OVER_REVERSE})",
     )
+    parser.add_argument(
+        "--tasks", type=int, nargs="+", default=[TASKS], help="meta-batch sizes, one table each (default: %(default)s)"
+    )
     parser.add_argument("--shots", type=int, default=SHOTS, help="support images per class (default: %(default)s)")
     parser.add_argument("--device", type=torch.device, default=torch.device("cpu"), help="(default: cpu)")
     parser.add_argument("--batching", choices=maml.BATCHINGS, default="auto", help="engine batching (default: auto)")
@@ -492,11 +495,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--json", type=Path, default=None, help="also write the results, with device, versions and commit, here"
     )
-    parser.add_argument("--one", nargs=2, metavar=("METHOD", "STEPS"), help=argparse.SUPPRESS)
+    parser.add_argument("--one", nargs=3, metavar=("METHOD", "TASKS", "STEPS"), help=argparse.SUPPRESS)
     parser.add_argument("--grad-file", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:
-        print(json.dumps(worker(args.one[0], int(args.one[1]), args)))
+        print(json.dumps(worker(args.one[0], int(args.one[1]), int(args.one[2]), args)))
         return 0
 
     timed = " (timed on each worker's first batch)" if args.batching == "auto" else ""
@@ -506,27 +509,35 @@ def main(argv: list[str] | None = None) -> int:
         if args.device.type == "cuda"
         else "peak of live tensor bytes (profiler memory events), peak resident memory"
     )
+    sizes = ", ".join(map(str, args.tasks))
     print(
-        f"torch {torch.__version__}, device {args.device}; Omniglot conv net, {TASKS} tasks {WAYS}-way "
+        f"torch {torch.__version__}, device {args.device}; Omniglot conv net, {sizes} tasks {WAYS}-way "
         f"{args.shots}-shot {QUERY} query per class; engine batching={args.batching!r}{timed}, "
         f"chunk_size={args.chunk_size}"
     )
     print(f"each cell: {memory} of one meta-training step over the worker's baseline, and its {clock}\n")
-    results: dict[tuple[str, int], Result] = {}
-    with tempfile.TemporaryDirectory(prefix="maml-memory-") as folder:
-        grad_files = {(m, s): Path(folder) / f"{m}-{s}.pt" for s in args.steps for m in args.methods}
-        for s in args.steps:
-            for m in args.methods:
-                start = time.perf_counter()
-                results[(m, s)] = r = run_worker(m, s, args, grad_files[(m, s)])
-                note = f" ({r['error']})" if r.get("error") else ""
-                print(
-                    f"  {m}, {s} steps: {cell(r, args.limit_gib)}{note}, {time.perf_counter() - start:.0f} s wall",
-                    file=sys.stderr,
-                    flush=True,
-                )
-        gradient_differences(results, grad_files)
-    ok = report(results, args.methods, args.steps, args.limit_gib, args.shots)
+    results: dict[tuple[str, int, int], Result] = {}
+    ok = True
+    for t in args.tasks:
+        with tempfile.TemporaryDirectory(prefix="maml-memory-") as folder:
+            grad_files = {(m, s): Path(folder) / f"{m}-{s}.pt" for s in args.steps for m in args.methods}
+            table: dict[tuple[str, int], Result] = {}
+            for s in args.steps:
+                for m in args.methods:
+                    start = time.perf_counter()
+                    table[(m, s)] = r = run_worker(m, t, s, args, grad_files[(m, s)])
+                    note = f" ({r['error']})" if r.get("error") else ""
+                    print(
+                        f"  {m}, {t} tasks, {s} steps: {cell(r, args.limit_gib)}{note}, "
+                        f"{time.perf_counter() - start:.0f} s wall",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+            gradient_differences(table, grad_files)
+        if len(args.tasks) > 1:
+            print(f"\n{t} tasks")
+        ok = report(table, args.methods, args.steps, args.limit_gib, args.shots) and ok
+        results.update({(m, t, s): r for (m, s), r in table.items()})
     if args.json is not None:
         write_report(
             args.json,
@@ -535,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
             args.device,
             args.threads,
             setting={
-                "tasks": TASKS,
+                "tasks": args.tasks[0] if len(args.tasks) == 1 else list(args.tasks),
                 "ways": WAYS,
                 "shots": args.shots,
                 "query": QUERY,
@@ -545,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
             },
             methods=list(args.methods),
             steps=list(args.steps),
-            results=[{**r, "method": m, "steps": s} for (m, s), r in results.items()],
+            results=[{**r, "method": m, "tasks": t, "steps": s} for (m, t, s), r in results.items()],
         )
     return 1 if args.check and not ok else 0
 
