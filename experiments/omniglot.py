@@ -220,8 +220,8 @@ def plot(
     steps = max(cfg.eval_steps)
     with torch.no_grad():
         pred = learner.run(batch, steps=steps).query_out[0].argmax(-1).cpu()
-    support_x, support_y = batch.support_x[0, :, 0].cpu(), batch.support_y[0].cpu()
-    query_x, query_y = batch.query_x[0, :, 0].cpu(), batch.query_y[0].cpu()
+    support_x, support_y = _viewable(batch.support_x[0]), batch.support_y[0].cpu()
+    query_x, query_y = _viewable(batch.query_x[0]), batch.query_y[0].cpu()
     cols = max(cfg.shots, cfg.query) + 1
     fig, axes = plt.subplots(cfg.ways, cols, figsize=(cols * 0.8, cfg.ways * 0.9))
     axes = axes.reshape(cfg.ways, cols)
@@ -242,6 +242,12 @@ def plot(
     fig.tight_layout()
     atomic_write(out / "task_grid.png", lambda p: fig.savefig(p, format="png", dpi=120))
     plt.close(fig)
+
+
+def _viewable(x: torch.Tensor) -> torch.Tensor:
+    """``(n, C, H, W)`` images as imshow takes them: ``(n, H, W)`` greyscale, ``(n, H, W, 3)`` colour."""
+    x = x.cpu()
+    return x[:, 0] if x.shape[1] == 1 else x.permute(0, 2, 3, 1)
 
 
 def resolve(cfg: OmniglotConfig) -> OmniglotConfig:
@@ -304,8 +310,16 @@ def train_tasks(cfg: OmniglotConfig, data: Data, device: torch.device) -> fit.Ta
     )
 
 
-def final_test(fitted: fit.Fitted) -> fit.Results:
-    """The test accuracy of the last and of the best-validation parameters on the same tasks, and the plots."""
+def final_test(
+    fitted: fit.Fitted,
+    describe: Callable[[Any], dict[str, Any]] | None = None,
+    held_out: str = "held-out characters",
+) -> fit.Results:
+    """The test accuracy of the last and of the best-validation parameters on the same tasks, and the plots.
+
+    ``describe``: results.json's ``data`` entry from the splits (default: Omniglot's characters and
+    alphabets); ``held_out``: what the test tasks are drawn from, for the summary.
+    """
     cfg, opts, learner, trainer = fitted.cfg, fitted.opts, fitted.learner, fitted.trainer
     splits, (_, _, test_tasks) = fitted.data
     results = (
@@ -319,11 +333,12 @@ def final_test(fitted: fit.Fitted) -> fit.Results:
         best = torch.load(opts.out / BEST_FILE, map_location=opts.device, weights_only=True)
         learner.load_state_dict(best["learner"])
         best_results = evaluate(fitted.run, test_tasks, cfg, opts.device, seed=cfg.seed + 20_000)
-    data = {
-        "characters": [len(p.characters) for p in splits],
-        "alphabets": [p.alphabets for p in splits],
-        "batching": learner.resolved_batching,
-    }
+    data = (
+        describe(splits)
+        if describe is not None
+        else {"characters": [len(p.characters) for p in splits], "alphabets": [p.alphabets for p in splits]}
+    )
+    data["batching"] = learner.resolved_batching
     if test_tasks is None:
         why = f"--split-fractions {shares(cfg)} gives the test split no characters"
         return fit.Results(
@@ -334,7 +349,7 @@ def final_test(fitted: fit.Fitted) -> fit.Results:
         )
     best_at = trainer.best.get("iteration", trainer.iterations)
     lines = [
-        f"{cfg.ways}-way {cfg.shots}-shot test accuracy on {cfg.eval_tasks} tasks of held-out characters "
+        f"{cfg.ways}-way {cfg.shots}-shot test accuracy on {cfg.eval_tasks} tasks of {held_out} "
         f"(last: iteration {trainer.iterations}; best validation: iteration {best_at}):"
     ]
     for key, r in results.items():

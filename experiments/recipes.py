@@ -112,6 +112,17 @@ _RECIPES: dict[str, dict[str, Any]] = {
 _PER_EXPERIMENT: dict[tuple[str, str], dict[str, Any]] = {
     ("omniglot", "mamlpp"): {"inner_lr": 0.1, "meta_batch": 8, "loss": "mean", "per_step_bn": True},
     ("sine", "mamlpp"): {"rate_meta_lr": 1e-4},
+    # HowToTrainYourMAMLPytorch's mini-ImageNet configs: 150 epochs of 500 iterations, first order until epoch 80,
+    # 5 steps at its default init_inner_loop_learning_rate 0.01, 15 targets; batch size 4 at 1-shot, 2 at 5-shot
+    # (experiments.images resolves --meta-batch by --shots).
+    ("images", "mamlpp"): {
+        "loss": "mean",
+        "network": "maxpool",
+        "per_step_bn": True,
+        "iterations": 75_000,
+        "first_order_fraction": 80 / 150,
+        "eval_steps": (5,),
+    },
     ("omniglot", "reptile"): {
         "inner_optimizer": "adam",
         "inner_adam_betas": (0.0, 0.999),

@@ -1,0 +1,248 @@
+"""N-way K-shot mini-ImageNet, tieredImageNet, CIFAR-FS or FC100 with MAML, as Finn et al.'s released code runs mini-ImageNet.
+
+    python -m experiments.images --data PATH                          # mini-ImageNet 5-way 1-shot, the reference's protocol
+    python -m experiments.images --data PATH --shots 5                # 5-way 5-shot
+    python -m experiments.images --dataset tieredimagenet --data PATH
+    python -m experiments.images --dataset cifarfs --algorithm mamlpp # data from $CIFARFS_DIR
+    python -m experiments.images --help
+
+Reads the data set's train, val and test splits from --data (or $MINIIMAGENET_DIR, $TIEREDIMAGENET_DIR,
+$CIFARFS_DIR, $FC100_DIR) in any layout of docs/data.md, decoded once into a cache; meta-trains the
+reference's mini-ImageNet net (4 x [3x3 conv 32 filters, batch norm offset, ReLU, 2x2 max-pool]) with
+its summed loss, 5 inner steps at 0.01, 15 query images per class, meta-batch 4 and meta-gradients
+clipped to [-10, 10]; keeps the best-validation parameters beside the last, and reports the test
+accuracy of both on 600 tasks of the test classes (10 steps) with 95 % confidence intervals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Callable, Iterator, Sequence
+from typing import Annotated, Any, Literal
+
+import torch
+import tyro
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+import tasks
+from experiments import fit, omniglot, peers
+from experiments.cli import UsageError
+from experiments.config import ExperimentConfig, check_config
+from experiments.memory import FLOAT_BYTES, Need
+from experiments.omniglot_net import LOSSES, REFERENCE_MAXPOOL, build_model, loss_function, meta_only
+
+__all__ = ["ImagesConfig", "validate_config", "resolve", "load", "make_model", "clipped_meta_gradients", "run"]
+
+DATASETS = tuple(tasks.IMAGE_DATASETS)  # miniimagenet, tieredimagenet, cifarfs, fc100
+NETWORKS = ("reference", "maxpool")
+Data = tuple[tasks.ImageSplits, list[tasks.FewShotSampler]]  # the splits and their train, val, test samplers
+
+
+@dataclasses.dataclass(frozen=True)
+class ImagesConfig(ExperimentConfig):
+    """The hyperparameters (each a flag and a --config key): the shared ones, then the data's, the model's and the
+    evaluation's."""
+
+    iterations: int = 60_000
+    meta_batch: int | None = None
+    """tasks per meta-batch (null: 4, the reference's at 1 and 5 shots; the mamlpp recipe's 2 at 5 shots)"""
+    shots: int = 1
+    """support images per class (K)"""
+    query: int = 15
+    """query images per class in training and validation (the reference's 15)"""
+    eval_query: int | None = None
+    """query images per class of the final test (null: --shots, as the reference's test tasks of 2K images per class)"""
+    inner_lr: float = 0.01
+    steps: int = 5
+    compile: bool = False
+    """compile the meta-step with torch.compile (second or first order; exact; a one-off compile, then faster steps)"""
+    log_every: int = 50
+    val_every: int = 500
+    checkpoint_every: int = 500
+    eval_tasks: int = 600
+    """test tasks in the final evaluation"""
+    eval_steps: tuple[int, ...] = (1, 5, 10)
+    """inner steps of the final evaluation (the reference tests with 10)"""
+    dataset: Literal[DATASETS] = "miniimagenet"  # type: ignore[valid-type]
+    """the data set"""
+    data: Annotated[str | None, tyro.conf.arg(help_behavior_hint="(default: $MINIIMAGENET_DIR, ...)")] = None
+    """the folder holding the data set in a layout of docs/data.md (null: the data set's variable)"""
+    ways: int = 5
+    """classes per task (N)"""
+    network: Literal[NETWORKS] = "reference"  # type: ignore[valid-type]
+    """reference: the reference's mini-ImageNet net (batch norm with an offset only, meta-learned; Xavier init); maxpool: learn2learn's and MAML++'s (affine batch norm, adapted)"""
+    loss: Literal[LOSSES] = "reference"  # type: ignore[valid-type]
+    """reference: the reference's cross-entropy summed over the examples over K (its query loss is 15 x 5 times the mean at 1 shot); mean: the mean cross-entropy"""
+    filters: int = 32
+    """filters in each of the 4 conv blocks"""
+    per_step_bn: bool = False
+    """MAML++'s per-step batch-norm weights and biases (BNWB), learned by the outer loop only"""
+    clip_meta_grad: float | None = 10.0
+    """clamp each meta-gradient entry to [-c, c] before the meta-step (the reference's mini-ImageNet clip); null: none"""
+    engine: Literal[peers.ENGINES] = "maml"  # type: ignore[valid-type]
+    """what computes the meta-gradient in training: this toolkit, or learn2learn's MAML"""
+    eval_chunk: int = 50
+    """test tasks per evaluation pass (bounds memory)"""
+
+    @property
+    def train_shots(self) -> int:
+        return self.shots  # (omniglot's hooks read it: images train and test at the same K)
+
+    @property
+    def train_shots_flag(self) -> str:
+        return "--shots"
+
+    def resolved(self) -> ImagesConfig:
+        """The config with the data path and the per-shots meta-batch filled in."""
+        env = tasks.IMAGE_LAYOUTS[self.dataset].env
+        batch = 2 if self.algorithm == "mamlpp" and self.shots > 1 else 4
+        return dataclasses.replace(
+            self,
+            data=self.data or os.environ.get(env),
+            meta_batch=batch if self.meta_batch is None else self.meta_batch,
+            eval_query=self.shots if self.eval_query is None else self.eval_query,
+        )
+
+
+def validate_config(cfg: ImagesConfig) -> None:
+    """Raises ValueError naming the key for an invalid value."""
+    check_config(cfg, positive=("ways", "filters", "eval_chunk", "eval_query"))
+    if cfg.ways < 2:
+        raise ValueError(f"--ways {cfg.ways}: a task needs at least 2 classes to tell apart; pass --ways 2 or more.")
+    if cfg.clip_meta_grad is not None and not 0 < cfg.clip_meta_grad < float("inf"):
+        raise ValueError(
+            f"--clip-meta-grad {cfg.clip_meta_grad:g} must be a finite number > 0 (10 is the reference's), or null."
+        )
+    if cfg.mode == "implicit" and (cfg.network == "reference" or cfg.per_step_bn):
+        raise ValueError(
+            "--mode implicit needs every trained parameter adapted, and the batch-norm offsets of --network reference "
+            "(or --per-step-bn's weights) are learned by the outer loop only; pass --network maxpool without "
+            "--per-step-bn, or pick another --mode."
+        )
+    if cfg.engine == "learn2learn" and (why := peers.unsupported(cfg)):
+        raise ValueError(f"{why}.")
+
+
+def resolve(cfg: ImagesConfig) -> ImagesConfig:
+    cfg = cfg.resolved()
+    if cfg.data is None:
+        spec = tasks.IMAGE_LAYOUTS[cfg.dataset]
+        raise UsageError(
+            f"no data: pass --data PATH (the {spec.name} files in a layout of docs/data.md) or set ${spec.env}."
+        )
+    return cfg
+
+
+def load(cfg: ImagesConfig) -> Data:
+    """The train, validation and test splits and their samplers (UsageError naming the flag or the file)."""
+    cls = tasks.IMAGE_DATASETS[cfg.dataset]
+    try:
+        splits = cls.splits(cfg.data)
+    except (FileNotFoundError, ValueError) as e:
+        raise UsageError(f"--data {cfg.data}: {e}") from None
+    samplers = []
+    for name, part, query in zip(("train", "validation", "test"), splits, (cfg.query, cfg.query, cfg.eval_query)):
+        if part.num_classes < cfg.ways:
+            raise UsageError(f"--ways {cfg.ways}: the {name} split holds {part.num_classes} classes; lower --ways.")
+        flag = "--query" if name != "test" else "--eval-query"
+        try:
+            samplers.append(part.sampler(cfg.ways, cfg.shots, query))
+        except ValueError as e:
+            raise UsageError(f"--shots {cfg.shots} {flag} {query}, the {name} split: {e}") from None
+    return splits, samplers
+
+
+def make_model(cfg: ImagesConfig) -> fit.Model:
+    network = REFERENCE_MAXPOOL if cfg.network == "reference" else "maxpool"
+    side = tasks.IMAGE_LAYOUTS[cfg.dataset].side
+    net = build_model(cfg.ways, cfg.filters, network, cfg.steps if cfg.per_step_bn else None, channels=3, side=side)
+    kept_out = set() if cfg.mode == "reptile" else meta_only(net)
+    return fit.Model(net, loss_function(cfg.loss, cfg.ways, cfg.shots), kept_out, engine=cfg.engine)
+
+
+def memory_needs(cfg: ImagesConfig, params: int | None) -> list[Need]:
+    """Lower bounds on what a run holds at one moment (:mod:`experiments.memory`)."""
+    side = tasks.IMAGE_LAYOUTS[cfg.dataset].side
+    image = 3 * side * side * FLOAT_BYTES
+    first_layer = cfg.ways * max(cfg.shots, cfg.query) * cfg.filters * side * side * FLOAT_BYTES
+    return [
+        Need("the network's weights, meta-gradient and one task's fast weights", "--filters, --ways",
+             None if params is None else 4 * params),
+        Need("the training meta-batch's images and one task's first feature maps",
+             "--meta-batch, --ways, --shots, --query, --filters",
+             cfg.meta_batch * cfg.ways * (cfg.shots + cfg.query) * image + first_layer),
+        Need("the test tasks' images", "--eval-tasks, --ways, --shots, --eval-query",
+             cfg.eval_tasks * cfg.ways * (cfg.shots + cfg.eval_query) * image),
+    ]  # fmt: skip
+
+
+@contextlib.contextmanager
+def clipped_meta_gradients(bound: Callable[[], float | None]) -> Iterator[None]:
+    """Clamps every meta-gradient entry to ``[-bound(), bound()]`` before each meta-optimizer step (None: no clip).
+
+    The reference (maml.py, ``if FLAGS.datasource == 'miniimagenet'``) clips ``compute_gradients``
+    of the meta-loss by value before Adam applies them: here a step pre-hook on every optimizer
+    while the run lasts (the run has one, the meta-optimizer; the inner loop steps by hand), after
+    the meta-gradients are whole (all-reduced under torchrun). ``bound`` is read at each step:
+    the run's config is parsed inside :func:`experiments.fit.fit`.
+    """
+
+    def clamp(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        c = bound()
+        if c is None:
+            return
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.clamp_(-c, c)
+
+    handle = register_optimizer_step_pre_hook(clamp)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _describe(splits: tasks.ImageSplits) -> dict[str, Any]:
+    return {
+        "dataset": type(splits.train).spec.name,
+        "layout": splits.train.layout,
+        "classes": [p.num_classes for p in splits],
+        "images": [len(p) for p in splits],
+    }
+
+
+def run(argv: Sequence[str] | None = None) -> None:
+    clip: list[float | None] = [None]  # the parsed config's --clip-meta-grad, once resolve has seen it
+
+    def resolve_noting_clip(cfg: ImagesConfig) -> ImagesConfig:
+        cfg = resolve(cfg)
+        clip[0] = cfg.clip_meta_grad
+        return cfg
+
+    def test(fitted: fit.Fitted) -> fit.Results:
+        return omniglot.final_test(fitted, _describe, f"held-out {type(fitted.data[0].test).spec.name} classes")
+
+    with clipped_meta_gradients(lambda: clip[0]):
+        fit.fit(
+            fit.Experiment(
+                "images",
+                ImagesConfig,
+                __doc__.split("\n\n")[0],
+                validate_config,
+                model=make_model,
+                tasks=omniglot.train_tasks,
+                test=test,
+                resolve=resolve_noting_clip,
+                load=load,
+                run_name=lambda cfg: f"{cfg.dataset}-{cfg.ways}way-{cfg.shots}shot",
+                needs=memory_needs,
+            ),
+            argv,
+        )
+
+
+if __name__ == "__main__":
+    fit.main(run)

@@ -1,0 +1,247 @@
+"""mini-ImageNet, tieredImageNet, CIFAR-FS and FC100 in every layout, on small files the tests write."""
+
+from __future__ import annotations
+
+import csv
+import io
+import pickle
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import tasks
+
+SPLITS = ("train", "val", "test")
+SMALL = (6, 5, 5)  # classes per split of the small copies (class_counts= says so)
+
+
+def _images(n: int, side: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (n, side, side, 3), dtype=np.uint8)
+
+
+def _split_data(counts: tuple[int, ...], split: str, side: int, per_class: int) -> tuple[np.ndarray, np.ndarray]:
+    """``per_class`` random images of each class of ``split``; labels global over splits (as MetaOptNet's)."""
+    s = SPLITS.index(split)
+    first = sum(counts[:s])
+    labels = np.repeat(np.arange(first, first + counts[s]), per_class)
+    return _images(labels.size, side, seed=s), labels
+
+
+def _png(image: np.ndarray, fmt: str = "PNG") -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(image).save(out, format=fmt)
+    return out.getvalue()
+
+
+def write_ren_mini(root: Path, counts: tuple[int, ...], per_class: int = 2) -> None:
+    for split in SPLITS:
+        images, labels = _split_data(counts, split, 84, per_class)
+        class_dict = {f"n{c:08d}": np.flatnonzero(labels == c).tolist() for c in np.unique(labels)}
+        with open(root / f"mini-imagenet-cache-{split}.pkl", "wb") as f:
+            pickle.dump({"image_data": images, "class_dict": class_dict}, f)
+
+
+def metaopt_writer(names: dict[str, str], side: int) -> Callable[..., None]:
+    def write(root: Path, counts: tuple[int, ...], per_class: int = 2) -> None:
+        for split in SPLITS:
+            images, labels = _split_data(counts, split, side, per_class)
+            with open(root / names[split], "wb") as f:
+                pickle.dump({"data": images, "labels": labels.tolist()}, f, protocol=2)
+
+    return write
+
+
+def write_csv(root: Path, counts: tuple[int, ...], per_class: int = 2) -> None:
+    (root / "images").mkdir()
+    for split in SPLITS:
+        images, labels = _split_data(counts, split, 84, per_class)
+        with open(root / f"{split}.csv", "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["filename", "label"])
+            for i, (image, label) in enumerate(zip(images, labels)):
+                name = f"n{label:08d}{i:08d}.jpg"
+                (root / "images" / name).write_bytes(_png(image, "JPEG"))
+                w.writerow([name, f"n{label:08d}"])
+
+
+def folder_writer(side: int) -> Callable[..., None]:
+    def write(root: Path, counts: tuple[int, ...], per_class: int = 2) -> None:
+        for split in SPLITS:
+            images, labels = _split_data(counts, split, side, per_class)
+            for i, (image, label) in enumerate(zip(images, labels)):
+                folder = root / split / f"n{label:08d}"
+                folder.mkdir(parents=True, exist_ok=True)
+                (folder / f"{i}.png").write_bytes(_png(image))
+
+    return write
+
+
+def write_ren_tiered(root: Path, counts: tuple[int, ...], per_class: int = 2) -> None:
+    for split in SPLITS:
+        images, labels = _split_data(counts, split, 84, per_class)
+        labels = labels - labels.min()  # Ren's labels count from 0 in each split
+        with open(root / f"{split}_images_png.pkl", "wb") as f:
+            pickle.dump([np.frombuffer(_png(im), dtype=np.uint8) for im in images], f)
+        with open(root / f"{split}_labels.pkl", "wb") as f:
+            names = [f"n{c:08d}" for c in range(labels.max() + 1)]
+            pickle.dump({"label_specific": labels, "label_specific_str": names}, f)
+
+
+def write_metaopt_tiered(root: Path, counts: tuple[int, ...], per_class: int = 2) -> None:
+    for split in SPLITS:
+        images, labels = _split_data(counts, split, 84, per_class)
+        np.savez(root / f"{split}_images.npz", images=images)
+        with open(root / f"{split}_labels.pkl", "wb") as f:
+            pickle.dump({"labels": labels.tolist()}, f)
+
+
+MINI_METAOPT = {
+    "train": "miniImageNet_category_split_train_phase_train.pickle",
+    "val": "miniImageNet_category_split_val.pickle",
+    "test": "miniImageNet_category_split_test.pickle",
+}
+# (data set class, layout name, writer, the file the refusals damage)
+CASES = [
+    (tasks.MiniImageNet, "ren-pickles", write_ren_mini, "mini-imagenet-cache-train.pkl"),
+    (tasks.MiniImageNet, "metaoptnet-pickles", metaopt_writer(MINI_METAOPT, 84), MINI_METAOPT["train"]),
+    (tasks.MiniImageNet, "ravi-csv", write_csv, "train.csv"),
+    (tasks.MiniImageNet, "folders", folder_writer(84), "train"),
+    (tasks.TieredImageNet, "ren-pickles", write_ren_tiered, "train_images_png.pkl"),
+    (tasks.TieredImageNet, "metaoptnet-npz", write_metaopt_tiered, "train_images.npz"),
+    (tasks.TieredImageNet, "folders", folder_writer(84), "train"),
+    (
+        tasks.CIFARFS,
+        "metaoptnet-pickles",
+        metaopt_writer({s: f"CIFAR_FS_{s}.pickle" for s in SPLITS}, 32),
+        "CIFAR_FS_train.pickle",
+    ),
+    (tasks.CIFARFS, "folders", folder_writer(32), "train"),
+    (
+        tasks.FC100,
+        "metaoptnet-pickles",
+        metaopt_writer({s: f"FC100_{s}.pickle" for s in SPLITS}, 32),
+        "FC100_train.pickle",
+    ),
+    (tasks.FC100, "folders", folder_writer(32), "train"),
+]
+IDS = [f"{c.spec.key}-{layout}" for c, layout, _, _ in CASES]
+
+
+@pytest.fixture(autouse=True)
+def _cache_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MAML_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize(("cls", "layout", "write", "damaged"), CASES, ids=IDS)
+def test_each_layout_is_detected_read_cached_and_sampled(tmp_path: Path, cls, layout, write, damaged) -> None:
+    root = tmp_path / "data"
+    root.mkdir()
+    write(root, SMALL)
+    splits = cls.splits(root, class_counts=SMALL)
+    side = cls.spec.side
+    for part, count in zip(splits, SMALL):
+        assert part.layout == layout and part.num_classes == count and not part.from_cache
+        assert part.images.dtype == torch.uint8 and tuple(part.images.shape) == (2 * count, 3, side, side)
+        assert sorted(set(part.labels.tolist())) == list(range(count))
+        if layout not in ("ravi-csv",):  # JPEG is lossy; the other layouts keep the pixels exactly
+            images, labels = _split_data(SMALL, part.split, side, 2)
+            order = np.argsort(labels, kind="stable")
+            assert torch.equal(part.images, torch.from_numpy(images[order]).permute(0, 3, 1, 2))
+    again = cls(root, "val", class_counts=SMALL)
+    assert again.from_cache and again.cache_path == splits.validation.cache_path
+    assert torch.equal(again.images, splits.validation.images) and again.classes == splits.validation.classes
+    batch = splits.train.sampler(ways=3, shots=1, query=1).sample(4, torch.Generator().manual_seed(0))
+    assert tuple(batch.support_x.shape) == (4, 3, 3, side, side) and batch.support_x.max() <= 1
+
+
+@pytest.mark.parametrize(("cls", "layout", "write", "damaged"), CASES, ids=IDS)
+def test_a_truncated_or_missing_file_is_refused_in_one_line_naming_it(tmp_path: Path, cls, layout, write, damaged):
+    root = tmp_path / "data"
+    root.mkdir()
+    write(root, SMALL)
+    path = root / damaged
+    if path.is_dir():  # a folder layout: one class's image truncated
+        image = sorted(path.glob("*/*.png"))[0]
+        image.write_bytes(image.read_bytes()[:40])
+        named = image.name
+    elif path.suffix == ".csv":
+        path.write_text("name;label\n")
+        named = damaged
+    else:
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+        named = damaged
+    with pytest.raises(ValueError) as info:
+        cls(root, "train", class_counts=SMALL)
+    message = str(info.value)
+    assert "\n" not in message and named in message and "docs/data.md" in message
+    assert cls(root, "test", class_counts=SMALL).num_classes == SMALL[2]  # the other splits still read
+    for missing in [root / damaged] if not path.is_dir() else []:
+        missing.unlink()
+        with pytest.raises(ValueError, match=f"not {damaged}.*the train split"):
+            cls(root, "train", class_counts=SMALL)
+
+
+def test_the_published_class_counts_are_checked(tmp_path: Path) -> None:
+    """The full 64/16/20 split of one image per class passes; 16 classes where 64 belong are refused."""
+    write_ren_mini(tmp_path, (64, 16, 20), per_class=1)
+    splits = tasks.MiniImageNet.splits(tmp_path)
+    assert [p.num_classes for p in splits] == [64, 16, 20]
+    for name in SPLITS:
+        (tmp_path / f"mini-imagenet-cache-{name}.pkl").unlink()
+    write_ren_mini(tmp_path, (16, 16, 20), per_class=1)
+    with pytest.raises(ValueError, match=r"mini-imagenet-cache-train.pkl holds 16 classes.*has 64 \(ren-pickles"):
+        tasks.MiniImageNet(tmp_path, "train")
+    metaopt_writer({s: f"FC100_{s}.pickle" for s in SPLITS}, 32)(tmp_path, (60, 20, 20), per_class=1)
+    assert [p.num_classes for p in tasks.FC100.splits(tmp_path)] == [60, 20, 20]
+    with pytest.raises(ValueError, match="holds 20 classes, and the val split of CIFAR-FS has 16"):
+        _cifar_as_fc100(tmp_path)
+
+
+def _cifar_as_fc100(root: Path) -> None:
+    """FC100's files renamed as CIFAR-FS's: its 20 validation classes are not CIFAR-FS's 16."""
+    for split in SPLITS:
+        (root / f"FC100_{split}.pickle").rename(root / f"CIFAR_FS_{split}.pickle")
+    tasks.CIFARFS(root, "val")
+
+
+def test_no_layout_a_missing_folder_and_a_wrong_pickle_are_one_line_each(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        tasks.TieredImageNet(tmp_path / "nowhere")
+    (tmp_path / "readme.txt").write_text("hello")
+    with pytest.raises(ValueError) as info:
+        tasks.MiniImageNet(tmp_path)
+    message = str(info.value)
+    assert "\n" not in message and "none of the mini-ImageNet layouts" in message
+    assert "mini-imagenet-cache-train.pkl" in message and "train.csv" in message and "docs/data.md" in message
+    with open(tmp_path / "CIFAR_FS_train.pickle", "wb") as f:
+        pickle.dump({"images": np.zeros((2, 32, 32, 3), np.uint8)}, f)
+    with pytest.raises(ValueError, match=r"CIFAR_FS_train.pickle holds no 'data' \(it holds \['images'\]\)"):
+        tasks.CIFARFS(tmp_path, class_counts=SMALL)
+    with open(tmp_path / "FC100_train.pickle", "wb") as f:
+        pickle.dump({"data": np.zeros((2, 84, 84, 3), np.uint8), "labels": [0, 1]}, f)
+    with pytest.raises(ValueError, match=r"not \(N, 32, 32, 3\) uint8"):
+        tasks.FC100(tmp_path, class_counts=SMALL)
+
+
+def test_a_pickle_that_would_run_code_is_refused(tmp_path: Path) -> None:
+    class Exploit:
+        def __reduce__(self):
+            return (print, ("ran",))
+
+    with open(tmp_path / "FC100_train.pickle", "wb") as f:
+        pickle.dump({"data": Exploit()}, f)
+    with pytest.raises(ValueError, match="asks for builtins.print"):
+        tasks.FC100(tmp_path, class_counts=SMALL)
+
+
+def test_the_root_comes_from_the_data_sets_variable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CIFARFS_DIR", raising=False)
+    with pytest.raises(ValueError, match=r"pass root= the folder or set \$CIFARFS_DIR"):
+        tasks.CIFARFS()
+    folder_writer(32)(tmp_path, SMALL, per_class=1)
+    monkeypatch.setenv("CIFARFS_DIR", str(tmp_path))
+    assert tasks.CIFARFS(split="validation", class_counts=SMALL).num_classes == SMALL[1]
