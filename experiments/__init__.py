@@ -17,7 +17,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-_FIT_SCRIPTS = ("experiments.sine", "experiments.omniglot", "experiments.images")  # their fit.main takes the signals over
+_FIT_SCRIPTS = (
+    "experiments.sine",
+    "experiments.omniglot",
+    "experiments.images",
+)  # their fit.main takes the signals over
 STARTING = "stopped during start-up, before training: nothing to resume; run the same command again."
 
 

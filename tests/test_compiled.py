@@ -120,6 +120,17 @@ def test_compiled_evaluation_under_no_grad_runs_eagerly():
     assert torch.equal(out.query_losses, expected.query_losses)
 
 
+def test_a_compiled_step_is_compiled_once_for_a_run():
+    """Later meta-batches of the same shapes reuse the first compilation: no state the step reads changes."""
+    model, batch, loss_fn = make("mlp")
+    learner = maml.MetaLearner(model, loss_fn, inner_lr=0.1, steps=2, batching="vmap", compile=True)
+    learner.meta_loss(batch).backward()
+    other = maml.TaskBatch(*(t + 0.5 for t in (batch.support_x, batch.support_y, batch.query_x, batch.query_y)))
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for b in (other, batch):
+            learner.meta_loss(b).backward()
+
+
 def test_compiled_reports_a_diverged_inner_loss():
     model, batch, loss_fn = make("mlp")
     bad = maml.TaskBatch(batch.support_x.clone(), batch.support_y, batch.query_x, batch.query_y)

@@ -231,7 +231,11 @@ class BoundRule:
         else:
             own = {k: v for k, v in values.items() if k.startswith(RULE_PREFIX)}
             out = self._module({**self._buffers, **own}, (grads, state, params, step, rates))
-        if step not in self._checked:
+        if torch.compiler.is_compiling():
+            # Checked at every trace, which is once per compilation: reading the set would make dynamo guard
+            # on its contents, and the first call's add would recompile the step at the second call.
+            _check_update(self.rule, out, params)
+        elif step not in self._checked:
             _check_update(self.rule, out, params)
             self._checked.add(step)
         new, new_state = out
