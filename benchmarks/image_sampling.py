@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import pickle
-import platform
 import sys
 import tempfile
 import time
@@ -31,6 +30,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import tasks  # noqa: E402
+from benchmarks.report import write_report  # noqa: E402
 from benchmarks.sampling import median_seconds  # noqa: E402
 
 OUT = REPO / "results" / "benchmarks" / "image_sampling.json"
@@ -90,11 +90,8 @@ def main(argv: list[str] | None = None) -> int:
             lambda: [taskset.sample() for _ in range(args.meta_batch)], args.repeats, torch.device("cpu")
         )
     result = {
-        "command": " ".join(["python -m benchmarks.image_sampling", *(argv if argv is not None else sys.argv[1:])]),
         "data": args.data or f"synthetic Ren et al. train pickle, 64 classes x {args.per_class} images of 84x84",
         "task": f"5-way 1-shot, 15 query per class, meta-batch {args.meta_batch}, CPU",
-        "threads": torch.get_num_threads(),
-        "machine": platform.processor() or platform.machine(),
         "ours": {
             "tasks_per_second": args.meta_batch / ours_s,
             "ms_per_meta_batch": 1e3 * ours_s,
@@ -108,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         },
         "speedup": l2l_s / ours_s,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    argv_used = sys.argv[1:] if argv is None else argv
+    write_report(args.out, "image_sampling", argv_used, "cpu", torch.get_num_threads(), **result)
     print(json.dumps(result, indent=2))
     return 0
 
