@@ -134,6 +134,8 @@ class ExperimentConfig:
     """learned inner rates: scalar, per_parameter (Meta-SGD) or per_layer_per_step (MAML++); null: fixed"""
     backward_chunk: int | None = None
     """tasks per backward pass (learner.backward: the same meta-gradient, one chunk's inner-loop graph in memory at a time); null: the whole meta-batch in one"""
+    clip_meta_grad: float | None = None
+    """clamp each meta-gradient entry to [-c, c] before the meta-step (the reference's mini-ImageNet clip: 10); null: none"""
     compile: bool | None = None
     """compile the meta-step with torch.compile (exact; a one-off compile, then faster steps); null: where a C++ compiler is found, for second or first order"""
     algorithm: Literal[recipes.ALGORITHMS] = "maml"  # type: ignore[valid-type]
@@ -180,6 +182,10 @@ def check_config(cfg: Any, positive: Sequence[str] = ()) -> None:
     as they are parsed.
     """
     flag = cli.flag
+    if cfg.clip_meta_grad is not None and not 0 < cfg.clip_meta_grad < float("inf"):
+        raise ValueError(
+            f"--clip-meta-grad {cfg.clip_meta_grad:g} must be a finite number > 0 (10 is the reference's), or null."
+        )
     for key in ("msl_fraction", "first_order_fraction"):
         if not 0 <= getattr(cfg, key) <= 1:  # NaN fails too
             raise ValueError(f"{flag(key)} {getattr(cfg, key):g} must be a share of training in [0, 1].")

@@ -191,6 +191,7 @@ def fit(experiment: Experiment, argv: Sequence[str] | None = None) -> None:
         schedule=recipes.Schedule.of(cfg),
         select=tasks.select,
         backward_chunk=cfg.backward_chunk,
+        clip_value=cfg.clip_meta_grad,
     )
     name = experiment.run_name(cfg) if experiment.run_name is not None else experiment.name
     wandb_run = init_wandb(opts, cfg, name, resumed["wandb_id"] if resumed else None) if opts.main else None

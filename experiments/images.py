@@ -16,15 +16,12 @@ accuracy of both on 600 tasks of the test classes (10 steps) with 95 % confidenc
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-import torch
 import tyro
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import tasks
 from experiments import fit, omniglot, peers
@@ -33,7 +30,7 @@ from experiments.config import ExperimentConfig, check_config
 from experiments.memory import FLOAT_BYTES, Need
 from experiments.omniglot_net import LOSSES, REFERENCE_MAXPOOL, build_model, loss_function, meta_only
 
-__all__ = ["ImagesConfig", "validate_config", "resolve", "load", "make_model", "clipped_meta_gradients", "run"]
+__all__ = ["ImagesConfig", "validate_config", "resolve", "load", "make_model", "run"]
 
 DATASETS = tuple(tasks.IMAGE_DATASETS)  # miniimagenet, tieredimagenet, cifarfs, fc100
 NETWORKS = ("reference", "maxpool")
@@ -80,7 +77,7 @@ class ImagesConfig(ExperimentConfig):
     per_step_bn: bool = False
     """MAML++'s per-step batch-norm weights and biases (BNWB), learned by the outer loop only"""
     clip_meta_grad: float | None = 10.0
-    """clamp each meta-gradient entry to [-c, c] before the meta-step (the reference's mini-ImageNet clip); null: none"""
+    """clamp each meta-gradient entry to [-c, c] before the meta-step (the reference clips at 10 on mini-ImageNet); null: none"""
     engine: Literal[peers.ENGINES] = "maml"  # type: ignore[valid-type]
     """what computes the meta-gradient in training: this toolkit, or learn2learn's MAML"""
     eval_chunk: int = 50
@@ -111,10 +108,6 @@ def validate_config(cfg: ImagesConfig) -> None:
     check_config(cfg, positive=("ways", "filters", "eval_chunk", "eval_query"))
     if cfg.ways < 2:
         raise ValueError(f"--ways {cfg.ways}: a task needs at least 2 classes to tell apart; pass --ways 2 or more.")
-    if cfg.clip_meta_grad is not None and not 0 < cfg.clip_meta_grad < float("inf"):
-        raise ValueError(
-            f"--clip-meta-grad {cfg.clip_meta_grad:g} must be a finite number > 0 (10 is the reference's), or null."
-        )
     if cfg.mode == "implicit" and (cfg.network == "reference" or cfg.per_step_bn):
         raise ValueError(
             "--mode implicit needs every trained parameter adapted, and the batch-norm offsets of --network reference "
@@ -178,33 +171,6 @@ def memory_needs(cfg: ImagesConfig, params: int | None) -> list[Need]:
     ]  # fmt: skip
 
 
-@contextlib.contextmanager
-def clipped_meta_gradients(bound: Callable[[], float | None]) -> Iterator[None]:
-    """Clamps every meta-gradient entry to ``[-bound(), bound()]`` before each meta-optimizer step (None: no clip).
-
-    The reference (maml.py, ``if FLAGS.datasource == 'miniimagenet'``) clips ``compute_gradients``
-    of the meta-loss by value before Adam applies them: here a step pre-hook on every optimizer
-    while the run lasts (the run has one, the meta-optimizer; the inner loop steps by hand), after
-    the meta-gradients are whole (all-reduced under torchrun). ``bound`` is read at each step:
-    the run's config is parsed inside :func:`experiments.fit.fit`.
-    """
-
-    def clamp(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        c = bound()
-        if c is None:
-            return
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.grad.clamp_(-c, c)
-
-    handle = register_optimizer_step_pre_hook(clamp)
-    try:
-        yield
-    finally:
-        handle.remove()
-
-
 def _describe(splits: tasks.ImageSplits) -> dict[str, Any]:
     return {
         "dataset": type(splits.train).spec.name,
@@ -215,33 +181,25 @@ def _describe(splits: tasks.ImageSplits) -> dict[str, Any]:
 
 
 def run(argv: Sequence[str] | None = None) -> None:
-    clip: list[float | None] = [None]  # the parsed config's --clip-meta-grad, once resolve has seen it
-
-    def resolve_noting_clip(cfg: ImagesConfig) -> ImagesConfig:
-        cfg = resolve(cfg)
-        clip[0] = cfg.clip_meta_grad
-        return cfg
-
     def test(fitted: fit.Fitted) -> fit.Results:
         return omniglot.final_test(fitted, _describe, f"held-out {type(fitted.data[0].test).spec.name} classes")
 
-    with clipped_meta_gradients(lambda: clip[0]):
-        fit.fit(
-            fit.Experiment(
-                "images",
-                ImagesConfig,
-                __doc__.split("\n\n")[0],
-                validate_config,
-                model=make_model,
-                tasks=omniglot.train_tasks,
-                test=test,
-                resolve=resolve_noting_clip,
-                load=load,
-                run_name=lambda cfg: f"{cfg.dataset}-{cfg.ways}way-{cfg.shots}shot",
-                needs=memory_needs,
-            ),
-            argv,
-        )
+    fit.fit(
+        fit.Experiment(
+            "images",
+            ImagesConfig,
+            __doc__.split("\n\n")[0],
+            validate_config,
+            model=make_model,
+            tasks=omniglot.train_tasks,
+            test=test,
+            resolve=resolve,
+            load=load,
+            run_name=lambda cfg: f"{cfg.dataset}-{cfg.ways}way-{cfg.shots}shot",
+            needs=memory_needs,
+        ),
+        argv,
+    )
 
 
 if __name__ == "__main__":

@@ -76,6 +76,7 @@ class Trainer:
     schedule: Schedule | None = None  # per-iteration meta-lr, derivative order and step weights (recipes)
     select: tuple[str, Literal["max", "min"]] | None = None
     backward_chunk: int | None = None  # tasks per backward pass (learner.backward); None: meta_loss().backward()
+    clip_value: float | None = None  # each meta-gradient entry clamped to [-clip_value, clip_value] before the step
     best: dict[str, float] = dataclasses.field(default_factory=dict)
     history: list[dict[str, float]] = dataclasses.field(default_factory=list)
     # Meta-losses and step time since the last log row: checkpointed, so a resumed run logs the same rows.
@@ -226,6 +227,8 @@ class Trainer:
         if logging:
             grads = [p.grad for p in self.learner.parameters() if p.grad is not None]
             grad_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+        if self.clip_value is not None:  # after the all-reduce: every rank clips the same whole meta-gradient
+            torch.nn.utils.clip_grad_value_(self.learner.parameters(), self.clip_value)
         self.optimizer.step()
         self.watch.check_step(self.optimizer)  # a NaN/Inf meta-parameter: Diverged, before the checkpoint
         self.step_time += time.perf_counter() - t0

@@ -368,3 +368,19 @@ def test_missing_data_path(capsys, tmp_path, monkeypatch):
         f"--data {tmp_path / 'nowhere'}:",
     )
     assert not (tmp_path / "config.yaml").exists()
+
+
+def test_meta_gradients_are_clipped_by_value_before_the_meta_step(tmp_path):
+    """--clip-meta-grad c: one plain SGD meta-step of rate 1 moves each weight by its meta-gradient clamped to [-c, c]."""
+    clip = 1e-5
+    args = [*SMALL_SINE, "--iterations", "1", "--meta-optimizer", "sgd", "--meta-lr", "1", "--wandb", "disabled"]
+    runs = {}
+    for name, extra in (("plain", []), ("clipped", ["--clip-meta-grad", str(clip)])):
+        sine.run([*args, *extra, "--out", str(tmp_path / name)])
+        runs[name] = torch.load(tmp_path / name / "checkpoint.pt", weights_only=False)["learner"]["model"]
+    torch.manual_seed(0)
+    start = sine.build_model(8).state_dict()
+    steps = {k: runs["plain"][k] - p0 for k, p0 in start.items()}
+    assert max(float(s.abs().max()) for s in steps.values()) > 10 * clip  # the clip binds
+    for k, p0 in start.items():
+        torch.testing.assert_close(runs["clipped"][k] - p0, steps[k].clamp(-clip, clip), rtol=0, atol=1e-9)
