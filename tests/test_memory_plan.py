@@ -12,17 +12,15 @@ from benchmarks.tensor_peak import peak_tensor_bytes
 from maml._src import forward
 
 
-def conv_net() -> nn.Module:
+def conv_net(norm: bool = False) -> nn.Module:
+    """Two conv blocks (conv, [batch norm,] ReLU, max-pool) and a linear head, for 16x16 inputs."""
     torch.manual_seed(0)
+    blocks = [
+        [nn.Conv2d(c, 16, 3, padding=1), *([nn.BatchNorm2d(16, track_running_stats=False)] if norm else [])]
+        for c in (1, 16)
+    ]
     return nn.Sequential(
-        nn.Conv2d(1, 16, 3, padding=1),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Conv2d(16, 16, 3, padding=1),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Flatten(),
-        nn.Linear(16 * 4 * 4, 5),
+        *(m for b in blocks for m in (*b, nn.ReLU(), nn.MaxPool2d(2))), nn.Flatten(), nn.Linear(256, 5)
     )
 
 
@@ -70,3 +68,17 @@ def test_a_chunked_backward_holds_one_chunk_whatever_the_batching():
     full = peak_tensor_bytes(lambda: whole.meta_loss(b).backward())
     assert max(peaks.values()) <= 1.1 * min(peaks.values()), peaks
     assert 3 * max(peaks.values()) < full, (peaks, full)
+
+
+@pytest.mark.parametrize("mode", ["second_order", "checkpointed", "first_order"])
+def test_one_task_runs_unbatched_under_auto(mode):
+    """A meta-batch of one task (and each chunk of a backward by one) holds what the plain per-task call holds."""
+    peaks = {}
+    for batching in ("auto", "loop"):
+        forward._CHOICES.clear()
+        learner = maml.MetaLearner(conv_net(True), F.cross_entropy, inner_lr=0.1, steps=3, mode=mode, batching=batching)
+        one, eight = batch(1), batch(8)
+        peaks[batching, 1] = peak_tensor_bytes(lambda learner=learner, b=one: learner.meta_loss(b).backward())
+        peaks[batching, 8] = peak_tensor_bytes(lambda learner=learner, b=eight: learner.backward(b, chunk=1))
+    assert peaks["auto", 1] <= 1.02 * peaks["loop", 1], peaks
+    assert peaks["auto", 8] <= 1.02 * peaks["loop", 8], peaks

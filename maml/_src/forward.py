@@ -116,6 +116,10 @@ class TaskForward:
             return self.batching
         return self._chosen.get(device, "vmap")
 
+    def settled(self, device: torch.device) -> bool:
+        """Whether ``"auto"`` has chosen a batching on ``device`` (a fixed batching always has)."""
+        return self.batching != "auto" or device in self._chosen
+
     def use_loop(self, device: torch.device) -> None:
         """Runs the tasks on ``device`` one after another from now on (vmap cannot batch the model)."""
         self._chosen[device] = "loop"
@@ -130,8 +134,8 @@ class TaskForward:
         caveat): an explicit ``"vmap"`` or ``"loop"`` makes two runs agree to the bit.
         """
         device = data[0][0].device
-        if self.batching != "auto" or device in self._chosen:
-            return
+        if self.batching != "auto" or device in self._chosen or data[0][0].shape[0] == 1:
+            return  # settled, or one task, which runs unbatched whatever is chosen: a larger batch decides
         # One timing per configuration and process: learners of one architecture on equal sizes batch alike.
         shapes = lambda tensors: tuple((tuple(t.shape), t.dtype) for t in tensors)  # noqa: E731
         key = (
@@ -187,6 +191,8 @@ class TaskForward:
         Returns:
             ``(T,)`` losses and ``(T, n, ...)`` model outputs.
         """
+        if batching is None and self.batching == "auto" and x.shape[0] == 1:
+            batching = "loop"  # one task: the plain call, without what vmap holds for a batch of one
         if (batching or self.resolve(x.device)) == "vmap":
             names = tuple(fast)
             # A channels_last model's weights would make its layers ask, inside vmap, whether a

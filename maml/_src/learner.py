@@ -671,17 +671,26 @@ class MetaLearner:
         return adapted, consts
 
     def _probe(self, params: Params, consts: Params, batch: TaskBatch) -> None:
-        """Runs :func:`check_model` once per device and train/eval configuration of the model."""
+        """Runs :func:`check_model` once per device and train/eval configuration of the model, and lets
+        ``"auto"`` settle the batching on the first batch of more than one task."""
         device = batch.support_x.device
         key = (device, tuple(m.training for m in self.model.modules()))
-        if key in self._probed:
+        probed = key in self._probed
+        if probed and (self.batching != "auto" or self._forward.settled(device)):
             return
         with torch.no_grad():
             one = {k: v.detach() for k, v in params.items()}
             shared = {k: v.detach() for k, v in consts.items()}
-        check_model(
-            self._forward, one, shared, batch.support_x[:1], batch.support_y[:1], may_fall_back=self.batching == "auto"
-        )
+        if not probed:
+            check_model(
+                self._forward,
+                one,
+                shared,
+                batch.support_x[:1],
+                batch.support_y[:1],
+                may_fall_back=self.batching == "auto",
+            )
+            self._probed.add(key)
         # The checkpointed mode is chosen for memory: "auto" takes the loop there, untimed. Timing vmap holds
         # several tasks' graphs at once, more than the mode's segments do, and the loop holds less than vmap
         # (a conv net of tests/test_memory_plan.py, 2 tasks a chunk: 7.0 MB of tensors against 9.8 MB).
@@ -690,7 +699,6 @@ class MetaLearner:
         tasks = batch.num_tasks
         data = [(batch.support_x, batch.support_y), (batch.query_x, batch.query_y)]
         self._forward.choose({k: v.expand(tasks, *v.shape) for k, v in one.items()}, shared, data)
-        self._probed.add(key)
 
     @property
     def _rate_hint(self) -> str:
