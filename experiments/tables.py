@@ -332,9 +332,18 @@ def omniglot_seeds(
 
 
 def memory(path: Path = REPO / "results/benchmarks/memory.json") -> str:
-    """``benchmarks/memory.py --json``: extra peak memory and time of one meta-training step per method and steps."""
-    report = _json(path)
-    cells = {(r["method"], r["steps"]): r for r in report["results"]}
+    """``benchmarks/memory.py --json``: tensor peak, RSS and time of one meta-training step per method and inner steps."""
+    return _memory_table(_json(path), "steps")
+
+
+def memory_tasks(path: Path = REPO / "results/benchmarks/memory_tasks.json") -> str:
+    """``benchmarks/memory.py --tasks ... --json``: the same per method and meta-batch size."""
+    return _memory_table(_json(path), "tasks")
+
+
+def _memory_table(report: dict[str, Any], axis: str) -> str:
+    """Methods down, ``axis`` (``"steps"`` or ``"tasks"``) across: each cell the tensor peak, RSS and time."""
+    cells = {(r["method"], r[axis]): r for r in report["results"]}
     setting = report["setting"]
     limit = setting["limit_gib"]
 
@@ -349,13 +358,14 @@ def memory(path: Path = REPO / "results/benchmarks/memory.json") -> str:
         rss = f"{r['extra_mib']:,.0f} MiB" + (")" if tensors else "")
         return f"{tensors}{rss}, {r['seconds']:.1f} s"
 
-    steps = report["steps"]
+    columns = sorted({r[axis] for r in report["results"]})
     lines = [
-        "| method | " + " | ".join(f"{s} steps" for s in steps) + " |",
-        "|---" + "|---:" * len(steps) + "|",
+        "| method | " + " | ".join(f"{c} {axis}" for c in columns) + " |",
+        "|---" + "|---:" * len(columns) + "|",
     ]
-    lines += [f"| `{m}` | " + " | ".join(cell(cells.get((m, s))) for s in steps) + " |" for m in report["methods"]]
+    lines += [f"| `{m}` | " + " | ".join(cell(cells.get((m, c))) for c in columns) + " |" for m in report["methods"]]
     clock = "wall time" if report["device"].startswith("cuda") else f"CPU time of {report['threads']} thread"
+    fixed = f"{setting['tasks']} tasks" if axis == "steps" else f"{report['steps'][0]} inner steps"
     lines += [
         "",
         (
@@ -365,9 +375,9 @@ def memory(path: Path = REPO / "results/benchmarks/memory.json") -> str:
             else "Peak memory of one meta-training step over the process's baseline, "
         )
         + f"and its {clock} (the MAML "
-        f"Omniglot max-pool net, {setting['tasks']} tasks {setting['ways']}-way {setting['shots']}-shot, "
-        f"{setting['query']} query images per class, batching `{setting['batching']}`). `{report['command']}`; "
-        f"torch {report['versions'].get('torch', '?')}; {provenance([report])}.",
+        f"Omniglot max-pool net, {fixed}, {setting['ways']}-way {setting['shots']}-shot, "
+        f"{setting['query']} query images per class, batching `{setting['batching']}`; a worker may add "
+        f"{limit:g} GiB). `{report['command']}`; torch {report['versions'].get('torch', '?')}; {provenance([report])}.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -537,6 +547,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "omniglot-20way": functools.partial(omniglot_seeds, [REPO / "results/omniglot/20way"]),
     "omniglot-20way-curve": functools.partial(omniglot_long_curve, REPO / "results/omniglot/20way", window=250),
     "memory": memory,
+    "memory_tasks": memory_tasks,
     "flags-run": _flags_of("run"),
     "flags-sine": _flags_of("sine"),
     "flags-omniglot": _flags_of("omniglot"),
