@@ -1,6 +1,6 @@
 """The JSON a benchmark writes with ``--json``: its results beside the command, device, versions and commit.
 
-``python -m experiments.tables`` renders the tables of the README and the docs from these files.
+``python -m tools.tables`` renders the tables of the README and the docs from these files.
 """
 
 from __future__ import annotations

@@ -106,6 +106,13 @@ def test_the_wheel_holds_every_python_file_of_the_packages(wheel: Path, source: 
     assert sorted(expected - shipped) == []
 
 
+def test_the_wheel_holds_the_product_and_not_the_repository_tooling(wheel: Path, source: Path) -> None:
+    with zipfile.ZipFile(wheel) as z:
+        tops = {name.split("/")[0] for name in z.namelist() if not name.split("/")[0].endswith(".dist-info")}
+    assert (source / "tools" / "tables.py").is_file()  # the tooling exists in the checkout, so the check is not vacuous
+    assert tops == set(PACKAGES)
+
+
 def test_the_installed_wheel_runs_a_meta_step_outside_the_checkout(wheel: Path, tmp_path: Path) -> None:
     target = tmp_path / "target"
     _pip("install", "--no-deps", "--no-index", "--target", target, wheel)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from helpers import REPO
 
-from experiments import tables
+from tools import tables
 
 
 def test_every_page_is_the_rendering_of_its_tables():
@@ -17,7 +17,7 @@ def test_every_page_is_the_rendering_of_its_tables():
     for page in tables.pages():
         text = page.read_text()
         names |= {m.group("name") for m in tables.BLOCK.finditer(text)}
-        assert tables.render(text, page.name) == text, f"{page.name} is stale: run python -m experiments.tables"
+        assert tables.render(text, page.name) == text, f"{page.name} is stale: run python -m tools.tables"
     assert names == set(tables.RENDERERS)  # every renderer has its page
 
 
@@ -120,7 +120,7 @@ def test_check_says_which_line_is_stale_and_bad_blocks_are_one_line(tmp_path, ca
     readme = tmp_path / "README.md"
     readme.write_text("# x\n<!-- table: demo -->\nold\n<!-- /table -->\n")
     assert tables.main(["--check", "--page", str(readme)], root=tmp_path) == 1
-    assert capsys.readouterr().err == "README.md is stale from line 3: run python -m experiments.tables\n"
+    assert capsys.readouterr().err == "README.md is stale from line 3: run python -m tools.tables\n"
     assert tables.main(["--page", str(readme)], root=tmp_path) == 0
     assert readme.read_text() == "# x\n<!-- table: demo -->\nfresh\n<!-- /table -->\n"
     assert tables.main(["--check", "--page", str(readme)], root=tmp_path) == 0

@@ -1,7 +1,7 @@
 """Every table of the README and of ``docs/``, rendered from result files and from the code: no figure typed by hand.
 
-    python -m experiments.tables            # rewrites every table block of README.md and docs/*.md
-    python -m experiments.tables --check    # exit 1 (and the first difference) where a page is stale
+    python -m tools.tables            # rewrites every table block of README.md and docs/*.md
+    python -m tools.tables --check    # exit 1 (and the first difference) where a page is stale
 
 A block is the text between ``<!-- table: NAME -->`` and ``<!-- /table -->``; ``NAME`` picks its
 renderer (:data:`RENDERERS`), which reads only committed files: a trial's ``results.json`` and
@@ -642,7 +642,7 @@ def _shown(page: Path, root: Path) -> str:
 
 def main(argv: Sequence[str] | None = None, root: Path = REPO) -> int:
     """The command line; ``root``: the repository whose pages are rendered, and to which messages name them."""
-    parser = argparse.ArgumentParser(prog="python -m experiments.tables", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.tables", description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if a page differs from its rendering")
     parser.add_argument("--page", type=Path, action="append", help="render only this page (again for more)")
     args = parser.parse_args(argv)
@@ -672,7 +672,7 @@ def main(argv: Sequence[str] | None = None, root: Path = REPO) -> int:
                 print(f"error: {e}", file=sys.stderr)
                 return 2
     if stale:
-        print(f"{'; '.join(stale)}: run python -m experiments.tables", file=sys.stderr)
+        print(f"{'; '.join(stale)}: run python -m tools.tables", file=sys.stderr)
         return 1
     return 0
 
