@@ -298,10 +298,23 @@ def still_trainable(params: dict[str, Tensor]) -> None:
         )
 
 
-def differentiable(mode: str, compiled: bool, batch: Any, consts: Mapping[str, Tensor], names: Collection[str]) -> None:
-    """Refuses what a mode's meta-gradient cannot reach: inputs on a graph, parameters it never moves."""
+def differentiable(
+    mode: str,
+    compiled: bool,
+    batch: Any,
+    consts: Mapping[str, Tensor],
+    names: Collection[str],
+    *,
+    inputs: bool,
+    adapts_all: bool,
+) -> None:
+    """Refuses what a mode's meta-gradient cannot reach: inputs on a graph, parameters it never moves.
+
+    ``inputs``: the mode backpropagates into inputs that require grad; ``adapts_all``: it moves only
+    adapted parameters (``modes.Mode``).
+    """
     path = "compile=True" if compiled else f"mode={mode!r}"
-    if compiled or mode in ("checkpointed", "reptile", "implicit"):
+    if compiled or not inputs:
         graphed = [f.name for f in dataclasses.fields(batch) if getattr(batch, f.name).requires_grad]
         if graphed:
             raise ValueError(
@@ -310,7 +323,7 @@ def differentiable(mode: str, compiled: bool, batch: Any, consts: Mapping[str, T
                 f"gradient. Use mode='second_order' or 'first_order' without compile, which do, or detach "
                 f"the inputs if the encoder is not to be trained through the learner."
             )
-    if mode in ("reptile", "implicit"):
+    if adapts_all:
         unadapted = sorted(k for k, v in consts.items() if v.requires_grad and k in names)
         if unadapted:
             why = (
@@ -354,3 +367,66 @@ def same_tensors(what: str, saved: Any, mine: Mapping[str, Tensor], build: str) 
                 f"{what}[{k!r}] is {got} but this learner's is {tuple(t.shape)}; build the learner with {build} "
                 f"as the saved one."
             )
+
+
+def one_task_support(support_x: Any, support_y: Any, example_shape: torch.Size | None) -> None:
+    """``adapt``'s support set: tensors of one task's examples, one target per input."""
+    for name, t in (("support_x", support_x), ("support_y", support_y)):
+        if not isinstance(t, Tensor) or t.ndim < 1:
+            raise TypeError(f"{name} must be a tensor of one task's examples, (n, ...), got {t!r}.")
+    if support_x.shape[0] != support_y.shape[0]:
+        raise ValueError(
+            f"support_x has {support_x.shape[0]} examples but support_y has {support_y.shape[0]}; "
+            f"every input needs exactly one target."
+        )
+    one_task(support_x, example_shape)
+
+
+def placed_like(rates: Mapping[str, Tensor], first: Tensor, rule_prefix: str) -> None:
+    """The learnable rates and a rule's tensors must be on the parameters' device, in their dtype."""
+    for name, rate in rates.items():
+        if rate.device != first.device or rate.dtype != first.dtype:
+            what = (
+                f"the rule's tensor {name!r}" if name.startswith(rule_prefix) else f"the learnable inner rate {name!r}"
+            )
+            raise ValueError(
+                f"{what} is {rate.dtype} on {rate.device} but the model's parameters are {first.dtype} on "
+                f"{first.device}; move both with learner.to(...) instead of model.to(...)."
+            )
+
+
+def learner_state(
+    state: Any, model_state: Mapping[str, Tensor], rates: Mapping[str, Tensor], rule: nn.Module | None, rule_name: str
+) -> None:
+    """What ``MetaLearner.load_state_dict`` loads must be what a learner built like this one saved, all of it.
+
+    Raises:
+        ValueError: naming the entry and both sides (another model, ``learn_inner_lr``, steps of per-step
+            rates, or rule).
+    """
+    if not isinstance(state, Mapping) or not {"model", "inner_lrs"} <= set(state):
+        raise ValueError(
+            f"state must be what MetaLearner.state_dict() returned (keys 'model', 'inner_lrs', 'batching'), "
+            f"got {type(state).__name__}{f' with keys {sorted(state)}' if isinstance(state, Mapping) else ''}."
+        )
+    if set(state["inner_lrs"]) != set(rates):
+        raise ValueError(
+            f"state['inner_lrs'] has rates {sorted(state['inner_lrs'])} but this learner learns "
+            f"{sorted(rates)}; build it with the same learn_inner_lr as the saved one."
+        )
+    if rule is None and "rule" in state:
+        raise ValueError(
+            f"state holds a rule's own tensors (state['rule']: {sorted(state['rule'])}), but this learner's "
+            f"rule {rule_name!r} "
+            f"has none; build it with the same inner_optimizer as the saved one (e.g. maml.MetaCurvature(model))."
+        )
+    if rule is not None and "rule" not in state:
+        raise ValueError(
+            f"state has no 'rule' entry, but this learner's rule {rule_name} is a module "
+            f"with a state of its own; load a state_dict saved by a learner with the same rule."
+        )
+    hint = {"inner_lrs": "the same learn_inner_lr and steps", "model": "the same model", "rule": "the same rule"}
+    parts = [("model", model_state), ("inner_lrs", rates)]
+    parts += [("rule", rule.state_dict())] if rule is not None else []
+    for part, mine in parts:
+        same_tensors(f"state[{part!r}]", state[part], mine, hint[part])

@@ -10,13 +10,14 @@ and ``compiled.py``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, overload
 
 import torch
 from torch import Tensor, nn
 
-from . import checkpointed, checks, compiled, eager, implicit, reptile
+from . import checks, compiled, modes
 from .batch import TaskBatch
 from .forward import LossFn, Params, TaskForward, check_finite, exact_attention
 from .implicit import Implicit
@@ -32,7 +33,7 @@ LearnInnerLr = Literal["scalar", "per_parameter", "per_layer_per_step"] | None
 InnerOptimizer = Literal["sgd", "momentum", "adam"]
 CheckpointHvp = Literal["reverse_over_reverse", "forward_over_reverse"]
 
-MODES: tuple[str, ...] = ("second_order", "first_order", "checkpointed", "reptile", "implicit")
+MODES = modes.MODES
 BATCHINGS: tuple[str, ...] = ("auto", "vmap", "loop")
 CHECKPOINT_HVPS: tuple[str, ...] = ("reverse_over_reverse", "forward_over_reverse")
 
@@ -56,33 +57,22 @@ class MetaLearner:
         inner_lr: the inner step size of every rule (the initial value if learned).
         steps: inner steps per task (0: no adaptation).
         mode: ``"second_order"`` (exact), ``"first_order"`` (FOMAML: inner gradients are
-            constants) or ``"checkpointed"`` (exact, keeps only every ``checkpoint_every``-th
-            fast weights and recomputes the rest in the backward pass, with the same dropout
-            masks as second order), or ``"reptile"`` (Nichol et al. 2018: the inner loop is not
-            differentiated; ``meta_loss(batch).backward()`` leaves ``theta - mean_t phi_t``, the
-            initial minus the adapted weights averaged over tasks, in ``.grad``, and the loss is the
-            mean query loss at the adapted weights), or ``"implicit"`` (iMAML, Rajeswaran et al.
-            2019: the inner loop solves the proximally regularised support problem, values only,
-            and the meta-gradient ``(I + H/lambda)^-1 g`` comes from conjugate gradient on
-            Hessian-vector products; memory does not grow with ``steps``; options in
-            ``implicit``). Settable on a live learner (derivative-order annealing). Inputs that
-            require grad (features of a trainable encoder upstream of the learner) get their
-            gradient in second and first order; ``"checkpointed"``, ``"reptile"``, ``"implicit"``
-            and ``compile=True`` do not backpropagate into inputs and refuse them. ``"reptile"``
-            and ``"implicit"`` move only adapted parameters, so they refuse a trainable parameter
-            outside ``adapt``.
-        batching: ``"vmap"`` (tasks as one batched forward pass), ``"loop"`` (one task after
-            another) or ``"auto"``: the faster of the two for this model, sizes and device, timed
-            on the first batch on each device (forward and backward passes of its support and
-            query losses on up to 16 tasks, about 3 steps' work; the loop only where it is 1.5x
-            faster, else ``"vmap"``; a checkpoint keeps the choice through :meth:`state_dict`;
-            ``"checkpointed"``, a mode chosen for memory, takes the loop untimed: timing vmap would
-            hold more than its segments ever do, and the loop holds less than vmap),
-            and ``"loop"`` for a model
-            vmap cannot batch (recurrent layers); with a ``chunk_size`` outside the checkpointed
-            mode, chunked ``"vmap"``. All give the same meta-gradients to float rounding, not to
-            the bit: like ``torch.backends.cudnn.benchmark``, a timed choice close to the margin
-            can differ between two runs; pass ``"vmap"`` or ``"loop"`` for bit-identical reruns.
+            constants), ``"checkpointed"`` (exact; keeps every ``checkpoint_every``-th fast weights
+            and replays the rest in the backward pass, with second order's dropout masks),
+            ``"reptile"`` (Nichol et al. 2018: nothing differentiated; ``backward()`` leaves
+            ``theta - mean_t phi_t`` in ``.grad``) or ``"implicit"`` (iMAML, Rajeswaran et al. 2019:
+            the proximal inner problem, values only, and ``(I + H/lambda)^-1 g`` by conjugate
+            gradient; memory flat in ``steps``). Settable on a live learner. Under
+            ``torch.no_grad()`` every mode adapts as it trains. Inputs that require grad get their
+            gradient in second and first order; the other modes and ``compile=True`` refuse them, and
+            ``"reptile"`` and ``"implicit"`` refuse a trainable parameter outside ``adapt``
+            (the Concepts page).
+        batching: ``"vmap"`` (tasks as one batched call), ``"loop"`` (one task after another) or
+            ``"auto"``: the loop where it is 1.5x faster on the first batch of more than one task on
+            each device, else ``"vmap"`` (kept by :meth:`state_dict`); one task runs unbatched, the
+            checkpointed mode takes the loop untimed (it holds less), and a model vmap cannot batch
+            (recurrent layers) the loop. All give the same meta-gradients to float rounding; pass
+            ``"vmap"`` or ``"loop"`` for bit-identical reruns.
         chunk_size: tasks processed together: with ``"vmap"``, at most this many tasks per
             batched call; with ``"checkpointed"``, per recomputed segment (default: every task
             with ``"vmap"``, one with ``"loop"``, where it costs no speed).
@@ -93,15 +83,10 @@ class MetaLearner:
             Learnable rates are in :meth:`parameters` and receive meta-gradients.
         checkpoint_every: with ``"checkpointed"``, inner steps per recomputed segment (default 1).
         checkpoint_hvp: with ``"checkpointed"``, how the backward pass differentiates the replayed
-            inner steps, both exact: ``"reverse_over_reverse"`` (default: replay with
-            ``create_graph=True``, differentiate the replay again) or ``"forward_over_reverse"``
-            (replay values only; the support loss's Hessian-vector products by ``torch.func.jvp``
-            over ``torch.func.grad``, the update rule's Jacobian by autograd on the rule alone; no
-            second-order graph). The latter needs forward-mode derivatives of the loss's backward,
-            which PyTorch lacks for a few operators (``F.huber_loss``, ``F.soft_margin_loss``), and
-            runs under ``torch.func``, which refuses custom ``autograd.Function``s without
-            ``setup_context`` and saved-tensor hooks (``save_on_cpu``); such a call fails naming
-            this argument. Settable on a live learner.
+            steps, both exact: ``"reverse_over_reverse"`` (default) or ``"forward_over_reverse"``
+            (``torch.func.jvp`` over ``grad``, no second-order graph; it fails, naming this argument,
+            on an operator without a forward-mode derivative of its backward, e.g. ``F.huber_loss``).
+            Settable on a live learner.
         check_finite: raise if an inner loss is NaN/Inf, naming the task and step.
         compile: compute the meta-loss and its meta-gradient together, in one ``torch.compile``'d
             function of ``torch.func.grad`` transforms (second and first order), when grad mode is
@@ -163,19 +148,14 @@ class MetaLearner:
         checks.integer("checkpoint_every", checkpoint_every, 1, optional=True)
         if checkpoint_hvp is not None:
             checks.one_of("checkpoint_hvp", checkpoint_hvp, CHECKPOINT_HVPS)
-        if chunk_size is not None and batching == "loop" and mode != "checkpointed":
-            raise ValueError(
-                f"chunk_size={chunk_size} only applies to batching='vmap' or mode='checkpointed'; drop it."
-            )
-        if checkpoint_every is not None and mode != "checkpointed":
-            raise ValueError(
-                f"checkpoint_every={checkpoint_every} only applies to mode='checkpointed' (mode is {mode!r})."
-            )
-        if checkpoint_hvp is not None and mode != "checkpointed":
-            raise ValueError(
-                f"checkpoint_hvp={checkpoint_hvp!r} only applies to mode='checkpointed' (mode is {mode!r}); "
-                f"drop it, or pass mode='checkpointed'."
-            )
+        modes.check_options(
+            mode,
+            batching=batching,
+            chunk_size=chunk_size,
+            checkpoint_every=checkpoint_every,
+            checkpoint_hvp=checkpoint_hvp,
+            implicit=implicit,
+        )
         if not isinstance(compile, bool):
             raise TypeError(f"compile must be True or False, got {compile!r} ({type(compile).__name__}).")
         self.compile = compile
@@ -195,10 +175,6 @@ class MetaLearner:
         self.learn_inner_lr = learn_inner_lr
         self.inner_optimizer = inner_optimizer
         self.rule = rule
-        if implicit is not None and not isinstance(implicit, Implicit):
-            raise TypeError(f"implicit must be a maml.Implicit, e.g. maml.Implicit(lam=1.0), got {implicit!r}.")
-        if implicit is not None and mode != "implicit":
-            raise ValueError(f"implicit={implicit!r} only applies to mode='implicit' (mode is {mode!r}); drop it.")
         self.implicit = implicit or Implicit()
         self._check_mode(mode)
         self.checkpoint_every = checkpoint_every or 1
@@ -361,7 +337,7 @@ class MetaLearner:
             if return_output:
                 outputs.append(out)
         assert total is not None
-        return _joined(outputs, total) if return_output else total
+        return MetaOutput.joined(outputs, total) if return_output else total
 
     def run(
         self,
@@ -394,70 +370,29 @@ class MetaLearner:
         checks.examples(batch.support_x.shape[1], batch.query_x.shape[1], steps)
         if own:
             checks.still_trainable(params)
+        spec = modes.TABLE[self._mode]
+        grad = torch.is_grad_enabled()
         if step_weights is not None:
-            compiled_step = self.compile and torch.is_grad_enabled()
+            modes.check_step_weights(self._mode)
+            compiled_step = self.compile and grad
             step_weights = checks.step_weights(step_weights, steps, params[self._adapted[0]], compiled=compiled_step)
         self._probe(params, consts, batch)
         self._example_shape = batch.support_x.shape[2:]
-        rate_values = self._rate_values()
-        grad = torch.is_grad_enabled()
         if grad:
-            checks.differentiable(self._mode, self.compile, batch, consts, self._names)
+            checks.differentiable(
+                self._mode, self.compile, batch, consts, self._names, inputs=spec.inputs, adapts_all=not spec.unrolled
+            )
+        call = self._call(params, consts, batch, steps, step_weights)
         with self._attention():
-            if self.compile and grad:
+            if not grad:
+                return spec.evaluate(call)
+            if self.compile:  # compilation wraps the mode's training path (second or first order)
                 if self._mode not in self._compiled:
                     step = compiled.meta_step(self._loop, first_order=self._mode == "first_order")
                     self._compiled[self._mode] = compiled.compile_step(step)
-                return compiled.run(
-                    self._compiled[self._mode],
-                    self._loop if self.check_finite else self._loop.unchecked(),
-                    params,
-                    rate_values,
-                    consts,
-                    batch,
-                    steps,
-                    chunk=self._tasks_per_chunk(batch.num_tasks),
-                    step_weights=step_weights,
-                )
-            if self._mode == "reptile" and grad:
-                if step_weights is not None:
-                    raise ValueError(
-                        "step_weights weigh the query losses of a differentiated inner loop; mode='reptile' "
-                        "differentiates none: drop step_weights."
-                    )
-                return reptile.run(self._loop, params, rate_values, consts, batch, steps)
-            if self._mode == "implicit" and not grad:  # evaluation adapts as training does: proximally
-                return implicit.evaluate(self._loop, self.implicit, params, rate_values, consts, batch, steps)
-            if self._mode == "implicit":
-                if step_weights is not None:
-                    raise ValueError(
-                        "step_weights weigh the query losses of an unrolled inner loop; mode='implicit' "
-                        "unrolls none: drop step_weights."
-                    )
-                return implicit.run(self._loop, self.implicit, params, rate_values, consts, batch, steps)
-            if self._mode == "checkpointed" and grad:
-                return checkpointed.run(
-                    self._loop,
-                    params,
-                    rate_values,
-                    consts,
-                    batch,
-                    steps,
-                    chunk=self._tasks_per_chunk(batch.num_tasks),
-                    every=self.checkpoint_every,
-                    step_weights=step_weights,
-                    hvp=self._checkpoint_hvp,
-                )
-            return eager.run(
-                self._loop,
-                params,
-                rate_values,
-                consts,
-                batch,
-                steps,
-                first_order=self._mode == "first_order",
-                step_weights=step_weights,
-            )
+                loop = self._loop if self.check_finite else self._loop.unchecked()
+                return modes.compiled_path(dataclasses.replace(call, loop=loop, step=self._compiled[self._mode]))
+            return spec.train(call)
 
     def task_losses(self, fast: Params, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
         """Each task's loss and outputs at its own fast weights, e.g. the support loss after adaptation.
@@ -495,16 +430,8 @@ class MetaLearner:
             Differentiable with respect to the initial parameters when grad mode is on (not with
             ``mode="implicit"``, which adapts on the proximal problem for values only, as it trains).
         """
-        for name, t in (("support_x", support_x), ("support_y", support_y)):
-            if not isinstance(t, Tensor) or t.ndim < 1:
-                raise TypeError(f"{name} must be a tensor of one task's examples, (n, ...), got {t!r}.")
-        if support_x.shape[0] != support_y.shape[0]:
-            raise ValueError(
-                f"support_x has {support_x.shape[0]} examples but support_y has {support_y.shape[0]}; "
-                f"every input needs exactly one target."
-            )
+        checks.one_task_support(support_x, support_y, self._example_shape)
         checks.grad_mode_possible("adapt")
-        checks.one_task(support_x, self._example_shape)
         steps = self.steps if steps is None else steps
         checks.integer("steps", steps, 0)
         own = params is None
@@ -515,21 +442,8 @@ class MetaLearner:
         checks.examples(support_x.shape[0], None, steps)
         self._probe(params, consts, TaskBatch(x, y, x, y))
         self._example_shape = support_x.shape[1:]
-        if self._mode == "implicit":  # iMAML's adaptation: the proximal problem, values only
-            done = implicit.proximal_adapt(self._loop, self.implicit, params, self._rate_values(), consts, x, y, steps)
-            fast = done.fast
-        else:
-            with self._attention():
-                fast, _, _ = eager.adapt(
-                    self._loop,
-                    params,
-                    self._rate_values(),
-                    consts,
-                    x,
-                    y,
-                    steps,
-                    first_order=self._mode == "first_order",
-                )
+        with self._attention():
+            fast = modes.TABLE[self._mode].adapt(self._call(params, consts, TaskBatch(x, y, x, y), steps, None))
         frozen = {k: v for k, v in consts.items() if k in self._names}
         return {**frozen, **{k: v[0] for k, v in fast.items()}}
 
@@ -551,33 +465,9 @@ class MetaLearner:
             ValueError: the state was saved by a learner built otherwise (another model's shapes,
                 ``learn_inner_lr``, ``steps`` of per-step rates, or rule), naming the entry and both sides.
         """
-        if not isinstance(state, Mapping) or not {"model", "inner_lrs"} <= set(state):
-            raise ValueError(
-                f"state must be what MetaLearner.state_dict() returned (keys 'model', 'inner_lrs', 'batching'), "
-                f"got {type(state).__name__}{f' with keys {sorted(state)}' if isinstance(state, Mapping) else ''}."
-            )
-        if set(state["inner_lrs"]) != set(self.rate_parameters):
-            raise ValueError(
-                f"state['inner_lrs'] has rates {sorted(state['inner_lrs'])} but this learner learns "
-                f"{sorted(self.rate_parameters)}; build it with the same learn_inner_lr as the saved one."
-            )
         rule = self.rule if isinstance(self.rule, nn.Module) else None
-        if rule is None and "rule" in state:
-            raise ValueError(
-                f"state holds a rule's own tensors (state['rule']: {sorted(state['rule'])}), but this learner's "
-                f"rule {self.inner_optimizer if isinstance(self.inner_optimizer, str) else type(self.rule).__name__!r} "
-                f"has none; build it with the same inner_optimizer as the saved one (e.g. maml.MetaCurvature(model))."
-            )
-        if rule is not None and "rule" not in state:
-            raise ValueError(
-                f"state has no 'rule' entry, but this learner's rule {type(self.rule).__name__} is a module "
-                f"with a state of its own; load a state_dict saved by a learner with the same rule."
-            )
-        hint = {"inner_lrs": "the same learn_inner_lr and steps", "model": "the same model", "rule": "the same rule"}
-        parts = [("model", self.model.state_dict()), ("inner_lrs", dict(self.rate_parameters))]
-        parts += [("rule", rule.state_dict())] if rule is not None else []
-        for part, mine in parts:
-            checks.same_tensors(f"state[{part!r}]", state[part], mine, hint[part])
+        name = self.inner_optimizer if isinstance(self.inner_optimizer, str) else type(self.rule).__name__
+        checks.learner_state(state, self.model.state_dict(), dict(self.rate_parameters), rule, name)
         self.model.load_state_dict(state["model"])
         with torch.no_grad():
             for k, v in state["inner_lrs"].items():
@@ -604,38 +494,41 @@ class MetaLearner:
 
     # ------------------------------------------------------------------ internals
 
+    def _call(
+        self, params: Params, consts: Params, batch: TaskBatch, steps: int, step_weights: Tensor | None
+    ) -> modes.Call:
+        """What the mode's paths get (:class:`modes.Call`)."""
+        return modes.Call(
+            self._loop,
+            params,
+            self._rate_values(),
+            consts,
+            batch,
+            steps,
+            step_weights,
+            chunk=self._tasks_per_chunk(batch.num_tasks),
+            checkpoint_every=self.checkpoint_every,
+            checkpoint_hvp=self._checkpoint_hvp,
+            implicit=self.implicit,
+        )
+
     def _rate_values(self) -> Params:
         """The learnable rates and the rule's own tensors: the meta-parameters every path threads beside the model's."""
         return {**self.rate_parameters, **rule_tensors(self.rule)}
 
     def _check_mode(self, mode: str) -> None:
-        if mode in ("reptile", "implicit") and (self.compile or self.learn_inner_lr or rule_tensors(self.rule)):
-            what = (
-                "compile=True"
-                if self.compile
-                else f"learn_inner_lr={self.learn_inner_lr!r}"
-                if self.learn_inner_lr
-                else f"the rule {type(self.rule).__name__}'s own tensors"
-            )
-            why = (
-                "Reptile moves the initialisation towards the adapted weights and differentiates nothing"
-                if mode == "reptile"
-                else "iMAML's meta-gradient depends on the inner problem's solution alone, not on how it was reached"
-            )
-            raise ValueError(
-                f"mode={mode!r} with {what}: {why}, so it has no gradient for learned rates or rule tensors and "
-                f"nothing to compile; drop it, or use mode='first_order'."
-            )
-        if self.compile and mode == "checkpointed":
-            raise ValueError(
-                "compile=True applies to mode='second_order' or 'first_order': the checkpointed mode "
-                "recomputes its segments in a backward pass of its own, which torch.compile cannot trace. "
-                "Use mode='second_order' with compile=True for speed, or mode='checkpointed' without it for memory."
-            )
+        learned = (
+            f"learn_inner_lr={self.learn_inner_lr!r}"
+            if self.learn_inner_lr
+            else f"the rule {type(self.rule).__name__}'s own tensors"
+            if rule_tensors(self.rule)
+            else None
+        )
+        modes.check_mode(mode, compile=self.compile, learned=learned)
 
     def _attention(self) -> contextlib.AbstractContextManager[object]:
         """The math attention kernel where the inner steps are differentiated twice (exact modes, grad on)."""
-        exact = torch.is_grad_enabled() and self._mode not in ("first_order", "reptile", "implicit")
+        exact = torch.is_grad_enabled() and modes.TABLE[self._mode].twice
         return exact_attention() if exact else contextlib.nullcontext()
 
     def _check(self, losses: Tensor, step: int, steps: int) -> None:
@@ -654,17 +547,7 @@ class MetaLearner:
         first = params[self._adapted[0]]
         for name, x in zip(("support_x", "query_x"), inputs):
             checks.input_dtype(name, x, first.dtype, self._integer_inputs)
-        for name, rate in self._rate_values().items():
-            if rate.device != first.device or rate.dtype != first.dtype:
-                what = (
-                    f"the rule's tensor {name!r}"
-                    if name.startswith(RULE_PREFIX)
-                    else f"the learnable inner rate {name!r}"
-                )
-                raise ValueError(
-                    f"{what} is {rate.dtype} on {rate.device} but the model's parameters are {first.dtype} on "
-                    f"{first.device}; move both with learner.to(...) instead of model.to(...)."
-                )
+        checks.placed_like(self._rate_values(), first, RULE_PREFIX)
         adapted = {k: params[k] for k in self._adapted}
         consts = {k: v for k, v in params.items() if k not in adapted}
         consts.update(self.model.named_buffers())
@@ -714,16 +597,3 @@ class MetaLearner:
         if self.chunk_size is not None:
             return self.chunk_size
         return 1 if self.resolved_batching == "loop" else tasks
-
-
-def _joined(outputs: list[MetaOutput], loss: Tensor) -> MetaOutput:
-    """The chunks' outputs as one over all their tasks (detached), with the meta-loss ``loss``."""
-    steps = outputs[0].step_query_losses
-    return MetaOutput(
-        loss=loss,
-        query_losses=torch.cat([o.query_losses for o in outputs]).detach(),
-        query_out=torch.cat([o.query_out for o in outputs]).detach(),
-        support_losses=torch.cat([o.support_losses for o in outputs], dim=1).detach(),
-        fast={k: torch.cat([o.fast[k] for o in outputs]).detach() for k in outputs[0].fast},
-        step_query_losses=None if steps is None else torch.cat([o.step_query_losses for o in outputs], dim=1).detach(),  # type: ignore[misc]
-    )

@@ -1,0 +1,223 @@
+"""The modes as one table: how each trains (grad mode on) and evaluates (off), and which options go together.
+
+Each entry of :data:`TABLE` names the mode's two paths, functions of one :class:`Call`, and what
+the mode differentiates; ``MetaLearner.run`` looks the mode up and calls one path, and
+``compile=True`` replaces the training path of the modes that compile. Evaluation adapts as
+training does: the unrolled modes by the plain inner loop (values only), iMAML on its proximal
+problem. :func:`check_options` and :func:`check_mode` hold every rule on which options go together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from torch import Tensor
+
+from . import checkpointed, compiled, eager, implicit, reptile
+from .batch import TaskBatch
+from .forward import Params
+from .implicit import Implicit
+from .loop import InnerLoop, MetaOutput
+
+__all__ = ["MODES", "UNROLLED_MODES", "TABLE", "Call", "Mode", "check_mode", "check_options"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """What every path gets: the inner loop, the meta-parameters as the paths take them, the tasks and the options.
+
+    ``params``: the adapted parameters (no task dimension); ``rate_values``: the learnable rates
+    and a rule's own tensors; ``consts``: the other parameters and the buffers. ``chunk``: tasks
+    per checkpointed segment or compiled call. ``step``: the compiled step (``compile=True``).
+    """
+
+    loop: InnerLoop
+    params: Params
+    rate_values: Params
+    consts: Params
+    batch: TaskBatch
+    steps: int
+    step_weights: Tensor | None
+    chunk: int
+    checkpoint_every: int
+    checkpoint_hvp: str
+    implicit: Implicit
+    step: Callable[..., Any] | None = None
+
+
+Path = Callable[[Call], MetaOutput]
+
+
+def _eager(first_order: bool) -> Path:
+    def path(c: Call) -> MetaOutput:
+        return eager.run(
+            c.loop,
+            c.params,
+            c.rate_values,
+            c.consts,
+            c.batch,
+            c.steps,
+            first_order=first_order,
+            step_weights=c.step_weights,
+        )
+
+    return path
+
+
+def _adapt(first_order: bool) -> Callable[[Call], Params]:
+    def adapt(c: Call) -> Params:
+        b = c.batch
+        return eager.adapt(
+            c.loop, c.params, c.rate_values, c.consts, b.support_x, b.support_y, c.steps, first_order=first_order
+        )[0]
+
+    return adapt
+
+
+def _implicit_adapt(c: Call) -> Params:  # iMAML's adaptation: the proximal problem, values only
+    b = c.batch
+    return implicit.proximal_adapt(
+        c.loop, c.implicit, c.params, c.rate_values, c.consts, b.support_x, b.support_y, c.steps
+    ).fast
+
+
+def _checkpointed(c: Call) -> MetaOutput:
+    return checkpointed.run(
+        c.loop,
+        c.params,
+        c.rate_values,
+        c.consts,
+        c.batch,
+        c.steps,
+        chunk=c.chunk,
+        every=c.checkpoint_every,
+        step_weights=c.step_weights,
+        hvp=c.checkpoint_hvp,
+    )
+
+
+def _reptile(c: Call) -> MetaOutput:
+    return reptile.run(c.loop, c.params, c.rate_values, c.consts, c.batch, c.steps)
+
+
+def _implicit(c: Call) -> MetaOutput:
+    return implicit.run(c.loop, c.implicit, c.params, c.rate_values, c.consts, c.batch, c.steps)
+
+
+def _implicit_evaluation(c: Call) -> MetaOutput:
+    return implicit.evaluate(c.loop, c.implicit, c.params, c.rate_values, c.consts, c.batch, c.steps)
+
+
+def compiled_path(c: Call) -> MetaOutput:
+    """The training path of ``compile=True``: the meta-loss and its gradient from the compiled ``c.step``."""
+    assert c.step is not None
+    return compiled.run(
+        c.step,
+        c.loop,
+        c.params,
+        c.rate_values,
+        c.consts,
+        c.batch,
+        c.steps,
+        chunk=c.chunk,
+        step_weights=c.step_weights,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """One mode: its training and evaluation paths, its adaptation (``adapt``), and what it differentiates.
+
+    ``unrolled``: the meta-gradient differentiates the unrolled inner loop, so step weights,
+    learned rates and a rule's tensors get gradients; ``twice``: the inner gradients are
+    differentiated again (the math attention kernel, which has a double backward);
+    ``compiles``: ``compile=True`` applies; ``inputs``: inputs that require grad get their gradient.
+    """
+
+    train: Path
+    evaluate: Path
+    adapt: Callable[[Call], Params]
+    unrolled: bool
+    twice: bool
+    compiles: bool
+    inputs: bool
+
+
+TABLE: dict[str, Mode] = {
+    "second_order": Mode(_eager(False), _eager(False), _adapt(False), True, twice=True, compiles=True, inputs=True),
+    "first_order": Mode(_eager(True), _eager(False), _adapt(True), True, twice=False, compiles=True, inputs=True),
+    "checkpointed": Mode(_checkpointed, _eager(False), _adapt(False), True, twice=True, compiles=False, inputs=False),
+    "reptile": Mode(_reptile, _eager(False), _adapt(True), False, twice=False, compiles=False, inputs=False),
+    "implicit": Mode(
+        _implicit, _implicit_evaluation, _implicit_adapt, False, twice=False, compiles=False, inputs=False
+    ),
+}
+MODES: tuple[str, ...] = tuple(TABLE)
+UNROLLED_MODES: tuple[str, ...] = tuple(m for m, spec in TABLE.items() if spec.unrolled)
+
+_WHY_NOT_UNROLLED = {
+    "reptile": "Reptile moves the initialisation towards the adapted weights and differentiates nothing",
+    "implicit": "iMAML's meta-gradient depends on the inner problem's solution alone, not on how it was reached",
+}
+
+
+def check_mode(mode: str, *, compile: bool, learned: str | None) -> None:
+    """The rules a mode set on a live learner must meet: ``learned`` names learned rates or a rule's tensors.
+
+    Raises:
+        ValueError: naming the option that does not go with ``mode`` and what to do.
+    """
+    spec = TABLE[mode]
+    if not spec.unrolled and (compile or learned):
+        what = "compile=True" if compile else learned
+        raise ValueError(
+            f"mode={mode!r} with {what}: {_WHY_NOT_UNROLLED[mode]}, so it has no gradient for learned rates or rule "
+            f"tensors and nothing to compile; drop it, or use mode='first_order'."
+        )
+    if compile and not spec.compiles:
+        raise ValueError(
+            "compile=True applies to mode='second_order' or 'first_order': the checkpointed mode "
+            "recomputes its segments in a backward pass of its own, which torch.compile cannot trace. "
+            "Use mode='second_order' with compile=True for speed, or mode='checkpointed' without it for memory."
+        )
+
+
+def check_options(
+    mode: str,
+    *,
+    batching: str,
+    chunk_size: int | None,
+    checkpoint_every: int | None,
+    checkpoint_hvp: str | None,
+    implicit: Implicit | None,
+) -> None:
+    """The rules on which of ``MetaLearner``'s options go with ``mode``, checked once at construction.
+
+    Raises:
+        ValueError: an option that only applies to another mode or batching, naming it and the fix.
+    """
+    if chunk_size is not None and batching == "loop" and mode != "checkpointed":
+        raise ValueError(f"chunk_size={chunk_size} only applies to batching='vmap' or mode='checkpointed'; drop it.")
+    if checkpoint_every is not None and mode != "checkpointed":
+        raise ValueError(f"checkpoint_every={checkpoint_every} only applies to mode='checkpointed' (mode is {mode!r}).")
+    if checkpoint_hvp is not None and mode != "checkpointed":
+        raise ValueError(
+            f"checkpoint_hvp={checkpoint_hvp!r} only applies to mode='checkpointed' (mode is {mode!r}); "
+            f"drop it, or pass mode='checkpointed'."
+        )
+    if implicit is not None and not isinstance(implicit, Implicit):
+        raise TypeError(f"implicit must be a maml.Implicit, e.g. maml.Implicit(lam=1.0), got {implicit!r}.")
+    if implicit is not None and mode != "implicit":
+        raise ValueError(f"implicit={implicit!r} only applies to mode='implicit' (mode is {mode!r}); drop it.")
+
+
+def check_step_weights(mode: str) -> None:
+    """Step weights weigh the query losses of an unrolled inner loop: refused by the modes that unroll none."""
+    if not TABLE[mode].unrolled:
+        what = "differentiates none" if mode == "reptile" else "unrolls none"
+        raise ValueError(
+            f"step_weights weigh the query losses of {'a differentiated' if mode == 'reptile' else 'an unrolled'} "
+            f"inner loop; mode={mode!r} {what}: drop step_weights."
+        )
