@@ -39,7 +39,7 @@ __all__ = [
 ]
 
 COMPILED_MODES = ("second_order", "first_order")  # the modes compile=True applies to
-UNROLLED_MODES = ("second_order", "first_order", "checkpointed")  # the modes that differentiate an unrolled inner loop
+UNROLLED_MODES = maml.UNROLLED_MODES  # the modes that differentiate an unrolled inner loop (the engine's table)
 # The most inner steps a run takes, in training (--steps) or in the evaluation (--eval-steps). Each step is a
 # forward and backward pass of every task, and second order keeps each one's graph for the meta-gradient, so
 # 10^12 steps run for days before the first meta-iteration ends. Published protocols take at most 50 (MAML 1-10,
@@ -258,7 +258,7 @@ def check_config(cfg: Any, positive: Sequence[str] = ()) -> None:
     if len(cfg.inner_adam_betas) != 2 or not all(0 <= b < 1 for b in cfg.inner_adam_betas):
         betas = ",".join(f"{b:g}" for b in cfg.inner_adam_betas)
         raise ValueError(f"--inner-adam-betas {betas} must be two numbers in [0, 1), e.g. 0.9,0.999 (the default).")
-    if cfg.mode in ("reptile", "implicit") and cfg.msl_fraction > 0:
+    if cfg.mode not in UNROLLED_MODES and cfg.msl_fraction > 0:
         raise ValueError(
             f"--msl-fraction {cfg.msl_fraction:g} weighs the query losses of an unrolled inner loop, and --mode "
             f"{cfg.mode} unrolls none; drop it, or pick another --mode."
@@ -284,13 +284,13 @@ def check_config(cfg: Any, positive: Sequence[str] = ()) -> None:
             "inner steps solve nothing (the adapted weights stay the meta-parameters); pass --steps 1 or more (the "
             "imaml recipe takes 10 on sine, 16 on Omniglot)."
         )
-    if cfg.mode in ("reptile", "implicit") and cfg.learn_inner_lr is not None:
+    if cfg.mode not in UNROLLED_MODES and cfg.learn_inner_lr is not None:
         why = "differentiates no inner step" if cfg.mode == "reptile" else "does not depend on how the inner loop ran"
         raise ValueError(
             f"--learn-inner-lr {cfg.learn_inner_lr}: --mode {cfg.mode}'s meta-gradient {why}, so it has none for "
             f"the rates; drop it, or pick another --mode."
         )
-    if cfg.mode in ("implicit", "reptile") and cfg.adapt != "all":
+    if cfg.mode not in UNROLLED_MODES and cfg.adapt != "all":
         why = (
             "iMAML's meta-gradient is that of the adapted weights"
             if cfg.mode == "implicit"
