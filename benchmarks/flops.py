@@ -13,7 +13,7 @@ into one convolution with ``groups=T``, so every weight gradient of a vmapped me
 inner loop, its backward and its double backward, was counted T times: the 5-way Omniglot
 workload's vmap row (32 tasks) came to 1822 GFLOP against 167 GFLOP for the same step as a
 per-task loop. :func:`count_flops` counts with the weight-gradient term divided by ``groups``,
-which makes a vmapped step's count equal to the loop's (``tests/test_benchmark_flops.py``) and
+which makes a vmapped step's count equal to the loop's (``tests/tools/test_benchmark_flops.py``) and
 also counts a model's own grouped convolutions right.
 """
 

@@ -1,15 +1,24 @@
-"""Small float64 models and meta-batches for the engine's tests, and a finite-difference check."""
+"""What the tests share: small float64 models and meta-batches for the engine, a finite-difference check, the
+real Omniglot archives, small image data sets written on the fly, and running the experiment scripts."""
 
 from __future__ import annotations
 
+import io
+import json
 import os
+import pickle
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from PIL import Image
 from torch import Tensor, nn
 
 import maml
@@ -178,3 +187,162 @@ def omniglot_root() -> Path:
             pytrace=False,
         )
     return root
+
+
+# ---------------------------------------------------------------- the experiment scripts
+
+# A fixed batching: "auto" times both, and two fresh runs compared to the bit must batch alike.
+SMALL_SINE = [
+    "--compile",
+    "false",
+    "--batching",
+    "vmap",
+    "--hidden",
+    "8",
+    "--eval-tasks",
+    "20",
+    "--val-tasks",
+    "10",
+    "--eval-query",
+    "20",
+]
+
+
+def env(tmp_path: Path) -> dict[str, str]:
+    """A subprocess environment that keeps wandb offline, local and fast."""
+    return {
+        **os.environ,
+        "WANDB_BASE_URL": "http://127.0.0.1:9",  # any stray network call fails at once
+        "WANDB_DIR": str(tmp_path),
+        "WANDB_CACHE_DIR": str(tmp_path / "wandb-cache"),
+        "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config"),
+        "WANDB_X_DISABLE_STATS": "true",
+        "WANDB_SILENT": "true",
+        "MAML_CACHE_DIR": str(tmp_path / "cache"),
+    }
+
+
+def script(module: str, args: list[str], tmp_path: Path, **kw) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", module, *args],
+        cwd=REPO,
+        env=env(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
+
+
+def finished(proc: subprocess.Popen, code: int = 0) -> str:
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == code, err[-3000:]
+    return out
+
+
+def checkpoint(out: Path) -> dict:
+    return torch.load(out / "checkpoint.pt", weights_only=False)
+
+
+def assert_logged(out: Path, history: list[dict], summary: dict[str, float]) -> None:
+    """``out/metrics.jsonl`` holds exactly the rows the script kept, ``results.json`` the summary's test metrics
+    (``test/{metric}_{key}``, as wandb's summary names them), and wandb logged one offline run under ``out``."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows == history
+    test = json.loads((out / "results.json").read_text())["test"]
+    for key, value in summary.items():
+        metric, entry = key.removeprefix("test/").split("_", 1)
+        assert test[entry][metric] == pytest.approx(value, rel=1e-12)
+    assert len(list((out / "wandb").glob("offline-run-*/run-*.wandb"))) == 1
+
+
+# A sine run of a few iterations: 2 tasks per meta-batch, a 1-8-8-1 net, 4 validation and 4 test tasks.
+# A fixed batching: "auto" times both, and two fresh runs compared to the bit must batch alike.
+TINY = [
+    "--compile",
+    "false",
+    "--batching",
+    "vmap",
+    "--meta-batch",
+    "2",
+    "--hidden",
+    "8",
+    "--val-tasks",
+    "4",
+    "--eval-tasks",
+    "4",
+    "--eval-query",
+    "5",
+    "--eval-shots",
+    "5",
+    "--eval-steps",
+    "1",
+]
+
+
+def run_sine(capsys: pytest.CaptureFixture[str], args: list[str], code: int = 0, module: Any = None) -> str:
+    """Runs an experiment script (``module``, the sine script by default) in this process, wandb disabled unless
+    ``args`` say otherwise; returns its stderr."""
+    from experiments import sine
+    from experiments.fit import main
+
+    module = module or sine
+    try:
+        main(module.run, [*(TINY if module is sine else []), "--wandb", "disabled", *args])
+        rc: int | str | None = 0
+    except SystemExit as e:
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == code, err[-3000:]
+    return err
+
+
+def one_error(err: str) -> str:
+    """The one line a usage or environment error prints, last (after any progress lines); no traceback."""
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines and lines[-1].startswith("error: ") and "Traceback" not in err, err[-3000:]
+    assert not [line for line in lines[:-1] if not line.startswith("meta-train ")], err[-3000:]
+    return lines[-1]
+
+
+# ---------------------------------------------------------------- image data sets
+
+SPLITS = ("train", "val", "test")
+
+
+def random_images(n: int, side: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (n, side, side, 3), dtype=np.uint8)
+
+
+def split_data(counts: tuple[int, ...], split: str, side: int, per_class: int) -> tuple[np.ndarray, np.ndarray]:
+    """``per_class`` random images of each class of ``split``; labels global over splits (as MetaOptNet's)."""
+    s = SPLITS.index(split)
+    first = sum(counts[:s])
+    labels = np.repeat(np.arange(first, first + counts[s]), per_class)
+    return random_images(labels.size, side, seed=s), labels
+
+
+def image_bytes(image: np.ndarray, fmt: str = "PNG") -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(image).save(out, format=fmt)
+    return out.getvalue()
+
+
+def write_ren_mini(root: Path, counts: tuple[int, ...], per_class: int = 2) -> None:
+    for split in SPLITS:
+        images, labels = split_data(counts, split, 84, per_class)
+        class_dict = {f"n{c:08d}": np.flatnonzero(labels == c).tolist() for c in np.unique(labels)}
+        with open(root / f"mini-imagenet-cache-{split}.pkl", "wb") as f:
+            pickle.dump({"image_data": images, "class_dict": class_dict}, f)
+
+
+def folder_writer(side: int) -> Callable[..., None]:
+    def write(root: Path, counts: tuple[int, ...], per_class: int = 2) -> None:
+        for split in SPLITS:
+            images, labels = split_data(counts, split, side, per_class)
+            for i, (image, label) in enumerate(zip(images, labels)):
+                folder = root / split / f"n{label:08d}"
+                folder.mkdir(parents=True, exist_ok=True)
+                (folder / f"{i}.png").write_bytes(image_bytes(image))
+
+    return write

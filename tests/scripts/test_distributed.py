@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO
-from test_experiments import SMALL_SINE, assert_logged, checkpoint, env, finished, script
+from helpers import REPO, SMALL_SINE, assert_logged, checkpoint, env, finished, script
 
 import maml
 from experiments import fit
@@ -161,7 +160,7 @@ def test_a_failed_collective_is_told_from_other_errors():
 
 
 def test_collectives_in_a_real_process_group(tmp_path):
-    printed = finished(torchrun(["tests/distributed_program.py"], tmp_path))
+    printed = finished(torchrun(["tests/scripts/distributed_program.py"], tmp_path))
     assert printed.count(": ok") == PROCESSES
 
 

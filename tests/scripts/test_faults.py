@@ -27,8 +27,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import REPO, omniglot_root
-from test_experiments import checkpoint, env, script
+from helpers import REPO, TINY, checkpoint, env, omniglot_root, one_error, run_sine, script
 
 from experiments import omniglot, sine
 from experiments.config import parse_args
@@ -36,50 +35,8 @@ from experiments.fit import main
 from experiments.rundir import prepare_out
 from experiments.trainer import Trainer
 
-# A sine run of a few iterations: 2 tasks per meta-batch, a 1-8-8-1 net, 4 validation and 4 test tasks.
-# A fixed batching: "auto" times both, and two fresh runs compared to the bit must batch alike.
-TINY = [
-    "--compile",
-    "false",
-    "--batching",
-    "vmap",
-    "--meta-batch",
-    "2",
-    "--hidden",
-    "8",
-    "--val-tasks",
-    "4",
-    "--eval-tasks",
-    "4",
-    "--eval-query",
-    "5",
-    "--eval-shots",
-    "5",
-    "--eval-steps",
-    "1",
-]
 TIMING = ("train/step_time_ms",)  # the only logged values that differ between equal runs
 NO_PID = 4194305  # above Linux's largest pid_max (2**22): no process can hold it
-
-
-def run_sine(capsys: pytest.CaptureFixture[str], args: list[str], code: int = 0, module: Any = sine) -> str:
-    """Runs an experiment script in this process (wandb disabled unless ``args`` say otherwise); returns its stderr."""
-    try:
-        main(module.run, [*(TINY if module is sine else []), "--wandb", "disabled", *args])
-        rc: int | str | None = 0
-    except SystemExit as e:
-        rc = e.code
-    err = capsys.readouterr().err
-    assert rc == code, err[-3000:]
-    return err
-
-
-def one_error(err: str) -> str:
-    """The one line a usage or environment error prints, last (after any progress lines); no traceback."""
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert lines and lines[-1].startswith("error: ") and "Traceback" not in err, err[-3000:]
-    assert not [line for line in lines[:-1] if not line.startswith("meta-train ")], err[-3000:]
-    return lines[-1]
 
 
 def rows(path: Path) -> list[dict[str, Any]]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from helpers import omniglot_root
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("**/*.md"))]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 README_LINES = 200

@@ -27,7 +27,7 @@ from torch.func import functional_call
 
 import maml
 
-with warnings.catch_warnings():  # keep the import quiet like tests/test_peers.py
+with warnings.catch_warnings():  # keep the import quiet like tests/engine/test_peers.py
     warnings.simplefilter("ignore")
     import higher
 

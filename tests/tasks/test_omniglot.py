@@ -232,7 +232,7 @@ def test_white_is_zero_and_black_is_one(tmp_path: Path) -> None:
 
 
 def test_the_cache_round_trip_and_its_keys(layout: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("MAML_CACHE_DIR", raising=False)  # when set, it wins (tests/test_cache_dir.py)
+    monkeypatch.delenv("MAML_CACHE_DIR", raising=False)  # when set, it wins (tests/tasks/test_cache_dir.py)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "user-cache"))
     cold = tasks.Omniglot(layout, rotations=False)
     assert not cold.from_cache and cold.cache_path is not None

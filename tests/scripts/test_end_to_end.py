@@ -5,14 +5,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, omniglot_root
+from helpers import REPO, SMALL_SINE, assert_logged, checkpoint, finished, omniglot_root, script
 
 from experiments import omniglot, sine
 from experiments.config import parse_args
@@ -20,69 +18,6 @@ from experiments.fit import main
 from experiments.rundir import fingerprint
 
 PNG = b"\x89PNG\r\n\x1a\n"
-# A fixed batching: "auto" times both, and two fresh runs compared to the bit must batch alike.
-SMALL_SINE = [
-    "--compile",
-    "false",
-    "--batching",
-    "vmap",
-    "--hidden",
-    "8",
-    "--eval-tasks",
-    "20",
-    "--val-tasks",
-    "10",
-    "--eval-query",
-    "20",
-]
-
-
-def env(tmp_path: Path) -> dict[str, str]:
-    """A subprocess environment that keeps wandb offline, local and fast."""
-    return {
-        **os.environ,
-        "WANDB_BASE_URL": "http://127.0.0.1:9",  # any stray network call fails at once
-        "WANDB_DIR": str(tmp_path),
-        "WANDB_CACHE_DIR": str(tmp_path / "wandb-cache"),
-        "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config"),
-        "WANDB_X_DISABLE_STATS": "true",
-        "WANDB_SILENT": "true",
-        "MAML_CACHE_DIR": str(tmp_path / "cache"),
-    }
-
-
-def script(module: str, args: list[str], tmp_path: Path, **kw) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", module, *args],
-        cwd=REPO,
-        env=env(tmp_path),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        **kw,
-    )
-
-
-def finished(proc: subprocess.Popen, code: int = 0) -> str:
-    out, err = proc.communicate(timeout=600)
-    assert proc.returncode == code, err[-3000:]
-    return out
-
-
-def checkpoint(out: Path) -> dict:
-    return torch.load(out / "checkpoint.pt", weights_only=False)
-
-
-def assert_logged(out: Path, history: list[dict], summary: dict[str, float]) -> None:
-    """``out/metrics.jsonl`` holds exactly the rows the script kept, ``results.json`` the summary's test metrics
-    (``test/{metric}_{key}``, as wandb's summary names them), and wandb logged one offline run under ``out``."""
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert rows == history
-    test = json.loads((out / "results.json").read_text())["test"]
-    for key, value in summary.items():
-        metric, entry = key.removeprefix("test/").split("_", 1)
-        assert test[entry][metric] == pytest.approx(value, rel=1e-12)
-    assert len(list((out / "wandb").glob("offline-run-*/run-*.wandb"))) == 1
 
 
 def test_sine_end_to_end(tmp_path):

@@ -4,20 +4,17 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import folder_writer, write_ren_mini
 from torch import nn
 
 import maml
 from experiments import fit, images, omniglot, recipes
 from experiments.omniglot_net import BatchNormOffset
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_tasks_images import folder_writer, write_ren_mini  # noqa: E402
 
 
 def test_the_default_config_is_the_references_mini_imagenet_protocol():

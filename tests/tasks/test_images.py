@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import io
 import pickle
 from collections.abc import Callable
 from pathlib import Path
@@ -11,44 +10,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+from helpers import SPLITS, folder_writer, image_bytes, split_data, write_ren_mini
 
 import tasks
 
-SPLITS = ("train", "val", "test")
 SMALL = (6, 5, 5)  # classes per split of the small copies (class_counts= says so)
-
-
-def _images(n: int, side: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (n, side, side, 3), dtype=np.uint8)
-
-
-def _split_data(counts: tuple[int, ...], split: str, side: int, per_class: int) -> tuple[np.ndarray, np.ndarray]:
-    """``per_class`` random images of each class of ``split``; labels global over splits (as MetaOptNet's)."""
-    s = SPLITS.index(split)
-    first = sum(counts[:s])
-    labels = np.repeat(np.arange(first, first + counts[s]), per_class)
-    return _images(labels.size, side, seed=s), labels
-
-
-def _png(image: np.ndarray, fmt: str = "PNG") -> bytes:
-    out = io.BytesIO()
-    Image.fromarray(image).save(out, format=fmt)
-    return out.getvalue()
-
-
-def write_ren_mini(root: Path, counts: tuple[int, ...], per_class: int = 2) -> None:
-    for split in SPLITS:
-        images, labels = _split_data(counts, split, 84, per_class)
-        class_dict = {f"n{c:08d}": np.flatnonzero(labels == c).tolist() for c in np.unique(labels)}
-        with open(root / f"mini-imagenet-cache-{split}.pkl", "wb") as f:
-            pickle.dump({"image_data": images, "class_dict": class_dict}, f)
 
 
 def metaopt_writer(names: dict[str, str], side: int) -> Callable[..., None]:
     def write(root: Path, counts: tuple[int, ...], per_class: int = 2) -> None:
         for split in SPLITS:
-            images, labels = _split_data(counts, split, side, per_class)
+            images, labels = split_data(counts, split, side, per_class)
             with open(root / names[split], "wb") as f:
                 pickle.dump({"data": images, "labels": labels.tolist()}, f, protocol=2)
 
@@ -58,34 +30,22 @@ def metaopt_writer(names: dict[str, str], side: int) -> Callable[..., None]:
 def write_csv(root: Path, counts: tuple[int, ...], per_class: int = 2) -> None:
     (root / "images").mkdir()
     for split in SPLITS:
-        images, labels = _split_data(counts, split, 84, per_class)
+        images, labels = split_data(counts, split, 84, per_class)
         with open(root / f"{split}.csv", "w", newline="") as f:
             w = csv.writer(f)
             w.writerow(["filename", "label"])
             for i, (image, label) in enumerate(zip(images, labels)):
                 name = f"n{label:08d}{i:08d}.jpg"
-                (root / "images" / name).write_bytes(_png(image, "JPEG"))
+                (root / "images" / name).write_bytes(image_bytes(image, "JPEG"))
                 w.writerow([name, f"n{label:08d}"])
-
-
-def folder_writer(side: int) -> Callable[..., None]:
-    def write(root: Path, counts: tuple[int, ...], per_class: int = 2) -> None:
-        for split in SPLITS:
-            images, labels = _split_data(counts, split, side, per_class)
-            for i, (image, label) in enumerate(zip(images, labels)):
-                folder = root / split / f"n{label:08d}"
-                folder.mkdir(parents=True, exist_ok=True)
-                (folder / f"{i}.png").write_bytes(_png(image))
-
-    return write
 
 
 def write_ren_tiered(root: Path, counts: tuple[int, ...], per_class: int = 2) -> None:
     for split in SPLITS:
-        images, labels = _split_data(counts, split, 84, per_class)
+        images, labels = split_data(counts, split, 84, per_class)
         labels = labels - labels.min()  # Ren's labels count from 0 in each split
         with open(root / f"{split}_images_png.pkl", "wb") as f:
-            pickle.dump([np.frombuffer(_png(im), dtype=np.uint8) for im in images], f)
+            pickle.dump([np.frombuffer(image_bytes(im), dtype=np.uint8) for im in images], f)
         with open(root / f"{split}_labels.pkl", "wb") as f:
             names = [f"n{c:08d}" for c in range(labels.max() + 1)]
             pickle.dump({"label_specific": labels, "label_specific_str": names}, f)
@@ -93,7 +53,7 @@ def write_ren_tiered(root: Path, counts: tuple[int, ...], per_class: int = 2) ->
 
 def write_metaopt_tiered(root: Path, counts: tuple[int, ...], per_class: int = 2) -> None:
     for split in SPLITS:
-        images, labels = _split_data(counts, split, 84, per_class)
+        images, labels = split_data(counts, split, 84, per_class)
         np.savez(root / f"{split}_images.npz", images=images)
         with open(root / f"{split}_labels.pkl", "wb") as f:
             pickle.dump({"labels": labels.tolist()}, f)
@@ -148,7 +108,7 @@ def test_each_layout_is_detected_read_cached_and_sampled(tmp_path: Path, cls, la
         assert part.images.dtype == torch.uint8 and tuple(part.images.shape) == (2 * count, 3, side, side)
         assert sorted(set(part.labels.tolist())) == list(range(count))
         if layout not in ("ravi-csv",):  # JPEG is lossy; the other layouts keep the pixels exactly
-            images, labels = _split_data(SMALL, part.split, side, 2)
+            images, labels = split_data(SMALL, part.split, side, 2)
             order = np.argsort(labels, kind="stable")
             assert torch.equal(part.images, torch.from_numpy(images[order]).permute(0, 3, 1, 2))
     again = cls(root, "val", class_counts=SMALL)

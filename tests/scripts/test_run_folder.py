@@ -17,9 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO
-from test_experiments import env, script
-from test_run_faults import TINY
+from helpers import REPO, TINY, env, script
 
 from experiments.lock import lock_holder
 

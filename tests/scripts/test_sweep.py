@@ -1,6 +1,6 @@
 """The offline sweep runner (experiments/sweep.py).
 
-The sweeps run tests/sweep_program.py, a tiny program that writes metrics.jsonl and results.json
+The sweeps run tests/scripts/sweep_program.py, a tiny program that writes metrics.jsonl and results.json
 the way the experiment scripts do and "diverges" (exits 1) for some parameters, so these tests do
 not depend on the experiment scripts, and each trial is a short process without wandb.
 """
@@ -26,8 +26,8 @@ import yaml
 from experiments import sweep as sweep_cli
 from experiments import sweep_file
 
-REPO = Path(__file__).resolve().parents[1]
-PROGRAM = "tests/sweep_program.py"
+REPO = Path(__file__).resolve().parents[2]
+PROGRAM = "tests/scripts/sweep_program.py"
 SWEEP_FILES = sorted((REPO / "experiments" / "sweeps").glob("*.yaml"))
 GRID_X = [2.0, 1.0, 0.5]
 GRID_Y = [1, 2]
@@ -35,7 +35,7 @@ FAIL_ABOVE = 3.0  # x * y = 4 > 3 for (2.0, 2): that trial fails
 
 
 def score(x: float, y: int) -> float:
-    """The best val/score tests/sweep_program.py logs."""
+    """The best val/score tests/scripts/sweep_program.py logs."""
     return (x - 1.0) ** 2 + 1.0 / (3 * y)
 
 
@@ -56,7 +56,7 @@ def quiet_env(root: Path, **extra: str) -> dict[str, str]:
 
 
 def write_sweep(folder: Path, name: str, **fields: Any) -> Path:
-    """Write a sweep YAML for tests/sweep_program.py; ``fields`` replace, add or (as None) drop top-level keys."""
+    """Write a sweep YAML for tests/scripts/sweep_program.py; ``fields`` replace, add or (as None) drop top-level keys."""
     config: dict[str, Any] = {
         "name": name,
         "program": PROGRAM,
@@ -84,7 +84,7 @@ def run_cli(args: list[str], root: Path, **env: str) -> subprocess.CompletedProc
 
 
 def launches(log: Path) -> list[dict[str, Any]]:
-    """The starts tests/sweep_program.py logged, each with its trial's folder name as ``trial``."""
+    """The starts tests/scripts/sweep_program.py logged, each with its trial's folder name as ``trial``."""
     events = [json.loads(line) for line in log.read_text().splitlines()]
     starts = [event for event in events if event["event"] == "start"]
     for event in starts:
@@ -546,7 +546,7 @@ def test_dry_run_checks_parameter_names_against_the_programs_flags(tmp_path: Pat
     stderr = io.StringIO()
     assert sweep_cli.main([str(path), "--dry-run"], io.StringIO(), stderr) == 2
     assert stderr.getvalue() == (
-        f"error: {path}: the parameter 'fail_above' is not a flag of tests/sweep_program.py (did you mean "
+        f"error: {path}: the parameter 'fail_above' is not a flag of tests/scripts/sweep_program.py (did you mean "
         f"--fail-above?); every trial would fail on it. Rename it under parameters (the program's --help lists its "
         f"flags).\n"
     )

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import omniglot_root
-from test_run_faults import one_error, run_sine
+from helpers import omniglot_root, one_error, run_sine
 
 import maml
 from experiments import memory, omniglot, sine
@@ -361,9 +360,9 @@ def test_an_omniglot_size_error_names_the_flag_the_user_set(capsys, tmp_path, mo
 
 
 def write_sweep(path: Path, parameters: str) -> None:
-    """A grid sweep of tests/sweep_program.py whose ``parameters:`` block is ``parameters`` (YAML, indented)."""
+    """A grid sweep of tests/scripts/sweep_program.py whose ``parameters:`` block is ``parameters`` (YAML, indented)."""
     path.write_text(
-        "name: t\nprogram: tests/sweep_program.py\nmethod: grid\nmetric: {name: val/score, goal: minimize}\n"
+        "name: t\nprogram: tests/scripts/sweep_program.py\nmethod: grid\nmetric: {name: val/score, goal: minimize}\n"
         f"parameters:\n{parameters}"
     )
 

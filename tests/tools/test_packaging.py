@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("maml", "tasks", "experiments")
 # What the build must not see from the checkout: outputs of earlier builds and local state.
 _NOT_SOURCE = (".git", ".venv", "__pycache__", "*.egg-info", "build", "dist", ".pytest_cache", "runs", "wandb")

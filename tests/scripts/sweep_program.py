@@ -1,6 +1,6 @@
-"""A tiny training program for the sweep runner's tests (tests/test_sweep.py) that writes its folder as our scripts do.
+"""A tiny training program for the sweep runner's tests (tests/scripts/test_sweep.py) that writes its folder as our scripts do.
 
-    python tests/sweep_program.py --out DIR --wandb offline --x=0.5 --y=2 [--seed=0] [--fail-above=3] [--sleep=0.2]
+    python tests/scripts/sweep_program.py --out DIR --wandb offline --x=0.5 --y=2 [--seed=0] [--fail-above=3] [--sleep=0.2]
         [--resume | --overwrite]
 
 Like ``experiments.sine`` it writes ``DIR/config.yaml`` and ``DIR/checkpoint.pt`` first, refusing a
