@@ -3,6 +3,8 @@
 ``flock`` on the folder itself: nothing is written in it, and the kernel drops the lock when its
 holder dies, however it dies (SIGKILL, the out-of-memory killer), so a dead run's folder is taken
 over by the next. The holder's PID, for the message, comes from ``/proc/locks`` (Linux).
+By hand, not ``filelock``: that library locks a lock file it creates (and leaves) inside the folder,
+and cannot lock the folder itself (``IsADirectoryError``), while a run's folder must hold only its files.
 """
 
 from __future__ import annotations
