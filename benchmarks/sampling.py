@@ -3,7 +3,7 @@
     .venv/bin/python -m benchmarks.sampling            # or: .venv/bin/python benchmarks/sampling.py
     .venv/bin/python -m benchmarks.sampling --data /path/to/omniglot --device cuda
 
-Measures, on the real Omniglot archives ($OMNIGLOT_DIR, else ../shared/data/omniglot):
+Measures, on the real Omniglot archives (--data, else $OMNIGLOT_DIR):
   * the cold load of every archive under --data (decoding into a fresh cache folder) and the
     warm load (from that cache);
   * the median time to sample a meta-batch of 32 Omniglot 5-way 1-shot tasks with 15 query
@@ -89,8 +89,9 @@ def ms(seconds: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    default_data = os.environ.get("OMNIGLOT_DIR") or str(REPO.parent / "shared" / "data" / "omniglot")
-    parser.add_argument("--data", default=default_data, help="Omniglot archives or folders (default: %(default)s)")
+    parser.add_argument(
+        "--data", default=os.environ.get("OMNIGLOT_DIR"), help="Omniglot archives or folders (default: $OMNIGLOT_DIR)"
+    )
     parser.add_argument("--device", default="cpu", help="where batches and models live (default: %(default)s)")
     parser.add_argument("--sample-repeats", type=int, default=50, help="timed samplings per measure")
     parser.add_argument("--step-repeats", type=int, default=2, help="timed meta-training steps per measure")
@@ -103,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--check", action="store_true", help="exit with status 1 if a ratio reaches 5 %%")
     args = parser.parse_args(argv)
+    if args.data is None:
+        print("--data: no Omniglot folder given and $OMNIGLOT_DIR is unset; pass --data PATH", file=sys.stderr)
+        return 2
     device = torch.device(args.device)
     chosen = {"auto": None, "both": ("loop", "vmap")}.get(args.batching, (args.batching,))
     torch.manual_seed(0)

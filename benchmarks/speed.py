@@ -43,7 +43,7 @@ Hessian-vector products (the default), checkpointed with forward-over-reverse on
 learn2learn's ``MAML`` (second and first order) and higher; speed-ups and gradient differences as in
 the main table. Meant for the 8-task Omniglot workloads at ``--steps 1 5 10 20 40`` (issue 14).
 
-Workloads, on the real task distributions (Omniglot: $OMNIGLOT_DIR, else ../shared/data/omniglot):
+Workloads, on the real task distributions (Omniglot: --data, else $OMNIGLOT_DIR):
     sine1, sine5     the 1-40-40-1 ReLU MLP, meta-batch 25, 10 support and 10 query points, 1 / 5 inner steps
     omniglot5        the MAML conv net (4 x 64 3x3 filters, BatchNorm, ReLU, max-pool), 5-way 1-shot,
                      15 query per class, meta-batch 32, 1 inner step (lr 0.4)
@@ -496,8 +496,9 @@ def fmt_time(seconds: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    default_data = os.environ.get("OMNIGLOT_DIR") or str(REPO.parent / "shared" / "data" / "omniglot")
-    parser.add_argument("--data", default=default_data, help="Omniglot archives or folders (default: %(default)s)")
+    parser.add_argument(
+        "--data", default=os.environ.get("OMNIGLOT_DIR"), help="Omniglot archives or folders (default: $OMNIGLOT_DIR)"
+    )
     parser.add_argument("--device", default="cpu", help="default: %(default)s")
     parser.add_argument("--workloads", nargs="+", default=["sine1", "sine5", "omniglot5", "omniglot20"])
     parser.add_argument("--methods", nargs="+", help="substrings of method names to keep (default: all)")
@@ -523,6 +524,9 @@ def main(argv: list[str] | None = None) -> int:
         "--json", type=Path, default=None, help="also write the tables, with device, versions and commit, here"
     )
     args = parser.parse_args(argv)
+    if args.data is None and any(k.startswith("omniglot") for k in args.workloads):
+        print("--data: no Omniglot folder given and $OMNIGLOT_DIR is unset; pass --data PATH", file=sys.stderr)
+        return 2
     tables: list[dict[str, object]] = []
 
     device = torch.device(args.device)
@@ -533,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
         f"device: {device}, torch {torch.__version__}, {threads} CPU threads, "
         f"measured float32 matmul peak {peak / 1e9:.0f} GFLOP/s"
     )
-    all_workloads = workloads(Path(args.data), device)
+    all_workloads = workloads(Path(args.data or "."), device)
     for key in args.workloads:
         for wl in [with_steps(all_workloads[key], s) for s in args.steps] if args.steps else [all_workloads[key]]:
             repeats = args.repeats or (30 if key.startswith("sine") else 5)
