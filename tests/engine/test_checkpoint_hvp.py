@@ -1,10 +1,10 @@
-"""The checkpointed mode's forward-over-reverse backward (``checkpoint_hvp="forward_over_reverse"``, issue 14).
+"""The checkpointed mode's forward-over-reverse backward (``checkpoint_hvp="forward_over_reverse"``).
 
 Every meta-gradient is held, in float64, against second order's (the engine's own exact mode,
 itself proven against an independent reference, higher and finite differences in
 tests/engine/test_family.py and tests/engine/test_meta_gradients.py): the largest difference over every
 meta-parameter, relative to the norm of the meta-gradient, must be below 1e-10. Tiny models and
-two or three tasks keep the file fast; each item of the issue has a test of its own.
+two or three tasks keep the file fast; each property has a test of its own.
 """
 
 from __future__ import annotations

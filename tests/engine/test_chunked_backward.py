@@ -1,4 +1,4 @@
-"""``learner.backward(batch)`` (issue 23): the meta-gradient a chunk of tasks at a time equals ``meta_loss().backward()``."""
+"""``learner.backward(batch)``: the meta-gradient a chunk of tasks at a time equals ``meta_loss().backward()``."""
 
 from __future__ import annotations
 

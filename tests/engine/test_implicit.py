@@ -1,4 +1,4 @@
-"""iMAML (issue 23): ``mode="implicit"``'s meta-gradient on a strongly convex inner problem with a closed form.
+"""iMAML: ``mode="implicit"``'s meta-gradient on a strongly convex inner problem with a closed form.
 
 Ridge regression on fixed features: a linear model ``w`` with the support loss
 ``L_s(w) = mean((X w - y)^2)`` has the proximal solution ``w* = (A + lam I)^-1 (b + lam theta)``

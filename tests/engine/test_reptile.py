@@ -1,4 +1,4 @@
-"""Reptile (issue 23): ``mode="reptile"`` leaves the initial minus the adapted weights in ``.grad``.
+"""Reptile: ``mode="reptile"`` leaves the initial minus the adapted weights in ``.grad``.
 
 Float64, against a hand-written Reptile loop over one task at a time.
 """

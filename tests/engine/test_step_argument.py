@@ -1,7 +1,7 @@
-"""The inner step reaches the model (issue 23): ``forward(x, step=k)`` in every pass, every mode; per-step batch norm.
+"""The inner step reaches the model: ``forward(x, step=k)`` in every pass, every mode; per-step batch norm.
 
 Float64. The reference is a hand-written MAML loop over one task at a time that calls the model
-with the step index the issue specifies: the support pass of update k and the query pass after
+with the step index: the support pass of update k and the query pass after
 update k get ``step=k``.
 """
 

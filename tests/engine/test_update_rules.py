@@ -1,4 +1,4 @@
-"""Update rules as objects (issue 23): a rule with meta-learned tensors of its own, exact in every mode.
+"""Update rules as objects: a rule with meta-learned tensors of its own, exact in every mode.
 
 Float64 throughout. Meta-Curvature is checked against learn2learn's ``GBML`` with its
 ``MetaCurvatureTransform`` (an independent implementation of the paper's released code) and

@@ -1,4 +1,4 @@
-"""What the experiment scripts say when a run diverges or its flags (or $WANDB_MODE) are wrong (issue 11).
+"""What the experiment scripts say when a run diverges or its flags (or $WANDB_MODE) are wrong.
 
 Each message is checked whole: the flag, the value and the fix, one line, and the exit code
 (2 for a usage error; 1 for a divergence, which is no usage error). The runs are in-process and

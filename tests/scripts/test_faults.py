@@ -1,4 +1,4 @@
-"""The experiment scripts under faults and bad input (issue 11): an interrupted --overwrite, an --out
+"""The experiment scripts under faults and bad input: an interrupted --overwrite, an --out
 that cannot be written, a missing device, a full disk, an unreachable wandb server, SIGKILL, data
 that moved, a run lengthened or shortened on --resume, runs shorter than a log window, progress
 without a terminal, and --threads.
@@ -240,7 +240,7 @@ def test_a_real_full_tmpfs(capsys, tmp_path):
 # ---------------------------------------------------------------------------- wandb online without a server
 
 
-def test_wandb_online_without_a_server_or_a_key_logs_offline_within_seconds(tmp_path):
+def test_wandb_online_without_a_server_or_a_key_logs_offline_without_waiting_for_wandbs_timeout(tmp_path):
     silent = socket.socket()  # accepts connections (the kernel's backlog) and never answers
     silent.bind(("127.0.0.1", 0))
     silent.listen()
@@ -255,22 +255,19 @@ def test_wandb_online_without_a_server_or_a_key_logs_offline_within_seconds(tmp_
             "no W&B API key (No API key configured. Use `wandb login` to log in.)",
         ),
     }
-    procs, stderr, warned = {}, {}, {}
+    procs, stderr = {}, {}
 
-    def read(case: str, proc: subprocess.Popen, began: float) -> None:
-        stderr[case] = []
-        for line in proc.stderr:  # type: ignore[union-attr]
-            if line.startswith("warning: --wandb online"):
-                warned[case] = time.monotonic() - began
-            stderr[case].append(line.rstrip("\n"))
+    def read(case: str, proc: subprocess.Popen) -> None:
+        stderr[case] = [line.rstrip("\n") for line in proc.stderr]  # type: ignore[union-attr]
 
     readers = []
     for case, (extra, _) in cases.items():
-        environ = {**env(tmp_path), "NETRC": str(tmp_path / "no-netrc"), **extra}
+        # wandb's own wait for a server (init_timeout) made an hour: a run that waited for it, instead of
+        # finding the problem itself, would not end within the wait below.
+        environ = {**env(tmp_path), "NETRC": str(tmp_path / "no-netrc"), "WANDB_INIT_TIMEOUT": "3600", **extra}
         if "WANDB_API_KEY" not in extra:
             environ.pop("WANDB_API_KEY", None)
         args = [*TINY, "--iterations", "2", "--out", str(tmp_path / case), "--wandb", "online"]
-        began = time.monotonic()
         # No terminal on stdin: wandb would ask there for a key instead of failing.
         procs[case] = subprocess.Popen(
             [sys.executable, "-m", "experiments.sine", *args],
@@ -281,7 +278,7 @@ def test_wandb_online_without_a_server_or_a_key_logs_offline_within_seconds(tmp_
             stderr=subprocess.PIPE,
             text=True,
         )
-        readers.append(threading.Thread(target=read, args=(case, procs[case], began)))
+        readers.append(threading.Thread(target=read, args=(case, procs[case])))
         readers[-1].start()
     for case, proc in procs.items():
         assert proc.wait(timeout=300) == 0, "\n".join(stderr.get(case, []))[-3000:]
@@ -289,10 +286,6 @@ def test_wandb_online_without_a_server_or_a_key_logs_offline_within_seconds(tmp_
         reader.join()
     silent.close()
     for case, (_, problem) in cases.items():
-        # wandb alone waits 90 s (its init_timeout) and more: 107 s here before the fix. The warning
-        # comes as soon as the script has started (12 s, imports included, on a 2-core machine busy
-        # with other test runs: the bound leaves room for a slow CI machine), and the run goes on.
-        assert warned[case] < 60, f"{case}: {warned[case]:.0f} s"
         out = tmp_path / case
         (warning,) = [line for line in stderr[case] if line.startswith("warning: --wandb online")]
         (run_dir,) = (out / "wandb").glob("offline-run-*")

@@ -1,5 +1,5 @@
-"""Inputs that used to be accepted without a word (issue 22): each is now one line naming the flag, the
-value and the fix (exit 2, nothing written), or a note where the input is kept but overridden."""
+"""Inputs the scripts and the engine check before running: each is one line naming the flag, the value and
+the fix (exit 2, nothing written), or a note where the input is kept but overridden."""
 
 from __future__ import annotations
 
@@ -201,7 +201,7 @@ def test_step_weights_that_require_grad_are_refused_where_they_would_get_none():
         meta.meta_loss(maml.TaskBatch(X, Y, X, Y), step_weights=weights)
 
 
-# ---------------------------------------------------------------------------- issue: inputs found by outside testing
+# ---------------------------------------------------------------------------- sizes, counts and modes that cannot run
 
 
 def parse_sine(tmp_path: Path, argv: list[str]) -> sine.SineConfig:
@@ -234,7 +234,7 @@ def parse_sine(tmp_path: Path, argv: list[str]) -> sine.SineConfig:
     ids=["cg-iterations", "steps", "eval-steps"],
 )
 def test_counts_whose_loops_cannot_finish_are_refused(capsys, tmp_path, args, line):
-    # Each used to run its first meta-iteration (or the evaluation) for hours: --cg-iterations 10^12 was
+    # Unchecked, each would run its first meta-iteration (or the evaluation) for hours: --cg-iterations 10^12 is
     # still in its first iteration after 11 minutes.
     out = tmp_path / "run"
     assert one_error(run_sine(capsys, [*args, "--iterations", "20", "--out", str(out)], code=2)) == line

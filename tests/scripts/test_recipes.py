@@ -283,7 +283,7 @@ def test_reptile_trains_on_more_shots_than_it_tests():
         ),
     ],
 )
-def test_settings_the_new_modes_cannot_honour_are_refused(capsys, tmp_path, args, line):
+def test_settings_reptile_and_implicit_cannot_honour_are_refused(capsys, tmp_path, args, line):
     out = tmp_path / "run"
     assert one_error(run_sine(capsys, [*args, "--out", str(out)], code=2)) == line
     assert not out.exists()
@@ -302,7 +302,7 @@ def test_implicit_on_a_net_with_meta_only_weights_is_refused(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("algorithm", ["reptile", "imaml"])
-def test_each_new_recipe_runs_end_to_end_on_sine(capsys, tmp_path, algorithm):
+def test_the_reptile_and_imaml_recipes_run_end_to_end_on_sine(capsys, tmp_path, algorithm):
     out = tmp_path / "run"
     run_sine(capsys, ["--algorithm", algorithm, "--iterations", "3", "--steps", "2", "--out", str(out)])
     results = (out / "results.json").read_text()

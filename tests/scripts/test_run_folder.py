@@ -1,4 +1,4 @@
-"""A run folder belongs to one live process (issue 22): two runs or two sweep runners on one folder,
+"""A run folder belongs to one live process: two runs or two sweep runners on one folder,
 a lock left by a dead process, a sweep runner killed with SIGKILL, a run that ended before its first
 checkpoint, and the environment errors a new user met (an empty --out, --device meta, a config file
 that is not UTF-8). Each shows the line a user sees, the exit code and the files left in --out.
@@ -267,12 +267,11 @@ def test_one_ctrl_c_stops_an_inner_loop_of_the_most_steps_after_the_patience(tmp
     proc = patched_run(tmp_path, PATIENCE, ["--steps", "10000", "--out", str(out)], SLOW_MARK=str(mark))
     wait_for(mark.exists, "the first iteration")
     time.sleep(1)  # well inside its inner loop
-    began = time.monotonic()
     proc.send_signal(signal.SIGINT)
+    # "at once": the patience ran out inside the iteration; a loop left to run to its end stops with another line.
     assert last_line(proc, 130) == (
         "stopped at once, before the first checkpoint: nothing to resume; run the same command again."
     )
-    assert time.monotonic() - began < 30  # the patience (1 s) and the exit, not the loop
     assert "stopping after this iteration (or at once: in 1 s, or at Ctrl-C again)" in proc.stderr_text
     assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "metrics.jsonl"]
 

@@ -406,8 +406,6 @@ def test_sweep_files_are_valid_and_plan_their_grids(path: Path) -> None:
     expected = [dict(zip(searched, combo, strict=True), **fixed) for combo in itertools.product(*searched.values())]
     stdout, stderr = io.StringIO(), io.StringIO()
     code = sweep_cli.main([str(path), "--dry-run", "--seed", "0"], stdout, stderr)
-    if code == 2 and "the parameter 'algorithm' is not a flag" in stderr.getvalue():
-        pytest.xfail("experiments.sine and .omniglot take no --algorithm yet (another change adds it)")
     assert code == 0, stderr.getvalue()
     planned = [sorted(line.split()[1:]) for line in stdout.getvalue().splitlines() if line.startswith("trial-")]
     assert sorted(planned) == sorted(sorted(f"{key}={value}" for key, value in params.items()) for params in expected)
