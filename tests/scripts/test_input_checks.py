@@ -1,5 +1,5 @@
-"""Inputs the scripts and the engine check before running: each is one line naming the flag, the value and
-the fix (exit 2, nothing written), or a note where the input is kept but overridden."""
+"""Inputs the scripts check before running: each is one line naming the flag, the value and the fix (exit 2,
+nothing written), or a note where the input is kept but overridden."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import pytest
 import torch
 from helpers import omniglot_root, one_error, run_sine
 
-import maml
 from experiments import memory, omniglot, sine
 from experiments import sweep as sweep_cli
 from experiments.cli import UsageError
@@ -122,83 +121,6 @@ def test_resume_says_that_a_hand_edited_config_yaml_is_not_what_it_continues(cap
         f"and writes config.yaml anew (a resumable key changes by its flag)"
     ) in err.splitlines()
     assert "hidden: 8" in path.read_text()
-
-
-def test_inner_optimizer_options_are_checked_as_torch_optim_checks_them():
-    model = torch.nn.Linear(2, 1)
-    loss = torch.nn.functional.mse_loss
-    with pytest.raises(ValueError, match=r"Nesterov momentum needs a momentum > 0 \(torch.optim.SGD refuses it too\)"):
-        maml.MetaLearner(
-            model, loss, 0.1, inner_optimizer="momentum", inner_optimizer_options={"momentum": 0.0, "nesterov": True}
-        )
-    with pytest.raises(TypeError, match="inner_optimizer_options must be a mapping of option names to values"):
-        maml.MetaLearner(model, loss, 0.1, inner_optimizer="momentum", inner_optimizer_options=[("momentum", 0.9)])
-
-
-# ---------------------------------------------------------------------------- the engine's API
-
-X, Y = torch.randn(2, 5, 4), torch.tensor([[0, 1, 2, 0, 1]] * 2)
-
-
-def learner(loss=torch.nn.functional.cross_entropy, **kwargs) -> maml.MetaLearner:
-    return maml.MetaLearner(torch.nn.Linear(4, 3), loss, 0.1, **kwargs)
-
-
-@pytest.mark.parametrize(
-    "batch, error",
-    [
-        (
-            lambda: maml.TaskBatch(X[:, :0], Y[:, :0], X, Y),
-            "the batch's support set is empty (support_x has 0 examples a task), so the inner loop has no loss to "
-            "take 1 step(s) on; give each task support examples, or pass steps=0.",
-        ),
-        (
-            lambda: maml.TaskBatch(X, Y, X[:, :0], Y[:, :0]),
-            "the batch's query set is empty (query_x has 0 examples a task), so there is no meta-loss to compute; "
-            "give each task at least one query example.",
-        ),
-        (
-            lambda: maml.TaskBatch(X, torch.full_like(Y, 3), X, Y),
-            "loss_fn(output, support_y) failed on the first task: Target 3 is out of bounds. Class labels must be "
-            "in [0, C) for a model of C outputs; check support_y and query_y.",
-        ),
-    ],
-)
-def test_empty_sets_and_labels_out_of_range_name_the_argument(batch, error):
-    with pytest.raises(ValueError) as info:
-        learner().meta_loss(batch())
-    assert str(info.value) == error
-
-
-def test_support_and_query_examples_of_other_shapes_or_devices_are_refused():
-    with pytest.raises(ValueError, match=r"support_x examples have shape \(4,\) but query_x examples \(3,\)"):
-        maml.TaskBatch(X, Y, torch.randn(2, 5, 3), Y)
-    with pytest.raises(ValueError, match="its tensors are on different devices"):
-        maml.TaskBatch(X, Y, X.to("meta"), Y)
-
-
-def test_a_regression_target_of_another_shape_than_the_output_warns():
-    with pytest.warns(
-        UserWarning, match=r"the model's output for one task has shape \(5, 3\) but its targets \(5, 1\)"
-    ):
-        learner(torch.nn.functional.mse_loss).meta_loss(
-            maml.TaskBatch(X, torch.randn(2, 5, 1), X, torch.randn(2, 5, 1))
-        )
-
-
-@pytest.mark.parametrize("mode", ["second_order", "first_order", "checkpointed"])
-def test_a_parameter_frozen_after_the_learner_was_built_is_named(mode):
-    meta = learner(mode=mode)
-    meta.model.bias.requires_grad_(False)
-    with pytest.raises(ValueError, match=r"the parameter\(s\) 'bias' were frozen \(requires_grad=False\) after"):
-        meta.meta_loss(maml.TaskBatch(X, Y, X, Y))
-
-
-def test_step_weights_that_require_grad_are_refused_where_they_would_get_none():
-    meta = learner(compile=True, steps=2)
-    weights = torch.tensor([0.5, 0.5], requires_grad=True)
-    with pytest.raises(ValueError, match="step_weights require grad, but with compile=True"):
-        meta.meta_loss(maml.TaskBatch(X, Y, X, Y), step_weights=weights)
 
 
 # ---------------------------------------------------------------------------- sizes, counts and modes that cannot run
