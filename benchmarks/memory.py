@@ -517,28 +517,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"each cell: {memory} of one meta-training step over the worker's baseline, and its {clock}\n")
     results: dict[tuple[str, int, int], Result] = {}
-    ok = True
-    for t in args.tasks:
-        with tempfile.TemporaryDirectory(prefix="maml-memory-") as folder:
-            grad_files = {(m, s): Path(folder) / f"{m}-{s}.pt" for s in args.steps for m in args.methods}
-            table: dict[tuple[str, int], Result] = {}
-            for s in args.steps:
-                for m in args.methods:
-                    start = time.perf_counter()
-                    table[(m, s)] = r = run_worker(m, t, s, args, grad_files[(m, s)])
-                    note = f" ({r['error']})" if r.get("error") else ""
-                    print(
-                        f"  {m}, {t} tasks, {s} steps: {cell(r, args.limit_gib)}{note}, "
-                        f"{time.perf_counter() - start:.0f} s wall",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-            gradient_differences(table, grad_files)
-        if len(args.tasks) > 1:
-            print(f"\n{t} tasks")
-        ok = report(table, args.methods, args.steps, args.limit_gib, args.shots) and ok
-        results.update({(m, t, s): r for (m, s), r in table.items()})
-    if args.json is not None:
+
+    def save(complete: bool) -> None:
+        """Writes --json: after every configuration (an interrupted run keeps what it measured), then whole."""
+        if args.json is None:
+            return
         write_report(
             args.json,
             "memory",
@@ -556,8 +539,33 @@ def main(argv: list[str] | None = None) -> int:
             },
             methods=list(args.methods),
             steps=list(args.steps),
+            complete=complete,
             results=[{**r, "method": m, "tasks": t, "steps": s} for (m, t, s), r in results.items()],
         )
+
+    ok = True
+    for t in args.tasks:
+        with tempfile.TemporaryDirectory(prefix="maml-memory-") as folder:
+            grad_files = {(m, s): Path(folder) / f"{m}-{s}.pt" for s in args.steps for m in args.methods}
+            table: dict[tuple[str, int], Result] = {}
+            for s in args.steps:
+                for m in args.methods:
+                    start = time.perf_counter()
+                    table[(m, s)] = r = run_worker(m, t, s, args, grad_files[(m, s)])
+                    note = f" ({r['error']})" if r.get("error") else ""
+                    print(
+                        f"  {m}, {t} tasks, {s} steps: {cell(r, args.limit_gib)}{note}, "
+                        f"{time.perf_counter() - start:.0f} s wall",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    gradient_differences(table, grad_files)
+                    results.update({(m, t, s): r for (m, s), r in table.items()})
+                    save(complete=False)
+        if len(args.tasks) > 1:
+            print(f"\n{t} tasks")
+        ok = report(table, args.methods, args.steps, args.limit_gib, args.shots) and ok
+    save(complete=True)
     return 1 if args.check and not ok else 0
 
 
