@@ -374,10 +374,15 @@ def _memory_table(report: dict[str, Any], axis: str) -> str:
             if any("tensor_mib" in r for r in report["results"])
             else "Peak memory of one meta-training step over the process's baseline, "
         )
-        + f"and its {clock} (the MAML "
+        + f"and its {clock}{' (of its only step, which also touches its memory first)' if setting['repeats'] == 0 else ''} (the MAML "
         f"Omniglot max-pool net, {fixed}, {setting['ways']}-way {setting['shots']}-shot, "
         f"{setting['query']} query images per class, batching `{setting['batching']}`; a worker may add "
-        f"{limit:g} GiB). `{report['command']}`; torch {report['versions'].get('torch', '?')}; {provenance([report])}.",
+        f"{limit:g} GiB). `{report['command']}`; torch {report['versions'].get('torch', '?')}; {provenance([report])}."
+        + (
+            ""
+            if report.get("complete", True)
+            else " The run was stopped before its last configurations: - did not run."
+        ),
     ]
     return "\n".join(lines) + "\n"
 
