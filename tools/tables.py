@@ -387,6 +387,24 @@ def _memory_table(report: dict[str, Any], axis: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def image_sampling(path: Path = REPO / "results/benchmarks/image_sampling.json") -> str:
+    """``benchmarks/image_sampling.py``: meta-batches a second of the image sampler against learn2learn's TaskDataset."""
+    r = _json(path)
+    ours, peer = r["ours"], r["learn2learn"]
+    lines = [
+        "| sampler | tasks a second | ms a meta-batch | load |",
+        "|---|---:|---:|---:|",
+        f"| `tasks.MiniImageNet(...).sampler` | {ours['tasks_per_second']:,.0f} | {ours['ms_per_meta_batch']:.1f} | "
+        f"{ours['cold_load_s']:.2f} s decoding once, {ours['warm_load_s']:.3f} s from the cache |",
+        f"| learn2learn `TaskDataset` | {peer['tasks_per_second']:,.0f} | {peer['ms_per_meta_batch']:.1f} | "
+        f"{peer['load_s']:.2f} s |",
+        "",
+        f"{r['task']}; {r['data']}; {r['speedup']:.2f}x learn2learn's rate. `{r['command']}`; "
+        f"torch {r['versions'].get('torch', '?')}; {provenance([r])}.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def speed(path: Path = REPO / "results/benchmarks/speed.json") -> str:
     """``benchmarks/speed.py --json``: one meta-training step's median time per method, per workload, against learn2learn."""
     report = _json(path)
@@ -552,6 +570,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "omniglot-20way": functools.partial(omniglot_seeds, [REPO / "results/omniglot/20way"]),
     "omniglot-20way-curve": functools.partial(omniglot_long_curve, REPO / "results/omniglot/20way", window=250),
     "memory": memory,
+    "image_sampling": image_sampling,
     "memory_tasks": memory_tasks,
     "flags-run": _flags_of("run"),
     "flags-sine": _flags_of("sine"),
