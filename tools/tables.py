@@ -331,9 +331,25 @@ def omniglot_seeds(
     return "\n".join(lines + notes) + "\n"
 
 
-def memory(path: Path = REPO / "results/benchmarks/memory.json") -> str:
-    """``benchmarks/memory.py --json``: tensor peak, RSS and time of one meta-training step per method and inner steps."""
-    return _memory_table(_json(path), "steps")
+def memory(
+    path: Path = REPO / "results/benchmarks/memory.json", longer: Path = REPO / "results/benchmarks/memory_long.json"
+) -> str:
+    """``benchmarks/memory.py --json``: tensor peak, RSS and time of one meta-training step per method and inner steps.
+
+    ``longer``, where it exists: a second run of the same setting at more inner steps, for some of
+    the methods; its cells join the table and its command and commit the caption.
+    """
+    report = _json(path)
+    if not longer.is_file():
+        return _memory_table(report, "steps")
+    extra = _json(longer)
+    if extra["setting"] != report["setting"]:
+        raise TableError(f"{longer.relative_to(REPO)}: another setting than {path.relative_to(REPO)}'s")
+    caption = (
+        f" The columns of {', '.join(map(str, extra['steps']))} steps: `{extra['command']}`; {provenance([extra])}."
+    )
+    merged = {**report, "results": report["results"] + extra["results"]}
+    return _memory_table(merged, "steps").rstrip("\n") + caption + "\n"
 
 
 def memory_tasks(path: Path = REPO / "results/benchmarks/memory_tasks.json") -> str:
