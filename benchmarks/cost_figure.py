@@ -3,7 +3,8 @@
     .venv/bin/python -m benchmarks.cost_figure        # reads the two JSONs below, writes docs/img/cost-growth.png
 
 Draws what ``benchmarks.memory`` measured, nothing else: ``results/benchmarks/memory.json`` (8 tasks,
-1 to 80 inner steps) and ``results/benchmarks/memory_tasks.json`` (5 inner steps, 1 to 64 tasks),
+by inner steps; with ``memory_long.json``, a run of the same setting at more steps, where it exists) and
+``results/benchmarks/memory_tasks.json`` (by meta-batch size, 1 to 64 tasks),
 each method a line, on log-log axes. A configuration that ran out of the worker's memory limit
 ends its line (marked by a cross at the limit on the memory panels).
 """
@@ -18,6 +19,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS_JSON = REPO / "results/benchmarks/memory.json"
+LONG_JSON = REPO / "results/benchmarks/memory_long.json"  # the same setting at more steps, where it was run
 TASKS_JSON = REPO / "results/benchmarks/memory_tasks.json"
 OUT = REPO / "docs/img/cost-growth.png"
 
@@ -111,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 2
         reports.append(json.loads(path.read_text()))
+    if LONG_JSON.is_file() and args.steps_json == STEPS_JSON:
+        reports[0] = {**reports[0], "results": reports[0]["results"] + json.loads(LONG_JSON.read_text())["results"]}
     draw(*reports, args.out)
     print(args.out)
     return 0
