@@ -284,6 +284,8 @@ def test_wandb_online_without_a_server_or_a_key_logs_offline_without_waiting_for
         assert proc.wait(timeout=300) == 0, "\n".join(stderr.get(case, []))[-3000:]
     for reader in readers:
         reader.join()
+    for proc in procs.values():
+        proc.stderr.close()  # type: ignore[union-attr]
     silent.close()
     for case, (_, problem) in cases.items():
         out = tmp_path / case
