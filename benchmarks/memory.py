@@ -46,7 +46,7 @@ weights everywhere; it hands the meta-gradient of that step to the parent, which
 table, each row's largest difference from learn2learn's (relative to the largest entry; second
 order's where learn2learn did not run; none for first order, which computes another gradient).
 In float32 these differences are rounding, amplified over the inner steps; the float64 tests
-(tests/test_meta_gradients.py, tests/test_mixed_mode.py) are the exactness proof.
+(tests/engine/test_meta_gradients.py, tests/engine/test_checkpoint_hvp.py) are the exactness proof.
 
 The time is the median over --repeats further steps (the measured first step also pays for
 touching its memory for the first time). On the CPU it is the process's CPU time with one

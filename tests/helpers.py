@@ -144,7 +144,7 @@ def finite_difference_error(
     g = torch.Generator().manual_seed(seed)
     # A central difference carries the rounding of the two losses it subtracts, about eps_float * |L| / step:
     # two steps agree at best to that (a kink that forces the step down to 1e-7 leaves ~1e-9 of noise).
-    rounding = 8 * torch.finfo(loss.dtype).eps * abs(float(loss))
+    rounding = 8 * torch.finfo(loss.dtype).eps * abs(float(loss.detach()))
 
     def loss_at(v: list[Tensor], step: float) -> float:
         with torch.no_grad():

@@ -126,7 +126,7 @@ def warn_weight_norm(model: nn.Module, mode: str) -> None:
     ``torch._weight_norm``, which both ``torch.nn.utils.parametrizations.weight_norm`` and the
     older hook-based ``torch.nn.utils.weight_norm`` call, fails ``torch.autograd.gradgradcheck``
     (the derivative of its fused backward is wrong), so a meta-gradient through it is off by tens
-    of percent; the same norm in plain torch ops is exact (tests/test_model_support.py).
+    of percent; the same norm in plain torch ops is exact (tests/engine/test_model_support.py).
     """
     if mode in ("first_order", "reptile"):  # no second derivative taken
         return

@@ -576,7 +576,7 @@ class MetaLearner:
             self._probed.add(key)
         # The checkpointed mode is chosen for memory: "auto" takes the loop there, untimed. Timing vmap holds
         # several tasks' graphs at once, more than the mode's segments do, and the loop holds less than vmap
-        # (a conv net of tests/test_memory_plan.py, 2 tasks a chunk: 7.0 MB of tensors against 9.8 MB).
+        # (a conv net of tests/engine/test_memory_plan.py, 2 tasks a chunk: 7.0 MB of tensors against 9.8 MB).
         if self._mode == "checkpointed" and torch.is_grad_enabled() and self.batching == "auto":
             self._forward.use_loop(device)
         tasks = batch.num_tasks
