@@ -43,7 +43,7 @@ def _series(report: dict[str, Any], axis: str, key: str) -> dict[str, tuple[list
     out: dict[str, tuple[list[int], list[float], list[int]]] = {}
     for r in sorted(report["results"], key=lambda r: r[axis]):
         xs, ys, oom = out.setdefault(r["method"], ([], [], []))
-        if r.get("oom"):
+        if r.get("oom") or str(r.get("error", "")).startswith("MemoryError"):  # out of the worker's memory limit
             oom.append(r[axis])
         elif not r.get("error"):
             xs.append(r[axis])

@@ -290,7 +290,7 @@ def worker(method: str, tasks: int, steps: int, args: argparse.Namespace) -> Res
     try:
         first = meter.seconds(step)
     except (RuntimeError, MemoryError) as e:  # the allocator's failure: over --limit-gib or the GPU's memory
-        if "memory" not in str(e).lower():
+        if not isinstance(e, MemoryError) and "memory" not in str(e).lower():
             raise
         return {**result, "oom": True}
     extra = meter.extra_mib()

@@ -366,10 +366,10 @@ def _memory_table(report: dict[str, Any], axis: str) -> str:
     def cell(r: dict[str, Any] | None) -> str:
         if r is None:
             return "-"
+        if r.get("oom") or str(r.get("error", "")).startswith("MemoryError"):  # a C++ bad_alloc under the limit too
+            return f"> {limit:g} GiB"
         if r.get("error"):
             return "error"
-        if r.get("oom"):
-            return f"> {limit:g} GiB"
         tensors = f"{r['tensor_mib']:,.0f} MiB tensors (RSS " if "tensor_mib" in r else ""
         rss = f"{r['extra_mib']:,.0f} MiB" + (")" if tensors else "")
         return f"{tensors}{rss}, {r['seconds']:.1f} s"
@@ -381,7 +381,11 @@ def _memory_table(report: dict[str, Any], axis: str) -> str:
     ]
     lines += [f"| `{m}` | " + " | ".join(cell(cells.get((m, c))) for c in columns) + " |" for m in report["methods"]]
     clock = "wall time" if report["device"].startswith("cuda") else f"CPU time of {report['threads']} thread"
-    fixed = f"{setting['tasks']} tasks" if axis == "steps" else f"{report['steps'][0]} inner steps"
+    fixed = (
+        f"{setting['tasks']} tasks"
+        if axis == "steps"
+        else f"{report['steps'][0]} inner step{'s' * (report['steps'][0] != 1)}"
+    )
     lines += [
         "",
         (
