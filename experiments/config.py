@@ -25,9 +25,9 @@ from experiments import cli, recipes, runtime, tracking
 from experiments.cli import UsageError
 from experiments.config_file import load_yaml
 from experiments.files import atomic_write
+from experiments.run_options import RunOptions
 
 __all__ = [
-    "RunOptions",
     "RunFlags",
     "ExperimentConfig",
     "check_config",
@@ -38,7 +38,7 @@ __all__ = [
     "save_config",
 ]
 
-COMPILED_MODES = ("second_order", "first_order")  # the modes compile=True applies to
+COMPILED_MODES = maml.COMPILED_MODES  # the modes compile=True applies to (the engine's table)
 UNROLLED_MODES = maml.UNROLLED_MODES  # the modes that differentiate an unrolled inner loop (the engine's table)
 # The most inner steps a run takes, in training (--steps) or in the evaluation (--eval-steps). Each step is a
 # forward and backward pass of every task, and second order keeps each one's graph for the meta-gradient, so
@@ -49,30 +49,6 @@ MAX_STEPS = 10_000
 # system in n iterations, and in float32 it stops gaining long before (iMAML runs 5-20); each iteration is a
 # Hessian-vector product of every task, so 10^12 of them never end. 1,000 is 50 times the most published.
 MAX_CG_ITERATIONS = 1_000
-
-
-@dataclasses.dataclass(frozen=True)
-class RunOptions:
-    """How to run, as opposed to what to train (the experiment's config dataclass).
-
-    Under ``torchrun``, ``rank`` and ``world_size`` place this process among the ones that
-    share each meta-batch, and ``device`` is its own (``cuda:LOCAL_RANK`` for ``--device cuda``).
-    """
-
-    experiment: str
-    out: Path
-    resume: bool
-    overwrite: bool
-    wandb: str
-    device: torch.device
-    config_file: Path | None
-    rank: int = 0
-    world_size: int = 1
-
-    @property
-    def main(self) -> bool:
-        """Whether this process is rank 0, the one that logs and writes under ``--out``."""
-        return self.rank == 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,11 +36,12 @@ from torch import Tensor, nn
 import maml
 from experiments import STARTING, peers, recipes, release_start_up_signals
 from experiments.cli import UsageError
-from experiments.config import RunOptions, parse_args
+from experiments.config import parse_args
 from experiments.divergence import DivergenceWatch, stop_on_divergence
 from experiments.lock import unlock_folders
 from experiments.memory import Need, check_fits, parameter_bytes
 from experiments.results import finish
+from experiments.run_options import RunOptions
 from experiments.rundir import prepare_out, take_out
 from experiments.runtime import (
     RankUsageError,

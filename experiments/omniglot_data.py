@@ -2,15 +2,30 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import tasks
 from experiments.cli import UsageError
 
-if TYPE_CHECKING:
-    from experiments.omniglot import OmniglotConfig
 
-__all__ = ["ROTATED", "SPLITS", "Data", "load", "notes", "shares", "make_splits"]
+class SplitConfig(Protocol):
+    """What the split and its samplers read of a config (``experiments.omniglot.OmniglotConfig`` and ``experiments.images.ImagesConfig`` have it)."""
+
+    data: str | None
+    rotations: str
+    split_by: str
+    split_fractions: tuple[float, ...]
+    split_seed: int
+    ways: int
+    shots: int
+    query: int | None
+    train_shots: int | None
+
+    @property
+    def train_shots_flag(self) -> str: ...
+
+
+__all__ = ["ROTATED", "SPLITS", "Data", "SplitConfig", "load", "notes", "shares", "make_splits"]
 
 ROTATED = {"all": True, "train": (True, False, False), "none": False}  # --rotations: which of train, val, test
 SPLITS = ("train", "validation", "test")
@@ -19,7 +34,7 @@ SPLITS = ("train", "validation", "test")
 Data = tuple[tasks.OmniglotSplits, list[tasks.FewShotSampler | None]]
 
 
-def load(cfg: OmniglotConfig) -> Data:
+def load(cfg: SplitConfig) -> Data:
     """The characters split into train, validation and test, and their task samplers (:func:`make_splits`)."""
     try:
         omni = tasks.Omniglot(cfg.data, rotations=cfg.rotations != "none")
@@ -28,7 +43,7 @@ def load(cfg: OmniglotConfig) -> Data:
     return make_splits(omni, cfg)
 
 
-def notes(cfg: OmniglotConfig, data: Data) -> list[str]:
+def notes(cfg: SplitConfig, data: Data) -> list[str]:
     """A line for each split that --split-fractions leaves without characters."""
     _, (_, val, test) = data
     return [
@@ -39,12 +54,12 @@ def notes(cfg: OmniglotConfig, data: Data) -> list[str]:
     ]
 
 
-def shares(cfg: OmniglotConfig) -> str:
+def shares(cfg: SplitConfig) -> str:
     """--split-fractions as it is written on the command line."""
     return ",".join(f"{f:g}" for f in cfg.split_fractions)
 
 
-def make_splits(omni: tasks.Omniglot, cfg: OmniglotConfig) -> Data:
+def make_splits(omni: tasks.Omniglot, cfg: SplitConfig) -> Data:
     """The train, validation and test parts and their task samplers (None for a part whose share is 0).
 
     Raises:

@@ -22,7 +22,7 @@ from experiments.rundir import DATA_KEYS
 from experiments.tracking import finish_wandb
 
 if TYPE_CHECKING:
-    from experiments.config import RunOptions
+    from experiments.run_options import RunOptions
     from experiments.trainer import Trainer
 
 __all__ = ["mean_ci95", "provenance", "finish"]

@@ -25,9 +25,10 @@ import yaml
 
 from experiments import recipes
 from experiments.cli import UsageError, flag
-from experiments.config import RunOptions, config_text, save_config
+from experiments.config import config_text, save_config
 from experiments.files import atomic_write, writing
 from experiments.lock import lock_folder
+from experiments.run_options import RunOptions
 from experiments.runtime import broadcast, check_device
 
 __all__ = [

@@ -28,7 +28,7 @@ from experiments import STARTING
 from experiments.cli import UsageError
 
 if TYPE_CHECKING:
-    from experiments.config import RunOptions
+    from experiments.run_options import RunOptions
 
 __all__ = [
     "set_threads",

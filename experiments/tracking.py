@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from experiments.cli import UsageError
 
 if TYPE_CHECKING:
-    from experiments.config import RunOptions
+    from experiments.run_options import RunOptions
 
 __all__ = ["WANDB_MODES", "wandb_mode", "default_wandb_mode", "init_wandb", "finish_wandb"]
 

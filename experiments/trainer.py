@@ -13,10 +13,10 @@ from typing import Any, Literal
 import torch
 
 import maml
-from experiments.config import RunOptions
 from experiments.divergence import DivergenceWatch
 from experiments.logbook import Logbook
 from experiments.recipes import Schedule
+from experiments.run_options import RunOptions
 from experiments.rundir import BEST_FILE, DATA_KEYS, METRICS_FILE, data_identity, write_state
 from experiments.runtime import catch_stop_signals
 from experiments.tracking import finish_wandb

@@ -13,13 +13,14 @@ from ._src.distributed import all_reduce_grads, all_reduce_mean, shard
 from ._src.implicit import Implicit
 from ._src.learner import BATCHINGS, CHECKPOINT_HVPS, MODES, MetaLearner
 from ._src.loop import MetaOutput
-from ._src.modes import UNROLLED_MODES
+from ._src.modes import COMPILED_MODES, UNROLLED_MODES
 from ._src.rates import LEARN_INNER_LR
 from ._src.rules import INNER_OPTIMIZERS, SGD, Adam, AdamState, Momentum, MomentumState, UpdateRule
 
 __all__ = [
     "BATCHINGS",
     "CHECKPOINT_HVPS",
+    "COMPILED_MODES",
     "INNER_OPTIMIZERS",
     "Implicit",
     "LEARN_INNER_LR",

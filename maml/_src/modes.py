@@ -21,7 +21,7 @@ from .forward import Params
 from .implicit import Implicit
 from .loop import InnerLoop, MetaOutput
 
-__all__ = ["MODES", "UNROLLED_MODES", "TABLE", "Call", "Mode", "check_mode", "check_options"]
+__all__ = ["COMPILED_MODES", "MODES", "UNROLLED_MODES", "TABLE", "Call", "Mode", "check_mode", "check_options"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +156,7 @@ TABLE: dict[str, Mode] = {
 }
 MODES: tuple[str, ...] = tuple(TABLE)
 UNROLLED_MODES: tuple[str, ...] = tuple(m for m, spec in TABLE.items() if spec.unrolled)
+COMPILED_MODES: tuple[str, ...] = tuple(m for m, spec in TABLE.items() if spec.compiles)
 
 _WHY_NOT_UNROLLED = {
     "reptile": "Reptile moves the initialisation towards the adapted weights and differentiates nothing",

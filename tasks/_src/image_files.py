@@ -99,7 +99,8 @@ def relabel(raw: Sequence[Any], names: dict[Any, str] | None = None) -> tuple[np
 def read_npz(path: Path, key: str, help: str) -> np.ndarray:
     """The array ``key`` of the npz archive ``path`` (no pickled objects allowed)."""
     try:
-        with np.load(path, allow_pickle=False) as archive:
+        # The file opened here, so that it is closed when numpy fails on a truncated archive (np.load(path) leaks it).
+        with open(path, "rb") as f, np.load(f, allow_pickle=False) as archive:
             if key not in archive.files:
                 raise ValueError(f"{path} holds no {key!r} array (it holds {archive.files}); {help}")
             return archive[key]

@@ -19,8 +19,8 @@ from helpers import REPO, SMALL_SINE, assert_logged, checkpoint, env, finished, 
 import maml
 from experiments import fit
 from experiments.cli import UsageError
-from experiments.config import RunOptions
 from experiments.lock import lock_holder
+from experiments.run_options import RunOptions
 from experiments.runtime import RankUsageError, check_shards, peer_lost
 
 PROCESSES = 2
