@@ -233,6 +233,7 @@ def test_a_killed_process_leaves_the_other_one_line_and_a_folder_that_resumes(tm
                 os.kill(pid, signal.SIGKILL)
         if launcher.poll() is None:
             launcher.kill()
+            launcher.communicate(timeout=60)
     survivor = rank_log(tmp_path, 0)
     assert "Traceback" not in survivor, survivor[-3000:]
     assert re.fullmatch(
@@ -256,7 +257,7 @@ def test_the_processes_of_a_killed_launcher_stop_with_a_checkpoint_and_free_the_
     try:
         pids = training(launcher, out)
         launcher.kill()  # SIGKILL: torchrun passes nothing on
-        launcher.wait(60)
+        launcher.communicate(timeout=60)  # and its pipes closed
         killed = time.monotonic()
         while any(map(alive, pids.values())) and time.monotonic() < killed + 10:
             time.sleep(0.05)
