@@ -84,15 +84,19 @@ def draw(steps_report: dict[str, Any], tasks_report: dict[str, Any], out: Path) 
         ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}"))
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)
-    axes[0, 0].legend(fontsize=8, loc="upper left")
+    handles: dict[str, Any] = {}  # one legend for the methods of every panel
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=5, fontsize=9)
     device = steps_report["device"]
     fig.suptitle(
         f"One meta-training step of the Omniglot max-pool net, 5-way {steps_report['setting']['shots']}-shot, "
-        f"{steps_report['setting']['query']} query per class ({device}, {steps_report['threads']} thread, "
-        f"torch {steps_report['versions'].get('torch', '?')}); X: over the worker's memory limit",
+        f"{steps_report['setting']['query']} query per class\n({device}, {steps_report['threads']} thread, "
+        f"torch {steps_report['versions'].get('torch', '?')}); X: out of the worker's address-space limit",
         fontsize=10,
     )
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, format="png", dpi=100)
     plt.close(fig)

@@ -397,7 +397,7 @@ def _memory_table(report: dict[str, Any], axis: str) -> str:
         + f"and its {clock}{' (of its only step, which also touches its memory first)' if setting['repeats'] == 0 else ''} (the MAML "
         f"Omniglot max-pool net, {fixed}, {setting['ways']}-way {setting['shots']}-shot, "
         f"{setting['query']} query images per class, batching `{setting['batching']}`; a worker may add "
-        f"{limit:g} GiB). `{report['command']}`; torch {report['versions'].get('torch', '?')}; {provenance([report])}."
+        f"{limit:g} GiB of address space, RLIMIT_AS; > {limit:g} GiB: it ran out of it). `{report['command']}`; torch {report['versions'].get('torch', '?')}; {provenance([report])}."
         + (
             ""
             if report.get("complete", True)
