@@ -6,17 +6,26 @@ and the rule's state every ``checkpoint_every`` steps, plus each step's random-n
 The autograd graph is then one node per segment (``checkpoint_every`` steps of one chunk of
 tasks) and one per chunk's query loss, whose gradient with respect to the last fast weights the
 forward pass takes at once (the backward pass scales it by the losses' cotangents). A segment
-node's backward replays its steps with ``create_graph=True`` from its kept input, each step under its recorded random-number state,
-and pulls the cotangents back with ``torch.autograd.grad``: peak memory is the kept iterates
-plus one segment of one chunk's activations, instead of every step's activations of every task.
+node's backward replays its steps for values from its kept input, keeping that chunk's iterate
+entering each step, then walks them backwards one step at a time, each replayed with
+``create_graph=True`` under its recorded random-number state and pulled back with
+``torch.autograd.grad``: peak memory is the kept iterates of every task, one segment's iterates
+of one chunk and one step's activations of one chunk, instead of every step's activations of
+every task.
 
-How a node's backward pulls the cotangents back through its steps is the learner's
-``checkpoint_hvp``: ``"reverse_over_reverse"`` (the default) replays them with
+Two levels of iterates make the peak nearly flat in the number of steps: with ``n`` steps, ``T``
+tasks and chunks of ``c``, segments of ``e`` steps keep ``n T / e + e c`` iterates, fewest at
+``e = sqrt(n T / c)``, the default (:func:`segment_steps`): ``2 sqrt(n T c)`` iterates instead of
+``n T`` with ``e = 1``. Each step's forward pass runs once more than with ``e = 1`` (the values
+replay), whatever ``e``.
+
+How a node's backward pulls the cotangents back through a step is the learner's
+``checkpoint_hvp``: ``"reverse_over_reverse"`` (the default) replays it with
 ``create_graph=True`` and differentiates the replay with ``torch.autograd.grad``, as above;
-``"forward_over_reverse"`` replays them for values only and walks them backwards one step at a
-time, the support loss's Hessian-vector products by ``torch.func.jvp`` over ``torch.func.grad``
-and the update rule's Jacobian by autograd on the rule alone (``hvp.py`` has the math and why
-both exist). Either way each replayed forward pass restores its step's random-number state.
+``"forward_over_reverse"`` takes the support loss's Hessian-vector products by
+``torch.func.jvp`` over ``torch.func.grad`` and the update rule's Jacobian by autograd on the
+rule alone (``hvp.py`` has the math and why both exist). Either way each replayed forward pass
+restores its step's random-number state.
 
 ``torch.utils.checkpoint`` cannot do this: its saved-tensor hooks are not allowed under
 torch.func transforms, and its reentrant variant refuses ``torch.autograd.grad``.
@@ -32,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -55,7 +65,7 @@ from .loop import (
 )
 from .rules import State
 
-__all__ = ["run"]
+__all__ = ["run", "segment_steps"]
 
 # replay(kept inputs, other inputs) -> outputs, building the graph to differentiate
 Replay = Callable[[list[Tensor], list[Tensor]], Sequence[Tensor]]
@@ -134,6 +144,19 @@ class _Pass:
     plain: Params  # every const, detached
     rng: dict[tuple[str, int, int], _RngState] = dataclasses.field(default_factory=dict)  # (phase, chunk, step)
 
+    def record_rng(self, phase: str, c: int, step: int) -> None:
+        """Records the random-number state before chunk ``c``'s ``phase`` forward pass at ``step``.
+
+        A state equal to the last one recorded (a model that draws no random numbers) is kept
+        once: the CPU generator's state is 5 kB, two per chunk and step.
+        """
+        state, last = _rng_state(self.device), self._last_rng
+        if last is not None and all(torch.equal(a, b) for a, b in zip([state[0], *state[2]], [last[0], *last[2]])):
+            state = last
+        self.rng[phase, c, step] = self._last_rng = state
+
+    _last_rng: _RngState | None = None
+
     @property
     def forward(self) -> TaskForward:
         return self.loop.forward
@@ -168,7 +191,7 @@ def _values_pass(
         buffers[:] = [torch.empty_like(t) for t in kept[0]]
         grads, losses = [], []
         for c, part in enumerate(p.parts):
-            p.rng["support", c, step] = _rng_state(p.device)
+            p.record_rng("support", c, step)
             leaves = {k: v.detach().requires_grad_() for k, v in zip(names, p.chunk(list(fast.values()), c))}
             g, loss = autograd_support_grad(forward, consts, part.support_x, part.support_y, create_graph=False)(
                 leaves, step
@@ -180,7 +203,7 @@ def _values_pass(
     def score(fast: Params, step: int) -> Tensor:
         losses = []
         for c, part in enumerate(p.parts):
-            p.rng["query", c, step] = _rng_state(p.device)
+            p.record_rng("query", c, step)
             with torch.no_grad():
                 chunk = dict(zip(names, p.chunk(list(fast.values()), c)))
                 losses.append(forward(chunk, consts, part.query_x, part.query_y, step=step)[0])
@@ -211,7 +234,7 @@ def _final_query(
     """
     results = []
     for c, part in enumerate(p.parts):
-        p.rng["query", c, p.steps] = _rng_state(p.device)
+        p.record_rng("query", c, p.steps)
         values = p.chunk(list(fast.values()), c)
         if grads_now:
             kept_grads = [torch.empty_like(v) for v in values]  # before the activations (module docstring)
@@ -253,6 +276,58 @@ def _by_autograd(replay: Replay, n_kept: int) -> Pullback:
         return result
 
     return pullback
+
+
+class _StepByStep:
+    """A segment's pullback by autograd, one step at a time: values forwards, then each step replayed with a graph.
+
+    Holds the chunk's iterate entering each step of the segment and one step's second-order
+    graph, however long the segment (the module docstring).
+    """
+
+    def __init__(self, p: _Pass, c: int, start: int, count: int, n_kept: int) -> None:
+        self.p, self.c, self.start, self.count, self.n_kept = p, c, start, count, n_kept
+
+    def _entering(self, kept: list[Tensor], others: list[Tensor]) -> list[list[Tensor]]:
+        """The kept tensors (fast weights, then state) entering each step of the segment, by a values-only replay."""
+        p, names, part = self.p, self.p.names, self.p.parts[self.c]
+        rates, consts = p.unpack([t.detach() for t in others])
+        support = autograd_support_grad(p.forward, consts, part.support_x, part.support_y, create_graph=False)
+        entering = [[t.detach() for t in kept]]
+
+        def support_grad(fast: Params, step: int) -> tuple[Params, Tensor]:
+            _set_rng(p.rng["support", self.c, step])
+            with torch.enable_grad():
+                return support({k: v.detach().requires_grad_() for k, v in fast.items()}, step)
+
+        def keep(step: int, fast: Params, state: State) -> tuple[Params, State]:
+            entering.append([*fast.values(), *flatten_state(state, names)])
+            return fast, state
+
+        fast, state = dict(zip(names, entering[0][: len(names)])), unflatten_state(entering[0][len(names) :], names)
+        p.loop.unchecked().run(
+            support_grad, fast, state, rates, p.steps, start=self.start, stop=self.start + self.count - 1, keep=keep
+        )
+        return entering
+
+    def __call__(
+        self, inputs: list[Tensor], outputs: list[Tensor], cotangents: Sequence[Tensor], needs: Sequence[bool]
+    ) -> list[Tensor | None]:
+        p, n_kept = self.p, self.n_kept
+        others = inputs[n_kept:]
+        with _rng_forked(p.device), exact_attention():
+            entering = self._entering(inputs[:n_kept], others) if self.count > 1 else [inputs[:n_kept]]
+        cot, scores = list(cotangents[:n_kept]), cotangents[n_kept:]  # one score per step before the loop's last
+        cot_others: list[Tensor | None] = [None] * len(others)
+        for i in reversed(range(self.count)):
+            step = self.start + i
+            score = [scores[i]] if p.every_step and step < p.steps - 1 else []
+            pull = _by_autograd(_replay_segment(p, self.c, step, 1), n_kept)
+            # The kept tensors always get a cotangent: the earlier steps pull it further back.
+            got = pull([*entering[i], *others], [], [*cot, *score], [True] * n_kept + list(needs[n_kept:]))
+            cot = [torch.zeros_like(t) if g is None else g for g, t in zip(got[:n_kept], entering[i])]
+            cot_others = [g if a is None else a if g is None else a + g for a, g in zip(cot_others, got[n_kept:])]
+        return [*(g if need else None for g, need in zip(cot, needs)), *cot_others]
 
 
 def _replay_segment(p: _Pass, c: int, start: int, count: int) -> Replay:
@@ -460,13 +535,22 @@ def _chunk_graph(
         if hvp == "forward_over_reverse":
             pullback: Pullback = _ForwardOverReverse(p, c, start, count, n_kept)
         else:
-            pullback = _by_autograd(_replay_segment(p, c, start, count), n_kept)
+            pullback = _StepByStep(p, c, start, count, n_kept)
         outs = _Segment.apply(pullback, keep_outputs, (*after, *extra), *inputs, *others)
         inputs, chunk_scores = list(outs[:n_kept]), chunk_scores + list(outs[n_kept:])
     losses, _, grads = final
     pull_query = _scaled(grads) if grads is not None else _by_autograd(_replay_query(p, c), n_fast)
     (loss,) = _Segment.apply(pull_query, 0, (losses,), *inputs[:n_fast], *others)
     return inputs[:n_fast], loss, chunk_scores
+
+
+def segment_steps(steps: int, tasks: int, chunk: int) -> int:
+    """The default ``checkpoint_every``: the segment length that keeps the fewest iterates (module docstring).
+
+    ``steps`` inner steps of ``tasks`` tasks recomputed ``chunk`` at a time keep ``steps * tasks / e``
+    iterates at the segments' starts and ``e * chunk`` within the segment being replayed.
+    """
+    return min(max(steps, 1), max(1, round(math.sqrt(steps * tasks / chunk))))
 
 
 def run(
@@ -478,7 +562,7 @@ def run(
     steps: int,
     *,
     chunk: int,
-    every: int,
+    every: int | None,
     step_weights: Tensor | None,
     hvp: str = "reverse_over_reverse",
 ) -> MetaOutput:
@@ -493,7 +577,7 @@ def run(
         batch: ``T`` tasks.
         steps: inner steps.
         chunk: tasks per recomputed segment.
-        every: inner steps per recomputed segment (``checkpoint_every``).
+        every: inner steps per recomputed segment (``checkpoint_every``); None: :func:`segment_steps`.
         step_weights: ``(steps,)`` MAML++'s multi-step loss weights, or ``None``.
         hvp: how a segment's backward differentiates its steps (``checkpoint_hvp``, see ``hvp.py``).
     """
@@ -502,6 +586,7 @@ def run(
     trained = tuple(k for k, v in consts.items() if v.requires_grad)
     others = [*rate_values.values(), *(consts[k] for k in trained)]
     bounds = [(lo, min(lo + chunk, tasks)) for lo in range(0, tasks, chunk)]
+    every = segment_steps(steps, tasks, chunk) if every is None else every
     p = _Pass(
         loop=loop,
         names=names,

@@ -81,7 +81,8 @@ class MetaLearner:
             ``"per_layer_per_step"`` (MAML++'s LSLR: one learnable rate per adapted parameter
             tensor and inner step; more steps than ``steps`` reuse the last step's rate).
             Learnable rates are in :meth:`parameters` and receive meta-gradients.
-        checkpoint_every: with ``"checkpointed"``, inner steps per recomputed segment (default 1).
+        checkpoint_every: with ``"checkpointed"``, inner steps per recomputed segment (default
+            ``round(sqrt(steps * tasks / chunk_size))``, which keeps the fewest fast weights).
         checkpoint_hvp: with ``"checkpointed"``, how the backward pass differentiates the replayed
             steps, both exact: ``"reverse_over_reverse"`` (default) or ``"forward_over_reverse"``
             (``torch.func.jvp`` over ``grad``, no second-order graph; it fails, naming this argument,
@@ -177,7 +178,7 @@ class MetaLearner:
         self.rule = rule
         self.implicit = implicit or Implicit()
         self._check_mode(mode)
-        self.checkpoint_every = checkpoint_every or 1
+        self.checkpoint_every = checkpoint_every
         self._checkpoint_hvp: str = checkpoint_hvp or "reverse_over_reverse"
         self.check_finite = check_finite
         self._compiled: dict[str, Any] = {}

@@ -41,7 +41,7 @@ class Call:
     steps: int
     step_weights: Tensor | None
     chunk: int
-    checkpoint_every: int
+    checkpoint_every: int | None  # None: checkpointed.segment_steps
     checkpoint_hvp: str
     implicit: Implicit
     step: Callable[..., Any] | None = None

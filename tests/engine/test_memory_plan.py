@@ -31,10 +31,10 @@ def batch(tasks: int = 8) -> maml.TaskBatch:
     return maml.TaskBatch(x(5), y(5), x(75), y(75))
 
 
-def first_step_peak(**options: object) -> int:
+def first_step_peak(steps: int = 3, **options: object) -> int:
     """The tensor peak of a new learner's first meta-training step: where ``"auto"`` settles its batching."""
     forward._CHOICES.clear()  # no timing of an earlier test may stand in for this learner's own
-    learner = maml.MetaLearner(conv_net(), F.cross_entropy, inner_lr=0.1, steps=3, **options)
+    learner = maml.MetaLearner(conv_net(), F.cross_entropy, inner_lr=0.1, steps=steps, **options)
     b = batch()
     return peak_tensor_bytes(lambda: learner.meta_loss(b).backward())
 
@@ -82,3 +82,11 @@ def test_one_task_runs_unbatched_under_auto(mode):
         peaks[batching, 8] = peak_tensor_bytes(lambda learner=learner, b=eight: learner.backward(b, chunk=1))
     assert peaks["auto", 1] <= 1.02 * peaks["loop", 1], peaks
     assert peaks["auto", 8] <= 1.02 * peaks["loop", 8], peaks
+
+
+def test_the_checkpointed_peak_is_nearly_flat_in_the_inner_steps():
+    """Segments of about sqrt(steps * tasks) steps, replayed one step at a time: 8x the steps, at most 1.3x the peak."""
+    few, many = (first_step_peak(steps, mode="checkpointed", batching="loop") for steps in (5, 40))
+    every_step = first_step_peak(40, mode="checkpointed", batching="loop", checkpoint_every=1)
+    assert many <= 1.3 * few, (few, many)
+    assert many < 0.6 * every_step, (many, every_step)  # keeping every step's fast weights grows with the steps
