@@ -28,7 +28,7 @@ STYLE = {
     "second_order": ("tab:red", "o"),
     "second_order_chunked": ("tab:orange", "s"),
     "checkpointed": ("tab:green", "^"),
-    "checkpointed_sqrt": ("tab:olive", "v"),
+    "checkpointed_every1": ("tab:olive", "v"),
     "checkpointed_forward_over_reverse": ("tab:cyan", "<"),
     "first_order": ("tab:gray", "D"),
     "implicit": ("tab:purple", "P"),

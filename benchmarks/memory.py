@@ -18,8 +18,9 @@ number of inner steps:
                                             vmap, all tasks together (or --chunk-size of them)
   checkpointed_chunk1                       (only with --methods) the checkpointed mode with
                                             chunk_size=1: one task at a time, also with vmap
-  checkpointed_sqrt                         the checkpointed mode with checkpoint_every about
-                                            sqrt(steps): fewer kept iterates, longer replays
+  checkpointed_every1                       the checkpointed mode with checkpoint_every=1: every
+                                            task's fast weights kept at every step (the default
+                                            keeps them every sqrt(steps * tasks / chunk) steps)
   checkpointed_forward_over_reverse         (only with --methods) the checkpointed mode with
                                             checkpoint_hvp="forward_over_reverse" (the others
                                             run the default, "reverse_over_reverse")
@@ -64,7 +65,6 @@ import argparse
 import ctypes
 import gc
 import json
-import math
 import os
 import resource
 import statistics
@@ -94,13 +94,13 @@ INNER_LR, META_LR = 0.4, 1e-3
 STEPS = (1, 5, 10, 20, 40, 80)
 FORWARD_OVER_REVERSE = "checkpointed_forward_over_reverse"
 CHUNKED = "second_order_chunked"  # learner.backward(batch, chunk=1): one task's graph at a time
-SQRT_SEGMENTS = "checkpointed_sqrt"  # the checkpointed mode with checkpoint_every about sqrt(steps)
+EVERY_STEP = "checkpointed_every1"  # the checkpointed mode keeping every step's fast weights
 ENGINE = (
     "second_order",
     CHUNKED,
     "checkpointed",
     "checkpointed_chunk1",
-    SQRT_SEGMENTS,
+    EVERY_STEP,
     FORWARD_OVER_REVERSE,
     "first_order",
     "implicit",
@@ -144,8 +144,8 @@ def engine_step(method: str, steps: int, batch: maml.TaskBatch, args: argparse.N
     options: dict[str, Any] = {}
     if method == FORWARD_OVER_REVERSE:
         method, options = "checkpointed", {"checkpoint_hvp": "forward_over_reverse"}
-    if method == SQRT_SEGMENTS:  # segments of about sqrt(steps) steps: fewer kept iterates, longer replays
-        method, options = "checkpointed", {"checkpoint_every": max(1, round(math.sqrt(steps)))}
+    if method == EVERY_STEP:  # one-step segments: every task's fast weights at every step
+        method, options = "checkpointed", {"checkpoint_every": 1}
     mode = method.removesuffix("_chunk1").removesuffix("_chunked")
     chunk_size = 1 if method.endswith("_chunk1") else args.chunk_size
     model = omniglot_net(WAYS).to(args.device)
