@@ -1,43 +1,37 @@
-"""MetaLearner: validation, state and dispatch to the execution paths.
+"""MetaLearner: the options, the state, and the dispatch of each call to its mode's path.
 
 The inner loop is ``loop.py`` (the support gradient, then the update rule of ``rules.py`` at
 the rates of ``rates.py``, over the per-task forward pass of ``forward.py``); each execution
 path runs it in a module of its own and returns a :class:`MetaOutput`: ``eager.py`` (second and
 first order, evaluation), ``checkpointed.py`` (with the Hessian-vector strategies of ``hvp.py``)
-and ``compiled.py``.
+and ``compiled.py``, looked up by mode in ``modes.py``. Checks and state have modules of their
+own: ``options.py``, ``split.py``, ``probe.py``, ``state.py``; ``chunked.py`` is :meth:`MetaLearner.backward`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
+import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, overload
 
 import torch
 from torch import Tensor, nn
 
-from . import checks, compiled, modes
+from . import checks, modes, options
 from .batch import TaskBatch
-from .forward import LossFn, Params, TaskForward, check_finite, exact_attention
+from .chunked import backward_in_chunks
+from .forward import LossFn, Params, TaskForward, check_finite
 from .implicit import Implicit
 from .layers import check_step_layers
 from .loop import InnerLoop, MetaOutput
-from .model_check import check_model
-from .rates import LEARN_INNER_LR, InnerRates
-from .rules import INNER_OPTIMIZERS, RULE_PREFIX, BoundRule, UpdateRule, make_rule, rule_tensors
+from .options import Batching, CheckpointHvp, InnerOptimizer, LearnInnerLr, Mode
+from .probe import Probe
+from .rates import InnerRates
+from .rules import BoundRule, UpdateRule, make_rule, rule_tensors
+from .split import constants, split
+from .state import load_state, move, save_state
 
-Mode = Literal["second_order", "first_order", "checkpointed", "reptile", "implicit"]
-Batching = Literal["auto", "vmap", "loop"]
-LearnInnerLr = Literal["scalar", "per_parameter", "per_layer_per_step"] | None
-InnerOptimizer = Literal["sgd", "momentum", "adam"]
-CheckpointHvp = Literal["reverse_over_reverse", "forward_over_reverse"]
-
-MODES = modes.MODES
-BATCHINGS: tuple[str, ...] = ("auto", "vmap", "loop")
-CHECKPOINT_HVPS: tuple[str, ...] = ("reverse_over_reverse", "forward_over_reverse")
-
-__all__ = ["BATCHINGS", "CHECKPOINT_HVPS", "INNER_OPTIMIZERS", "LEARN_INNER_LR", "MODES", "MetaLearner", "MetaOutput"]
+__all__ = ["MetaLearner", "MetaOutput"]
 
 
 class MetaLearner:
@@ -132,33 +126,22 @@ class MetaLearner:
         inner_optimizer_options: Mapping[str, Any] | None = None,
         implicit: Implicit | None = None,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
-        if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable as loss_fn(output, y) -> scalar, got {loss_fn!r}.")
-        checks.positive_number("inner_lr", inner_lr)
-        checks.integer("steps", steps, 0)
-        checks.one_of("mode", mode, MODES)
-        checks.one_of("batching", batching, BATCHINGS)
-        checks.one_of("learn_inner_lr", learn_inner_lr, LEARN_INNER_LR)
-        if isinstance(inner_optimizer, str):
-            checks.one_of("inner_optimizer", inner_optimizer, INNER_OPTIMIZERS)
-        else:
-            checks.update_rule(inner_optimizer, inner_optimizer_options)
-        checks.integer("chunk_size", chunk_size, 1, optional=True)
-        checks.integer("checkpoint_every", checkpoint_every, 1, optional=True)
-        if checkpoint_hvp is not None:
-            checks.one_of("checkpoint_hvp", checkpoint_hvp, CHECKPOINT_HVPS)
-        modes.check_options(
-            mode,
+        options.check_arguments(
+            model,
+            loss_fn,
+            inner_lr,
+            steps,
+            mode=mode,
             batching=batching,
             chunk_size=chunk_size,
+            learn_inner_lr=learn_inner_lr,
             checkpoint_every=checkpoint_every,
             checkpoint_hvp=checkpoint_hvp,
+            compile=compile,
+            inner_optimizer=inner_optimizer,
+            inner_optimizer_options=inner_optimizer_options,
             implicit=implicit,
         )
-        if not isinstance(compile, bool):
-            raise TypeError(f"compile must be True or False, got {compile!r} ({type(compile).__name__}).")
         self.compile = compile
         rule = (
             make_rule(inner_optimizer, inner_optimizer_options) if isinstance(inner_optimizer, str) else inner_optimizer
@@ -177,21 +160,21 @@ class MetaLearner:
         self.inner_optimizer = inner_optimizer
         self.rule = rule
         self.implicit = implicit or Implicit()
-        self._check_mode(mode)
+        modes.check_mode(mode, compile=compile, learned=options.learned(learn_inner_lr, rule))
         self.checkpoint_every = checkpoint_every
         self._checkpoint_hvp: str = checkpoint_hvp or "reverse_over_reverse"
         self.check_finite = check_finite
-        self._compiled: dict[str, Any] = {}
-        self._probed: set[Any] = set()
+        self._compiled: dict[str, Any] = {}  # each mode's compiled step (modes.compiled_path)
         self._example_shape: torch.Size | None = None  # of the inputs of earlier calls, to tell a batch from a task
         self._names = {name for name, _ in model.named_parameters()}
         self._adapted = adapted
         self._integer_inputs = any(isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for m in model.modules())
         # A chunk_size outside the checkpointed mode asks for chunked vmap, so "auto" honours it.
-        chunked = chunk_size is not None and mode != "checkpointed"
-        forward = TaskForward(model, loss_fn, "vmap" if batching == "auto" and chunked else batching, chunk_size)
+        chunked_vmap = chunk_size is not None and mode != "checkpointed"
+        forward = TaskForward(model, loss_fn, "vmap" if batching == "auto" and chunked_vmap else batching, chunk_size)
         self._forward = forward
-        rates = InnerRates(learn_inner_lr, self.inner_lr, tuple(adapted))
+        self._probe = Probe(model, forward)
+        self._rates = rates = InnerRates(learn_inner_lr, self.inner_lr, tuple(adapted))
         self._loop = InnerLoop(forward, BoundRule(rule), rates, self._check)
         params = dict(model.named_parameters())
         self.rate_parameters: dict[str, nn.Parameter] = {
@@ -208,13 +191,10 @@ class MetaLearner:
 
     @mode.setter
     def mode(self, mode: str) -> None:
-        checks.one_of("mode", mode, MODES)
-        self._check_mode(mode)
-        if mode == "checkpointed" and self.chunk_size is not None and self.batching == "auto":
-            raise ValueError(
-                f"mode='checkpointed' on a learner built with chunk_size={self.chunk_size} for chunked vmap; "
-                f"build it with mode='checkpointed' to recompute chunk_size tasks at a time."
-            )
+        learned = options.learned(self.learn_inner_lr, self.rule)
+        options.check_new_mode(
+            mode, compile=self.compile, learned=learned, chunk_size=self.chunk_size, batching=self.batching
+        )
         checks.warn_weight_norm(self.model, mode)
         self._mode = mode
 
@@ -225,7 +205,7 @@ class MetaLearner:
 
     @checkpoint_hvp.setter
     def checkpoint_hvp(self, value: str) -> None:
-        checks.one_of("checkpoint_hvp", value, CHECKPOINT_HVPS)
+        checks.one_of("checkpoint_hvp", value, options.CHECKPOINT_HVPS)
         self._checkpoint_hvp = value
 
     def parameters(self) -> Iterator[nn.Parameter]:
@@ -252,11 +232,7 @@ class MetaLearner:
     @property
     def inner_lrs(self) -> dict[str, float | Tensor]:
         """The inner rate of every adapted parameter: a float, or its learnable tensor (``(steps,)`` per step)."""
-        if self.learn_inner_lr == "scalar":
-            return {name: self.rate_parameters["inner_lr"] for name in self._adapted}
-        if self.learn_inner_lr is None:
-            return {name: self.inner_lr for name in self._adapted}
-        return dict(self.rate_parameters)
+        return self._rates.reported(self.rate_parameters)
 
     def meta_loss(self, batch: TaskBatch, step_weights: Tensor | None = None) -> Tensor:
         """The meta-loss over the tasks of ``batch``: a scalar tensor.
@@ -321,24 +297,8 @@ class MetaLearner:
         Returns:
             The meta-loss over all tasks, detached (or the :class:`MetaOutput` with it as ``loss``).
         """
-        if not isinstance(batch, TaskBatch):
-            raise TypeError(f"batch must be a maml.TaskBatch, got {type(batch).__name__}.")
-        tasks = batch.num_tasks
-        checks.integer("chunk", chunk, 1, optional=True)
-        size = self._tasks_per_chunk(tasks) if chunk is None else chunk
-        total, outputs = None, []
-        for lo in range(0, tasks, size):
-            part = batch[lo : lo + size]
-            out = self.run(part, step_weights=step_weights)
-            loss = out.loss * (part.num_tasks / tasks)
-            if not torch.is_grad_enabled():
-                loss = checks.evaluation_loss(loss)  # whose backward() says why there is no graph
-            loss.backward()
-            total = loss.detach() if total is None else total + loss.detach()
-            if return_output:
-                outputs.append(out)
-        assert total is not None
-        return MetaOutput.joined(outputs, total) if return_output else total
+        run = functools.partial(self.run, step_weights=step_weights)
+        return backward_in_chunks(run, batch, chunk, self._tasks_per_chunk, return_output=return_output)
 
     def run(
         self,
@@ -363,37 +323,24 @@ class MetaLearner:
         """
         if not isinstance(batch, TaskBatch):
             raise TypeError(f"batch must be a maml.TaskBatch, got {type(batch).__name__}.")
-        checks.grad_mode_possible("run")
-        steps = self.steps if steps is None else steps
-        checks.integer("steps", steps, 0)
-        own = params is None
-        params, consts = self._split(params, batch.support_x, batch.query_x)
-        checks.examples(batch.support_x.shape[1], batch.query_x.shape[1], steps)
-        if own:
-            checks.still_trainable(params)
-        spec = modes.TABLE[self._mode]
+        params, consts, steps = self._prepare("run", params, steps, batch.support_x, batch.query_x)
         grad = torch.is_grad_enabled()
         if step_weights is not None:
-            modes.check_step_weights(self._mode)
-            compiled_step = self.compile and grad
-            step_weights = checks.step_weights(step_weights, steps, params[self._adapted[0]], compiled=compiled_step)
-        self._probe(params, consts, batch)
+            like = params[self._adapted[0]]
+            step_weights = modes.check_step_weights(
+                self._mode, step_weights, steps, like, compiled=self.compile and grad
+            )
+        self._probe(params, consts, batch, batching=self.batching, mode=self._mode)
         self._example_shape = batch.support_x.shape[2:]
         if grad:
-            checks.differentiable(
-                self._mode, self.compile, batch, consts, self._names, inputs=spec.inputs, adapts_all=not spec.unrolled
-            )
+            modes.check_differentiable(self._mode, self.compile, batch, consts, self._names)
         call = self._call(params, consts, batch, steps, step_weights)
-        with self._attention():
+        with modes.attention(self._mode):
             if not grad:
-                return spec.evaluate(call)
-            if self.compile:  # compilation wraps the mode's training path (second or first order)
-                if self._mode not in self._compiled:
-                    step = compiled.meta_step(self._loop, first_order=self._mode == "first_order")
-                    self._compiled[self._mode] = compiled.compile_step(step)
-                loop = self._loop if self.check_finite else self._loop.unchecked()
-                return modes.compiled_path(dataclasses.replace(call, loop=loop, step=self._compiled[self._mode]))
-            return spec.train(call)
+                return modes.TABLE[self._mode].evaluate(call)
+            if self.compile:  # compilation replaces the mode's training path (second or first order)
+                return modes.compiled_path(call, self._mode, self._compiled, check_finite=self.check_finite)
+            return modes.TABLE[self._mode].train(call)
 
     def task_losses(self, fast: Params, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
         """Each task's loss and outputs at its own fast weights, e.g. the support loss after adaptation.
@@ -407,10 +354,9 @@ class MetaLearner:
             ``(T,)`` losses and ``(T, n, ...)`` outputs, differentiable when grad mode is on.
         """
         checks.no_running_stats(self.model)
-        params = dict(self.model.named_parameters())
-        consts = {k: v for k, v in params.items() if k not in fast}
-        consts.update(self.model.named_buffers())
-        self._probe({k: v[0] for k, v in fast.items()}, consts, TaskBatch(x, y, x, y))
+        consts = constants(self.model, dict(self.model.named_parameters()), fast)
+        one = {k: v[0] for k, v in fast.items()}
+        self._probe(one, consts, TaskBatch(x, y, x, y), batching=self.batching, mode=self._mode)
         return self._forward(fast, consts, x, y)
 
     def adapt(
@@ -432,32 +378,19 @@ class MetaLearner:
             ``mode="implicit"``, which adapts on the proximal problem for values only, as it trains).
         """
         checks.one_task_support(support_x, support_y, self._example_shape)
-        checks.grad_mode_possible("adapt")
-        steps = self.steps if steps is None else steps
-        checks.integer("steps", steps, 0)
-        own = params is None
-        params, consts = self._split(params, support_x)
-        if own:
-            checks.still_trainable(params)
         x, y = support_x.unsqueeze(0), support_y.unsqueeze(0)
-        checks.examples(support_x.shape[0], None, steps)
-        self._probe(params, consts, TaskBatch(x, y, x, y))
+        params, consts, steps = self._prepare("adapt", params, steps, x)
+        task = TaskBatch(x, y, x, y)
+        self._probe(params, consts, task, batching=self.batching, mode=self._mode)
         self._example_shape = support_x.shape[1:]
-        with self._attention():
-            fast = modes.TABLE[self._mode].adapt(self._call(params, consts, TaskBatch(x, y, x, y), steps, None))
+        with modes.attention(self._mode):
+            fast = modes.TABLE[self._mode].adapt(self._call(params, consts, task, steps, None))
         frozen = {k: v for k, v in consts.items() if k in self._names}
         return {**frozen, **{k: v[0] for k, v in fast.items()}}
 
     def state_dict(self) -> dict[str, Any]:
         """The model's, the learnable inner rates' and a module rule's state, and what ``batching="auto"`` chose."""
-        state = {
-            "model": self.model.state_dict(),
-            "inner_lrs": {k: v.detach().clone() for k, v in self.rate_parameters.items()},
-            "batching": self._forward.chosen,
-        }
-        if isinstance(self.rule, nn.Module):
-            state["rule"] = self.rule.state_dict()
-        return state
+        return save_state(self.model, self.rate_parameters, self.rule, self._forward)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Loads what :meth:`state_dict` returned, after checking all of it: a mismatch loads nothing.
@@ -466,24 +399,12 @@ class MetaLearner:
             ValueError: the state was saved by a learner built otherwise (another model's shapes,
                 ``learn_inner_lr``, ``steps`` of per-step rates, or rule), naming the entry and both sides.
         """
-        rule = self.rule if isinstance(self.rule, nn.Module) else None
         name = self.inner_optimizer if isinstance(self.inner_optimizer, str) else type(self.rule).__name__
-        checks.learner_state(state, self.model.state_dict(), dict(self.rate_parameters), rule, name)
-        self.model.load_state_dict(state["model"])
-        with torch.no_grad():
-            for k, v in state["inner_lrs"].items():
-                self.rate_parameters[k].copy_(v)
-        self._forward.chosen = state.get("batching", {})  # absent from checkpoints of earlier versions
-        if rule is not None:
-            rule.load_state_dict(state["rule"])
+        load_state(state, self.model, self.rate_parameters, self.rule, name, self._forward)
 
     def to(self, *args: Any, **kwargs: Any) -> MetaLearner:
         """Moves the model, the learnable inner rates and a module rule, like ``nn.Module.to``."""
-        self.model.to(*args, **kwargs)
-        if isinstance(self.rule, nn.Module):
-            self.rule.to(*args, **kwargs)
-        for p in self.rate_parameters.values():
-            p.data = p.data.to(*args, **kwargs)
+        move(self.model, self.rate_parameters, self.rule, *args, **kwargs)
         return self
 
     def __repr__(self) -> str:
@@ -517,84 +438,26 @@ class MetaLearner:
         """The learnable rates and the rule's own tensors: the meta-parameters every path threads beside the model's."""
         return {**self.rate_parameters, **rule_tensors(self.rule)}
 
-    def _check_mode(self, mode: str) -> None:
-        learned = (
-            f"learn_inner_lr={self.learn_inner_lr!r}"
-            if self.learn_inner_lr
-            else f"the rule {type(self.rule).__name__}'s own tensors"
-            if rule_tensors(self.rule)
-            else None
-        )
-        modes.check_mode(mode, compile=self.compile, learned=learned)
-
-    def _attention(self) -> contextlib.AbstractContextManager[object]:
-        """The math attention kernel where the inner steps are differentiated twice (exact modes, grad on)."""
-        exact = torch.is_grad_enabled() and modes.TABLE[self._mode].twice
-        return exact_attention() if exact else contextlib.nullcontext()
-
     def _check(self, losses: Tensor, step: int, steps: int) -> None:
         if self.check_finite:  # read at every call: a script may turn it off for evaluation
-            check_finite(losses, step, steps, self._rate_hint)
+            check_finite(losses, step, steps, self._rates.hint)
 
-    def _split(self, params: Params | None, *inputs: Tensor) -> tuple[Params, Params]:
-        """Validates, then splits into adapted parameters and shared constants (other parameters, buffers)."""
-        if params is None:
-            params = dict(self.model.named_parameters())
-        else:
-            if not isinstance(params, dict):
-                raise TypeError(f"params must be a dict name -> Tensor, got {type(params).__name__}.")
-            checks.parameter_names("params", params, self.model)
-        checks.no_running_stats(self.model)
-        first = params[self._adapted[0]]
-        for name, x in zip(("support_x", "query_x"), inputs):
-            checks.input_dtype(name, x, first.dtype, self._integer_inputs)
-        checks.placed_like(self._rate_values(), first, RULE_PREFIX)
-        adapted = {k: params[k] for k in self._adapted}
-        consts = {k: v for k, v in params.items() if k not in adapted}
-        consts.update(self.model.named_buffers())
-        return adapted, consts
+    def _prepare(
+        self, method: str, params: Params | None, steps: int | None, *inputs: Tensor
+    ) -> tuple[Params, Params, int]:
+        """What :meth:`run` and :meth:`adapt` (``method``) check first, on ``(T, n, *x_shape)`` support (and query) inputs.
 
-    def _probe(self, params: Params, consts: Params, batch: TaskBatch) -> None:
-        """Runs :func:`check_model` once per device and train/eval configuration of the model, and lets
-        ``"auto"`` settle the batching on the first batch of more than one task."""
-        device = batch.support_x.device
-        key = (device, tuple(m.training for m in self.model.modules()))
-        probed = key in self._probed
-        if probed and (self.batching != "auto" or self._forward.settled(device)):
-            return
-        with torch.no_grad():
-            one = {k: v.detach() for k, v in params.items()}
-            shared = {k: v.detach() for k, v in consts.items()}
-        if not probed:
-            check_model(
-                self._forward,
-                one,
-                shared,
-                batch.support_x[:1],
-                batch.support_y[:1],
-                may_fall_back=self.batching == "auto",
-            )
-            self._probed.add(key)
-        # The checkpointed mode is chosen for memory: "auto" takes the loop there, untimed. Timing vmap holds
-        # several tasks' graphs at once, more than the mode's segments do, and the loop holds less than vmap
-        # (a conv net of tests/engine/test_memory_plan.py, 2 tasks a chunk: 7.0 MB of tensors against 9.8 MB).
-        if self._mode == "checkpointed" and torch.is_grad_enabled() and self.batching == "auto":
-            self._forward.use_loop(device)
-        tasks = batch.num_tasks
-        data = [(batch.support_x, batch.support_y), (batch.query_x, batch.query_y)]
-        self._forward.choose({k: v.expand(tasks, *v.shape) for k, v in one.items()}, shared, data)
-
-    @property
-    def _rate_hint(self) -> str:
-        """The inner-rate setting to name in a NaN/Inf error."""
-        return f"learn_inner_lr={self.learn_inner_lr!r}" if self.learn_inner_lr else f"inner_lr={self.inner_lr}"
+        Returns the adapted parameters and the constants (:func:`split.split`), and the call's steps.
+        """
+        checks.grad_mode_possible(method)
+        steps = self.steps if steps is None else steps
+        checks.integer("steps", steps, 0)
+        adapted, consts = split(self.model, self._adapted, params, self._rate_values(), self._integer_inputs, *inputs)
+        checks.examples(inputs[0].shape[1], inputs[1].shape[1] if len(inputs) > 1 else None, steps)
+        if params is None:  # the model's own: frozen since the learner was built?
+            checks.still_trainable(adapted)
+        return adapted, consts, steps
 
     def _tasks_per_chunk(self, tasks: int) -> int:
-        """Tasks per checkpointed segment or compiled call: ``chunk_size``, else all of them with vmap and one with a loop.
-
-        A loop runs the tasks one after another anyway, so taking them one at a time costs no
-        speed and holds one task's activations instead of every task's.
-        """
-        if self.chunk_size is not None:
-            return self.chunk_size
-        return 1 if self.resolved_batching == "loop" else tasks
+        """Tasks per checkpointed segment or compiled call, on the model's current device (:func:`modes.tasks_per_chunk`)."""
+        return modes.tasks_per_chunk(self.chunk_size, self.resolved_batching, tasks)

@@ -9,19 +9,35 @@ problem. :func:`check_options` and :func:`check_mode` hold every rule on which o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
+import torch
 from torch import Tensor
 
-from . import checkpointed, compiled, eager, implicit, reptile
+from . import checkpointed, checks, compiled, eager, implicit, reptile
 from .batch import TaskBatch
-from .forward import Params
+from .forward import Params, exact_attention
 from .implicit import Implicit
 from .loop import InnerLoop, MetaOutput
 
-__all__ = ["COMPILED_MODES", "MODES", "UNROLLED_MODES", "TABLE", "Call", "Mode", "check_mode", "check_options"]
+__all__ = [
+    "COMPILED_MODES",
+    "MODES",
+    "UNROLLED_MODES",
+    "TABLE",
+    "Call",
+    "Mode",
+    "attention",
+    "check_differentiable",
+    "check_mode",
+    "check_options",
+    "check_step_weights",
+    "compiled_path",
+    "tasks_per_chunk",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +46,7 @@ class Call:
 
     ``params``: the adapted parameters (no task dimension); ``rate_values``: the learnable rates
     and a rule's own tensors; ``consts``: the other parameters and the buffers. ``chunk``: tasks
-    per checkpointed segment or compiled call. ``step``: the compiled step (``compile=True``).
+    per checkpointed segment or compiled call.
     """
 
     loop: InnerLoop
@@ -44,24 +60,19 @@ class Call:
     checkpoint_every: int | None  # None: checkpointed.segment_steps
     checkpoint_hvp: str
     implicit: Implicit
-    step: Callable[..., Any] | None = None
 
 
 Path = Callable[[Call], MetaOutput]
 
 
+def _leading(c: Call) -> tuple[InnerLoop, Params, Params, Params, TaskBatch, int]:
+    """The arguments the unrolled paths' ``run`` functions take first, in their order."""
+    return c.loop, c.params, c.rate_values, c.consts, c.batch, c.steps
+
+
 def _eager(first_order: bool) -> Path:
     def path(c: Call) -> MetaOutput:
-        return eager.run(
-            c.loop,
-            c.params,
-            c.rate_values,
-            c.consts,
-            c.batch,
-            c.steps,
-            first_order=first_order,
-            step_weights=c.step_weights,
-        )
+        return eager.run(*_leading(c), first_order=first_order, step_weights=c.step_weights)
 
     return path
 
@@ -85,21 +96,12 @@ def _implicit_adapt(c: Call) -> Params:  # iMAML's adaptation: the proximal prob
 
 def _checkpointed(c: Call) -> MetaOutput:
     return checkpointed.run(
-        c.loop,
-        c.params,
-        c.rate_values,
-        c.consts,
-        c.batch,
-        c.steps,
-        chunk=c.chunk,
-        every=c.checkpoint_every,
-        step_weights=c.step_weights,
-        hvp=c.checkpoint_hvp,
+        *_leading(c), chunk=c.chunk, every=c.checkpoint_every, step_weights=c.step_weights, hvp=c.checkpoint_hvp
     )
 
 
 def _reptile(c: Call) -> MetaOutput:
-    return reptile.run(c.loop, c.params, c.rate_values, c.consts, c.batch, c.steps)
+    return reptile.run(*_leading(c))
 
 
 def _implicit(c: Call) -> MetaOutput:
@@ -110,19 +112,18 @@ def _implicit_evaluation(c: Call) -> MetaOutput:
     return implicit.evaluate(c.loop, c.implicit, c.params, c.rate_values, c.consts, c.batch, c.steps)
 
 
-def compiled_path(c: Call) -> MetaOutput:
-    """The training path of ``compile=True``: the meta-loss and its gradient from the compiled ``c.step``."""
-    assert c.step is not None
+def compiled_path(c: Call, mode: str, cache: dict[str, Any], *, check_finite: bool) -> MetaOutput:
+    """The training path of ``compile=True``: the meta-loss and its gradient from the mode's compiled step.
+
+    ``mode``'s step is compiled at its first call and kept in ``cache`` (the learner's, by mode), so
+    that setting the mode between steps compiles each once. The step traces ``c.loop``; with
+    ``check_finite=False`` it runs the loop without the NaN/Inf check.
+    """
+    if mode not in cache:
+        cache[mode] = compiled.compile_step(compiled.meta_step(c.loop, first_order=mode == "first_order"))
+    loop = c.loop if check_finite else c.loop.unchecked()
     return compiled.run(
-        c.step,
-        c.loop,
-        c.params,
-        c.rate_values,
-        c.consts,
-        c.batch,
-        c.steps,
-        chunk=c.chunk,
-        step_weights=c.step_weights,
+        cache[mode], *_leading(dataclasses.replace(c, loop=loop)), chunk=c.chunk, step_weights=c.step_weights
     )
 
 
@@ -214,11 +215,39 @@ def check_options(
         raise ValueError(f"implicit={implicit!r} only applies to mode='implicit' (mode is {mode!r}); drop it.")
 
 
-def check_step_weights(mode: str) -> None:
-    """Step weights weigh the query losses of an unrolled inner loop: refused by the modes that unroll none."""
+def check_step_weights(mode: str, weights: Any, steps: int, like: Tensor, *, compiled: bool) -> Tensor:
+    """``weights`` as ``checks.step_weights`` returns them, ``(steps,)`` like ``like``, where ``mode`` unrolls a loop.
+
+    Step weights weigh the query losses of an unrolled inner loop: refused by the modes that unroll
+    none. ``compiled``: the call runs the compiled step.
+    """
     if not TABLE[mode].unrolled:
         what = "differentiates none" if mode == "reptile" else "unrolls none"
         raise ValueError(
             f"step_weights weigh the query losses of {'a differentiated' if mode == 'reptile' else 'an unrolled'} "
             f"inner loop; mode={mode!r} {what}: drop step_weights."
         )
+    return checks.step_weights(weights, steps, like, compiled=compiled)
+
+
+def check_differentiable(mode: str, compile: bool, batch: TaskBatch, consts: Params, names: Collection[str]) -> None:
+    """``checks.differentiable`` for ``mode``: what its meta-gradient reaches (inputs, unadapted parameters)."""
+    spec = TABLE[mode]
+    checks.differentiable(mode, compile, batch, consts, names, inputs=spec.inputs, adapts_all=not spec.unrolled)
+
+
+def attention(mode: str) -> contextlib.AbstractContextManager[object]:
+    """The math attention kernel where the inner steps are differentiated twice (``twice`` modes, grad on)."""
+    exact = torch.is_grad_enabled() and TABLE[mode].twice
+    return exact_attention() if exact else contextlib.nullcontext()
+
+
+def tasks_per_chunk(chunk_size: int | None, batching: str, tasks: int) -> int:
+    """Tasks per checkpointed segment or compiled call (``Call.chunk``): ``chunk_size``, else all with vmap, one with a loop.
+
+    A loop runs the tasks one after another anyway, so taking them one at a time costs no
+    speed and holds one task's activations instead of every task's.
+    """
+    if chunk_size is not None:
+        return chunk_size
+    return 1 if batching == "loop" else tasks

@@ -75,3 +75,14 @@ class InnerRates:
         if self.kind == "per_parameter":
             return {n: values[n] for n in names}
         return {n: values[n][min(step, values[n].shape[0] - 1)] for n in names}
+
+    def reported(self, values: Mapping[str, Tensor]) -> dict[str, float | Tensor]:
+        """Each adapted parameter's rate over all steps: a float, or its learnable tensor (``(steps,)`` per step)."""
+        if self.kind == "per_layer_per_step":
+            return {n: values[n] for n in self.names}
+        return self.at(values, 0)  # one rate for every step
+
+    @property
+    def hint(self) -> str:
+        """The rate setting to name in an error about the inner loop (a NaN/Inf loss)."""
+        return f"learn_inner_lr={self.kind!r}" if self.kind else f"inner_lr={self.inner_lr}"

@@ -1,0 +1,59 @@
+"""``MetaLearner.backward``: the meta-gradient of a batch accumulated a few tasks at a time.
+
+The meta-loss is the mean over tasks, so each chunk's meta-loss, weighted by its share of the
+tasks, backpropagated alone, leaves the same sum in ``.grad``; only one chunk's graph is alive.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import checks
+from .batch import TaskBatch
+from .loop import MetaOutput
+
+__all__ = ["backward_in_chunks"]
+
+
+def backward_in_chunks(
+    run: Callable[[TaskBatch], MetaOutput],
+    batch: Any,
+    chunk: Any,
+    default: Callable[[int], int],
+    *,
+    return_output: bool,
+) -> Tensor | MetaOutput:
+    """Runs and backpropagates ``batch`` ``chunk`` tasks at a time.
+
+    Args:
+        run: one chunk's :class:`MetaOutput` (``MetaLearner.run`` with the call's step weights).
+        batch: ``T`` tasks, checked to be a :class:`TaskBatch`.
+        chunk: tasks per chunk (the last may have fewer), checked; ``None``: ``default(T)``.
+        default: the learner's tasks per chunk for ``T`` tasks.
+        return_output: join the chunks' outputs along the task dimension (detached) and return them.
+
+    Returns:
+        The meta-loss over all ``T`` tasks, detached, or the joined :class:`MetaOutput` carrying it.
+    """
+    if not isinstance(batch, TaskBatch):
+        raise TypeError(f"batch must be a maml.TaskBatch, got {type(batch).__name__}.")
+    tasks = batch.num_tasks
+    checks.integer("chunk", chunk, 1, optional=True)
+    size = default(tasks) if chunk is None else chunk
+    total, outputs = None, []
+    for lo in range(0, tasks, size):
+        part = batch[lo : lo + size]
+        out = run(part)
+        loss = out.loss * (part.num_tasks / tasks)
+        if not torch.is_grad_enabled():
+            loss = checks.evaluation_loss(loss)  # whose backward() says why there is no graph
+        loss.backward()
+        total = loss.detach() if total is None else total + loss.detach()
+        if return_output:
+            outputs.append(out)
+    assert total is not None
+    return MetaOutput.joined(outputs, total) if return_output else total

@@ -1,0 +1,117 @@
+"""MetaLearner's options: their types, their allowed values, and the checks of one options set.
+
+The checks run before the learner builds anything, so a bad argument fails at construction,
+naming itself; :mod:`modes` holds the rules on which options go with which mode.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from torch import nn
+
+from . import checks, modes
+from .rates import LEARN_INNER_LR
+from .rules import INNER_OPTIMIZERS, UpdateRule, rule_tensors
+
+__all__ = [
+    "BATCHINGS",
+    "CHECKPOINT_HVPS",
+    "Batching",
+    "CheckpointHvp",
+    "InnerOptimizer",
+    "LearnInnerLr",
+    "Mode",
+    "check_arguments",
+    "check_new_mode",
+    "learned",
+]
+
+Mode = Literal["second_order", "first_order", "checkpointed", "reptile", "implicit"]
+Batching = Literal["auto", "vmap", "loop"]
+LearnInnerLr = Literal["scalar", "per_parameter", "per_layer_per_step"] | None
+InnerOptimizer = Literal["sgd", "momentum", "adam"]
+CheckpointHvp = Literal["reverse_over_reverse", "forward_over_reverse"]
+
+BATCHINGS: tuple[str, ...] = ("auto", "vmap", "loop")
+CHECKPOINT_HVPS: tuple[str, ...] = ("reverse_over_reverse", "forward_over_reverse")
+
+
+def check_arguments(
+    model: Any,
+    loss_fn: Any,
+    inner_lr: Any,
+    steps: Any,
+    *,
+    mode: Any,
+    batching: Any,
+    chunk_size: Any,
+    learn_inner_lr: Any,
+    checkpoint_every: Any,
+    checkpoint_hvp: Any,
+    compile: Any,
+    inner_optimizer: Any,
+    inner_optimizer_options: Any,
+    implicit: Any,
+) -> None:
+    """Checks ``MetaLearner``'s arguments one by one, then which go together (:func:`modes.check_options`).
+
+    Typed ``Any``: they come from the caller unchecked, and this is where they are checked.
+
+    Raises:
+        TypeError: an argument of the wrong type, naming it and its value.
+        ValueError: a value out of range or not supported, or options that do not go together.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable as loss_fn(output, y) -> scalar, got {loss_fn!r}.")
+    checks.positive_number("inner_lr", inner_lr)
+    checks.integer("steps", steps, 0)
+    checks.one_of("mode", mode, modes.MODES)
+    checks.one_of("batching", batching, BATCHINGS)
+    checks.one_of("learn_inner_lr", learn_inner_lr, LEARN_INNER_LR)
+    if isinstance(inner_optimizer, str):
+        checks.one_of("inner_optimizer", inner_optimizer, INNER_OPTIMIZERS)
+    else:
+        checks.update_rule(inner_optimizer, inner_optimizer_options)
+    checks.integer("chunk_size", chunk_size, 1, optional=True)
+    checks.integer("checkpoint_every", checkpoint_every, 1, optional=True)
+    if checkpoint_hvp is not None:
+        checks.one_of("checkpoint_hvp", checkpoint_hvp, CHECKPOINT_HVPS)
+    modes.check_options(
+        mode,
+        batching=batching,
+        chunk_size=chunk_size,
+        checkpoint_every=checkpoint_every,
+        checkpoint_hvp=checkpoint_hvp,
+        implicit=implicit,
+    )
+    if not isinstance(compile, bool):
+        raise TypeError(f"compile must be True or False, got {compile!r} ({type(compile).__name__}).")
+
+
+def learned(learn_inner_lr: LearnInnerLr, rule: UpdateRule) -> str | None:
+    """What a learner built so meta-learns beside the model (learned rates, a rule's tensors), for an error; or None."""
+    if learn_inner_lr:
+        return f"learn_inner_lr={learn_inner_lr!r}"
+    return f"the rule {type(rule).__name__}'s own tensors" if rule_tensors(rule) else None
+
+
+def check_new_mode(mode: Any, *, compile: bool, learned: str | None, chunk_size: int | None, batching: str) -> None:
+    """The checks of a mode set on a live learner: a supported name, :func:`modes.check_mode`, and the chunking.
+
+    A learner built with ``chunk_size`` and ``batching="auto"`` outside the checkpointed mode
+    chunks its vmap (``TaskForward`` is built so); the checkpointed mode would read ``chunk_size``
+    as tasks per segment instead, so it is refused rather than reinterpreted.
+
+    Raises:
+        ValueError: naming the mode and what does not go with it.
+    """
+    checks.one_of("mode", mode, modes.MODES)
+    modes.check_mode(mode, compile=compile, learned=learned)
+    if mode == "checkpointed" and chunk_size is not None and batching == "auto":
+        raise ValueError(
+            f"mode='checkpointed' on a learner built with chunk_size={chunk_size} for chunked vmap; "
+            f"build it with mode='checkpointed' to recompute chunk_size tasks at a time."
+        )

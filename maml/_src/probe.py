@@ -1,0 +1,65 @@
+"""A learner's first look at a model configuration: :func:`check_model`, then ``"auto"``'s batching.
+
+Both run before the inner loop, on the call's own parameters and tasks, detached: the check once
+per device and train/eval configuration of the model (a module switched to eval mode may write
+its buffers differently), the choice of batching on the first batch of more than one task on
+each device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .batch import TaskBatch
+from .forward import Params, TaskForward
+from .model_check import check_model
+
+__all__ = ["Probe"]
+
+
+class Probe:
+    """Remembers which configurations of ``model`` were checked, and settles ``forward``'s batching.
+
+    Args:
+        model: the learner's network.
+        forward: the learner's per-task forward pass, whose batching ``"auto"`` settles.
+    """
+
+    def __init__(self, model: nn.Module, forward: TaskForward) -> None:
+        self.model = model
+        self.forward = forward
+        self._checked: set[Any] = set()  # (device, each module's training flag)
+
+    def __call__(self, params: Params, consts: Params, batch: TaskBatch, *, batching: str, mode: str) -> None:
+        """Checks the model on ``batch``'s first task if its configuration is new, then lets ``"auto"`` choose.
+
+        Args:
+            params: the adapted parameters, without a task dimension.
+            consts: the other parameters and the buffers.
+            batch: ``T`` tasks; ``T > 1`` lets ``"auto"`` time vmap against the loop on them.
+            batching: the learner's ``batching`` (read at every call).
+            mode: the learner's mode (read at every call: it may be set between steps).
+        """
+        device = batch.support_x.device
+        key = (device, tuple(m.training for m in self.model.modules()))
+        checked = key in self._checked
+        if checked and (batching != "auto" or self.forward.settled(device)):
+            return
+        with torch.no_grad():
+            one = {k: v.detach() for k, v in params.items()}
+            shared = {k: v.detach() for k, v in consts.items()}
+        if not checked:
+            x, y = batch.support_x[:1], batch.support_y[:1]
+            check_model(self.forward, one, shared, x, y, may_fall_back=batching == "auto")
+            self._checked.add(key)
+        # The checkpointed mode is chosen for memory: "auto" takes the loop there, untimed. Timing vmap holds
+        # several tasks' graphs at once, more than the mode's segments do, and the loop holds less than vmap
+        # (a conv net of tests/engine/test_memory_plan.py, 2 tasks a chunk: 7.0 MB of tensors against 9.8 MB).
+        if mode == "checkpointed" and torch.is_grad_enabled() and batching == "auto":
+            self.forward.use_loop(device)
+        tasks = batch.num_tasks
+        data = [(batch.support_x, batch.support_y), (batch.query_x, batch.query_y)]
+        self.forward.choose({k: v.expand(tasks, *v.shape) for k, v in one.items()}, shared, data)

@@ -1,0 +1,59 @@
+"""A learner's state beyond its options: the model's, the learnable rates', a module rule's, the batching chosen.
+
+``MetaLearner.state_dict``, ``load_state_dict`` and ``to`` act on all of it together, so
+that a checkpoint restores and a move places every meta-parameter, not the model's alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import checks
+from .forward import TaskForward
+from .rules import UpdateRule
+
+__all__ = ["load_state", "move", "save_state"]
+
+
+def save_state(
+    model: nn.Module, rates: dict[str, nn.Parameter], rule: UpdateRule, forward: TaskForward
+) -> dict[str, Any]:
+    """The state ``MetaLearner.state_dict`` returns: ``model``, ``inner_lrs``, ``batching`` (and ``rule``)."""
+    state = {
+        "model": model.state_dict(),
+        "inner_lrs": {k: v.detach().clone() for k, v in rates.items()},
+        "batching": forward.chosen,
+    }
+    if isinstance(rule, nn.Module):
+        state["rule"] = rule.state_dict()
+    return state
+
+
+def load_state(
+    state: Any, model: nn.Module, rates: dict[str, nn.Parameter], rule: UpdateRule, rule_name: str, forward: TaskForward
+) -> None:
+    """Loads what :func:`save_state` returned into these, after checking all of it (``checks.learner_state``).
+
+    ``rule_name``: the rule as the learner was given it (a name, or its class's), for the errors.
+    """
+    module = rule if isinstance(rule, nn.Module) else None
+    checks.learner_state(state, model.state_dict(), dict(rates), module, rule_name)
+    model.load_state_dict(state["model"])
+    with torch.no_grad():
+        for k, v in state["inner_lrs"].items():
+            rates[k].copy_(v)
+    forward.chosen = state.get("batching", {})  # absent from checkpoints of earlier versions
+    if module is not None:
+        module.load_state_dict(state["rule"])
+
+
+def move(model: nn.Module, rates: dict[str, nn.Parameter], rule: UpdateRule, *args: Any, **kwargs: Any) -> None:
+    """Moves the model, the learnable rates (in place, so optimizers keep them) and a module rule, like ``.to``."""
+    model.to(*args, **kwargs)
+    if isinstance(rule, nn.Module):
+        rule.to(*args, **kwargs)
+    for p in rates.values():
+        p.data = p.data.to(*args, **kwargs)
