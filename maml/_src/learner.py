@@ -22,12 +22,11 @@ from .batch import TaskBatch
 from .chunked import backward_in_chunks
 from .forward import LossFn, Params, TaskForward, check_finite
 from .implicit import Implicit
-from .layers import check_step_layers
 from .loop import InnerLoop, MetaOutput
 from .options import Batching, CheckpointHvp, InnerOptimizer, LearnInnerLr, Mode
 from .probe import Probe
 from .rates import InnerRates
-from .rules import BoundRule, UpdateRule, make_rule, rule_tensors
+from .rules import BoundRule, UpdateRule, rule_tensors
 from .split import constants, split
 from .state import load_state, move, save_state
 
@@ -126,7 +125,7 @@ class MetaLearner:
         inner_optimizer_options: Mapping[str, Any] | None = None,
         implicit: Implicit | None = None,
     ) -> None:
-        options.check_arguments(
+        rule, adapted = options.check_arguments(
             model,
             loss_fn,
             inner_lr,
@@ -138,17 +137,12 @@ class MetaLearner:
             checkpoint_every=checkpoint_every,
             checkpoint_hvp=checkpoint_hvp,
             compile=compile,
+            adapt=adapt,
             inner_optimizer=inner_optimizer,
             inner_optimizer_options=inner_optimizer_options,
             implicit=implicit,
         )
         self.compile = compile
-        rule = (
-            make_rule(inner_optimizer, inner_optimizer_options) if isinstance(inner_optimizer, str) else inner_optimizer
-        )
-        adapted = checks.adapt_set(adapt, model)
-        check_step_layers(model)
-
         self.model = model
         self.loss_fn = loss_fn
         self.inner_lr = float(inner_lr)
@@ -160,7 +154,6 @@ class MetaLearner:
         self.inner_optimizer = inner_optimizer
         self.rule = rule
         self.implicit = implicit or Implicit()
-        modes.check_mode(mode, compile=compile, learned=options.learned(learn_inner_lr, rule))
         self.checkpoint_every = checkpoint_every
         self._checkpoint_hvp: str = checkpoint_hvp or "reverse_over_reverse"
         self.check_finite = check_finite
@@ -169,17 +162,13 @@ class MetaLearner:
         self._names = {name for name, _ in model.named_parameters()}
         self._adapted = adapted
         self._integer_inputs = any(isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for m in model.modules())
-        # A chunk_size outside the checkpointed mode asks for chunked vmap, so "auto" honours it.
-        chunked_vmap = chunk_size is not None and mode != "checkpointed"
-        forward = TaskForward(model, loss_fn, "vmap" if batching == "auto" and chunked_vmap else batching, chunk_size)
+        forward = TaskForward(model, loss_fn, options.forward_batching(batching, chunk_size, mode), chunk_size)
         self._forward = forward
         self._probe = Probe(model, forward)
         self._rates = rates = InnerRates(learn_inner_lr, self.inner_lr, tuple(adapted))
         self._loop = InnerLoop(forward, BoundRule(rule), rates, self._check)
-        params = dict(model.named_parameters())
-        self.rate_parameters: dict[str, nn.Parameter] = {
-            k: nn.Parameter(v) for k, v in rates.init(params, steps).items()
-        }
+        initial = rates.init(dict(model.named_parameters()), steps)
+        self.rate_parameters: dict[str, nn.Parameter] = {k: nn.Parameter(v) for k, v in initial.items()}
         checks.warn_weight_norm(model, mode)
 
     # ------------------------------------------------------------------ public API
@@ -298,7 +287,8 @@ class MetaLearner:
             The meta-loss over all tasks, detached (or the :class:`MetaOutput` with it as ``loss``).
         """
         run = functools.partial(self.run, step_weights=step_weights)
-        return backward_in_chunks(run, batch, chunk, self._tasks_per_chunk, return_output=return_output)
+        per_chunk = functools.partial(modes.tasks_per_chunk, self.chunk_size, self.resolved_batching)
+        return backward_in_chunks(run, batch, chunk, per_chunk, return_output=return_output)
 
     def run(
         self,
@@ -325,11 +315,8 @@ class MetaLearner:
             raise TypeError(f"batch must be a maml.TaskBatch, got {type(batch).__name__}.")
         params, consts, steps = self._prepare("run", params, steps, batch.support_x, batch.query_x)
         grad = torch.is_grad_enabled()
-        if step_weights is not None:
-            like = params[self._adapted[0]]
-            step_weights = modes.check_step_weights(
-                self._mode, step_weights, steps, like, compiled=self.compile and grad
-            )
+        like = params[self._adapted[0]]
+        step_weights = modes.check_step_weights(self._mode, step_weights, steps, like, compiled=self.compile and grad)
         self._probe(params, consts, batch, batching=self.batching, mode=self._mode)
         self._example_shape = batch.support_x.shape[2:]
         if grad:
@@ -399,8 +386,7 @@ class MetaLearner:
             ValueError: the state was saved by a learner built otherwise (another model's shapes,
                 ``learn_inner_lr``, ``steps`` of per-step rates, or rule), naming the entry and both sides.
         """
-        name = self.inner_optimizer if isinstance(self.inner_optimizer, str) else type(self.rule).__name__
-        load_state(state, self.model, self.rate_parameters, self.rule, name, self._forward)
+        load_state(state, self.model, self.rate_parameters, self.rule, self.inner_optimizer, self._forward)
 
     def to(self, *args: Any, **kwargs: Any) -> MetaLearner:
         """Moves the model, the learnable inner rates and a module rule, like ``nn.Module.to``."""
@@ -428,7 +414,7 @@ class MetaLearner:
             batch,
             steps,
             step_weights,
-            chunk=self._tasks_per_chunk(batch.num_tasks),
+            chunk=modes.tasks_per_chunk(self.chunk_size, self.resolved_batching, batch.num_tasks),
             checkpoint_every=self.checkpoint_every,
             checkpoint_hvp=self._checkpoint_hvp,
             implicit=self.implicit,
@@ -457,7 +443,3 @@ class MetaLearner:
         if params is None:  # the model's own: frozen since the learner was built?
             checks.still_trainable(adapted)
         return adapted, consts, steps
-
-    def _tasks_per_chunk(self, tasks: int) -> int:
-        """Tasks per checkpointed segment or compiled call, on the model's current device (:func:`modes.tasks_per_chunk`)."""
-        return modes.tasks_per_chunk(self.chunk_size, self.resolved_batching, tasks)

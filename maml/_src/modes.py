@@ -215,12 +215,14 @@ def check_options(
         raise ValueError(f"implicit={implicit!r} only applies to mode='implicit' (mode is {mode!r}); drop it.")
 
 
-def check_step_weights(mode: str, weights: Any, steps: int, like: Tensor, *, compiled: bool) -> Tensor:
+def check_step_weights(mode: str, weights: Any, steps: int, like: Tensor, *, compiled: bool) -> Tensor | None:
     """``weights`` as ``checks.step_weights`` returns them, ``(steps,)`` like ``like``, where ``mode`` unrolls a loop.
 
     Step weights weigh the query losses of an unrolled inner loop: refused by the modes that unroll
-    none. ``compiled``: the call runs the compiled step.
+    none. ``None`` (no weights) stays ``None``. ``compiled``: the call runs the compiled step.
     """
+    if weights is None:
+        return None
     if not TABLE[mode].unrolled:
         what = "differentiates none" if mode == "reptile" else "unrolls none"
         raise ValueError(

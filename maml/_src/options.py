@@ -11,8 +11,9 @@ from typing import Any, Literal
 from torch import nn
 
 from . import checks, modes
+from .layers import check_step_layers
 from .rates import LEARN_INNER_LR
-from .rules import INNER_OPTIMIZERS, UpdateRule, rule_tensors
+from .rules import INNER_OPTIMIZERS, UpdateRule, make_rule, rule_tensors
 
 __all__ = [
     "BATCHINGS",
@@ -24,6 +25,7 @@ __all__ = [
     "Mode",
     "check_arguments",
     "check_new_mode",
+    "forward_batching",
     "learned",
 ]
 
@@ -50,13 +52,18 @@ def check_arguments(
     checkpoint_every: Any,
     checkpoint_hvp: Any,
     compile: Any,
+    adapt: Any,
     inner_optimizer: Any,
     inner_optimizer_options: Any,
     implicit: Any,
-) -> None:
+) -> tuple[UpdateRule, list[str]]:
     """Checks ``MetaLearner``'s arguments one by one, then which go together (:func:`modes.check_options`).
 
     Typed ``Any``: they come from the caller unchecked, and this is where they are checked.
+
+    Returns:
+        The update rule (``inner_optimizer`` built if it is a name) and the names of the
+        parameters to adapt (``checks.adapt_set``).
 
     Raises:
         TypeError: an argument of the wrong type, naming it and its value.
@@ -89,6 +96,20 @@ def check_arguments(
     )
     if not isinstance(compile, bool):
         raise TypeError(f"compile must be True or False, got {compile!r} ({type(compile).__name__}).")
+    rule = make_rule(inner_optimizer, inner_optimizer_options) if isinstance(inner_optimizer, str) else inner_optimizer
+    adapted = checks.adapt_set(adapt, model)
+    check_step_layers(model)
+    modes.check_mode(mode, compile=compile, learned=learned(learn_inner_lr, rule))
+    return rule, adapted
+
+
+def forward_batching(batching: str, chunk_size: int | None, mode: str) -> str:
+    """The batching ``TaskForward`` is built with: ``batching``, but ``"vmap"`` for ``"auto"`` with ``chunk_size``.
+
+    A ``chunk_size`` outside the checkpointed mode asks for chunked vmap, so ``"auto"`` honours it.
+    """
+    chunked_vmap = chunk_size is not None and mode != "checkpointed"
+    return "vmap" if batching == "auto" and chunked_vmap else batching
 
 
 def learned(learn_inner_lr: LearnInnerLr, rule: UpdateRule) -> str | None:

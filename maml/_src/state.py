@@ -33,13 +33,14 @@ def save_state(
 
 
 def load_state(
-    state: Any, model: nn.Module, rates: dict[str, nn.Parameter], rule: UpdateRule, rule_name: str, forward: TaskForward
+    state: Any, model: nn.Module, rates: dict[str, nn.Parameter], rule: UpdateRule, given: Any, forward: TaskForward
 ) -> None:
     """Loads what :func:`save_state` returned into these, after checking all of it (``checks.learner_state``).
 
-    ``rule_name``: the rule as the learner was given it (a name, or its class's), for the errors.
+    ``given``: the learner's ``inner_optimizer`` (a name, or the rule), to name the rule in the errors.
     """
     module = rule if isinstance(rule, nn.Module) else None
+    rule_name = given if isinstance(given, str) else type(rule).__name__
     checks.learner_state(state, model.state_dict(), dict(rates), module, rule_name)
     model.load_state_dict(state["model"])
     with torch.no_grad():
