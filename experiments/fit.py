@@ -43,9 +43,9 @@ from experiments.memory import Need, check_fits, parameter_bytes
 from experiments.results import finish
 from experiments.run_options import RunOptions
 from experiments.rundir import prepare_out, take_out
-from experiments.runtime import (
+from experiments.runtime import Terminated
+from experiments.torchrun import (
     RankUsageError,
-    Terminated,
     check_shards,
     leave_with_launcher,
     outwait_printer,

@@ -25,8 +25,9 @@ import tyro
 
 import tasks
 from experiments import fit, omniglot, peers
+from experiments.checks import check_config
 from experiments.cli import UsageError
-from experiments.config import ExperimentConfig, check_config
+from experiments.config import ExperimentConfig
 from experiments.memory import FLOAT_BYTES, Need
 from experiments.omniglot_net import LOSSES, REFERENCE_MAXPOOL, build_model, loss_function, meta_only
 

@@ -30,8 +30,9 @@ import tyro
 import maml
 import tasks
 from experiments import fit, peers
+from experiments.checks import check_config
 from experiments.cli import UsageError
-from experiments.config import ExperimentConfig, check_config
+from experiments.config import ExperimentConfig
 from experiments.files import atomic_write
 from experiments.memory import FLOAT_BYTES, Need
 from experiments.omniglot_data import Data, load, notes, shares

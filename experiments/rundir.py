@@ -25,11 +25,10 @@ import yaml
 
 from experiments import recipes
 from experiments.cli import UsageError, flag
-from experiments.config import config_text, save_config
 from experiments.files import atomic_write, writing
 from experiments.lock import lock_folder
 from experiments.run_options import RunOptions
-from experiments.runtime import broadcast, check_device
+from experiments.torchrun import broadcast, check_device
 
 __all__ = [
     "BEST_FILE",
@@ -171,6 +170,12 @@ def _check_out(opts: RunOptions, cfg: Any) -> dict[str, Any] | None:
     return None
 
 
+def config_text(cfg: Any) -> str:
+    """``cfg`` as ``config.yaml`` holds it (``--config`` reads it back)."""
+    values = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(cfg).items()}
+    return yaml.safe_dump(values, sort_keys=False)
+
+
 def _edited_keys(path: Path, saved: dict[str, Any]) -> list[str]:
     """The keys whose values in ``path`` (a run's config.yaml) differ from the checkpoint's config ``saved``."""
     try:
@@ -295,7 +300,7 @@ def take_out(opts: RunOptions, cfg: Any) -> None:
             if match and not _alive(int(match.group(1))):
                 path.unlink(missing_ok=True)
     try:
-        save_config(out, cfg)
+        atomic_write(out / "config.yaml", lambda p: p.write_text(config_text(cfg)))
     except UsageError:
         if made:
             with contextlib.suppress(OSError):

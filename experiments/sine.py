@@ -25,7 +25,8 @@ from torch.func import functional_call
 import maml
 import tasks
 from experiments import fit
-from experiments.config import ExperimentConfig, check_config
+from experiments.checks import check_config
+from experiments.config import ExperimentConfig
 from experiments.files import atomic_write
 from experiments.memory import FLOAT_BYTES, Need
 from experiments.results import mean_ci95

@@ -21,7 +21,7 @@ from experiments import fit
 from experiments.cli import UsageError
 from experiments.lock import lock_holder
 from experiments.run_options import RunOptions
-from experiments.runtime import RankUsageError, check_shards, peer_lost
+from experiments.torchrun import RankUsageError, check_shards, peer_lost
 
 PROCESSES = 2
 
@@ -285,12 +285,12 @@ def test_a_process_whose_launcher_died_before_it_asked_to_be_told_stops(tmp_path
     """The race that prctl alone would lose: the parent dies before the request, and the kernel sends nothing."""
     child = (
         "import os, signal, sys, time\n"
-        "from experiments import runtime\n"
+        "from experiments import torchrun\n"
         "print('imported', flush=True)\n"
-        "while os.getppid() == runtime._PARENT_AT_IMPORT:\n"  # the launcher dies here
+        "while os.getppid() == torchrun._PARENT_AT_IMPORT:\n"  # the launcher dies here
         "    time.sleep(0.01)\n"
         "signal.signal(signal.SIGTERM, lambda signum, frame: (print('SIGTERM', flush=True), os._exit(143)))\n"
-        "runtime.leave_with_launcher()\n"
+        "torchrun.leave_with_launcher()\n"
         "time.sleep(5)\n"
         "print('not stopped', flush=True)\n"
     )
