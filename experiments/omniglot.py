@@ -21,7 +21,6 @@ import dataclasses
 import math
 import os
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import torch
@@ -29,11 +28,10 @@ import tyro
 
 import maml
 import tasks
-from experiments import fit, peers
+from experiments import fit, peers, plots
 from experiments.checks import check_config
 from experiments.cli import UsageError
 from experiments.config import ExperimentConfig
-from experiments.files import atomic_write
 from experiments.memory import FLOAT_BYTES, Need
 from experiments.omniglot_data import Data, load, notes, shares
 from experiments.omniglot_net import LOSSES, NETWORKS, accuracy, build_model, loss_function, meta_only
@@ -45,7 +43,6 @@ __all__ = [
     "OmniglotConfig",
     "validate_config",
     "evaluate",
-    "plot",
     "resolve",
     "make_model",
     "train_tasks",
@@ -186,71 +183,6 @@ def evaluate(
     return results
 
 
-def plot(
-    out: Path,
-    learner: maml.MetaLearner,
-    sampler: tasks.FewShotSampler | None,
-    cfg: OmniglotConfig,
-    history: list[dict[str, float]],
-    device: torch.device,
-) -> None:
-    """learning_curves.png and task_grid.png (one test task's support and query images, predictions; none without a test split)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    its = [r["iteration"] for r in history]
-    axes[0].plot(its, [r["train/meta_loss"] for r in history], label="train meta-loss")
-    axes[0].set(xlabel="meta-iteration", ylabel="cross-entropy", title="meta-loss")
-    axes[1].plot(its, [r["train/accuracy"] for r in history], label="train query accuracy")
-    val = [(r["iteration"], r["val/accuracy"]) for r in history if "val/accuracy" in r]
-    if val:
-        axes[1].plot(*zip(*val), "o-", label="validation accuracy")
-    axes[1].set(xlabel="meta-iteration", ylabel="accuracy", title="accuracy")
-    for ax in axes:
-        ax.legend()
-    fig.tight_layout()
-    atomic_write(out / "learning_curves.png", lambda p: fig.savefig(p, format="png", dpi=120))
-    plt.close(fig)
-
-    if sampler is None:
-        return
-    batch = sampler.sample(1, torch.Generator().manual_seed(4321), device=device)
-    steps = max(cfg.eval_steps)
-    with torch.no_grad():
-        pred = learner.run(batch, steps=steps).query_out[0].argmax(-1).cpu()
-    support_x, support_y = _viewable(batch.support_x[0]), batch.support_y[0].cpu()
-    query_x, query_y = _viewable(batch.query_x[0]), batch.query_y[0].cpu()
-    cols = max(cfg.shots, cfg.query) + 1
-    fig, axes = plt.subplots(cfg.ways, cols, figsize=(cols * 0.8, cfg.ways * 0.9))
-    axes = axes.reshape(cfg.ways, cols)
-    for ax in axes.flat:
-        ax.axis("off")
-    for c in range(cfg.ways):
-        for j, i in enumerate((support_y == c).nonzero()[:, 0].tolist()):
-            axes[c, j].imshow(support_x[i], cmap="gray_r")
-            axes[c, j].set_title(f"support {c}", fontsize=5)
-        for j, i in enumerate((query_y == c).nonzero()[:, 0].tolist()[: cols - 1]):
-            ax = axes[c, cfg.shots + j] if cfg.shots + j < cols else None
-            if ax is None:
-                break
-            ok = bool(pred[i] == c)
-            ax.imshow(query_x[i], cmap="gray_r")
-            ax.set_title(f"pred {int(pred[i])}", fontsize=5, color="green" if ok else "red")
-    fig.suptitle(f"one test task after {steps} steps: support (left), query with predictions", fontsize=8)
-    fig.tight_layout()
-    atomic_write(out / "task_grid.png", lambda p: fig.savefig(p, format="png", dpi=120))
-    plt.close(fig)
-
-
-def _viewable(x: torch.Tensor) -> torch.Tensor:
-    """``(n, C, H, W)`` images as imshow takes them: ``(n, H, W)`` greyscale, ``(n, H, W, 3)`` colour."""
-    x = x.cpu()
-    return x[:, 0] if x.shape[1] == 1 else x.permute(0, 2, 3, 1)
-
-
 def resolve(cfg: OmniglotConfig) -> OmniglotConfig:
     """The config with its per-ways defaults and the data path filled in (:meth:`OmniglotConfig.resolved`)."""
     cfg = cfg.resolved()
@@ -326,7 +258,18 @@ def final_test(
     results = (
         evaluate(fitted.run, test_tasks, cfg, opts.device, seed=cfg.seed + 20_000) if test_tasks is not None else {}
     )
-    plot(opts.out, learner, test_tasks, cfg, trainer.history, opts.device)
+    panels = [
+        ("meta-loss", "cross-entropy", "linear", [("train/meta_loss", "train meta-loss")]),
+        (
+            "accuracy",
+            "accuracy",
+            "linear",
+            [("train/accuracy", "train query accuracy"), ("val/accuracy", "validation accuracy")],
+        ),
+    ]
+    plots.learning_curves(opts.out, trainer.history, panels)
+    if test_tasks is not None:
+        plots.task_grid(opts.out, learner, test_tasks, cfg, opts.device)
     # Model selection: the best-validation parameters on the same test tasks (the last's results when they are the last).
     best_results = results
     if test_tasks is not None and trainer.best and trainer.best["iteration"] != trainer.iterations:

@@ -12,18 +12,16 @@ import platform
 import subprocess
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from experiments.files import atomic_write
+from experiments.run_options import RunOptions
 from experiments.rundir import DATA_KEYS
 from experiments.tracking import finish_wandb
-
-if TYPE_CHECKING:
-    from experiments.run_options import RunOptions
-    from experiments.trainer import Trainer
+from experiments.trainer import Trainer
 
 __all__ = ["mean_ci95", "provenance", "finish"]
 

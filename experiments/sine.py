@@ -14,20 +14,17 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call
 
 import maml
 import tasks
-from experiments import fit
+from experiments import fit, plots
 from experiments.checks import check_config
 from experiments.config import ExperimentConfig
-from experiments.files import atomic_write
 from experiments.memory import FLOAT_BYTES, Need
 from experiments.results import mean_ci95
 
@@ -36,11 +33,21 @@ __all__ = [
     "validate_config",
     "build_model",
     "evaluate",
-    "plot",
     "make_model",
     "train_tasks",
     "final_test",
     "run",
+]
+
+# The learning curves' panels (experiments.plots): the losses, on a log scale.
+PANELS = [
+    ("learning curves", "MSE", "log", [("train/meta_loss", "train meta-loss"), ("val/mse", "validation MSE")]),
+    (
+        "inner loss",
+        "MSE",
+        "log",
+        [("train/support_loss_before", "support, before"), ("train/support_loss_after", "support, after")],
+    ),
 ]
 
 
@@ -100,53 +107,6 @@ def evaluate(learner: maml.MetaLearner, cfg: SineConfig, device: torch.device, s
     return results
 
 
-def plot(
-    out: Path, model: nn.Module, learner: maml.MetaLearner, history: list[dict[str, float]], device: torch.device
-) -> None:
-    """learning_curves.png and sine_fit.png (true curve, support points, prediction before/after 1 and 10 steps)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    its = [r["iteration"] for r in history]
-    axes[0].plot(its, [r["train/meta_loss"] for r in history], label="train meta-loss")
-    val = [(r["iteration"], r["val/mse"]) for r in history if "val/mse" in r]
-    if val:
-        axes[0].plot(*zip(*val), "o-", label="validation MSE")
-    axes[0].set(xlabel="meta-iteration", ylabel="MSE", yscale="log", title="learning curves")
-    axes[0].legend()
-    for key, label in (
-        ("train/support_loss_before", "support, before"),
-        ("train/support_loss_after", "support, after"),
-    ):
-        axes[1].plot(its, [r.get(key, float("nan")) for r in history], label=label)
-    axes[1].set(xlabel="meta-iteration", ylabel="MSE", yscale="log", title="inner loss")
-    axes[1].legend()
-    fig.tight_layout()
-    atomic_write(out / "learning_curves.png", lambda p: fig.savefig(p, format="png", dpi=120))
-    plt.close(fig)
-
-    g = torch.Generator().manual_seed(12345)
-    batch, truth = tasks.Sine().sample(1, shots=5, query=1, generator=g, return_params=True)
-    batch = batch.to(device)
-    xs = torch.linspace(-5, 5, 200).view(1, -1, 1)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(xs[0, :, 0], truth.true_y(xs)[0, :, 0], "k-", lw=2, label="true function")
-    ax.plot(batch.support_x[0, :, 0].cpu(), batch.support_y[0, :, 0].cpu(), "r^", ms=9, label="5 support points")
-    for steps, style in ((0, ":"), (1, "--"), (10, "-")):
-        with torch.no_grad():
-            fast = learner.adapt(batch.support_x[0], batch.support_y[0], steps=steps)
-            pred = functional_call(model, fast, (xs[0].to(device),))
-        ax.plot(xs[0, :, 0], pred[:, 0].cpu(), style, label=f"MAML, {steps} step{'s' if steps != 1 else ''}")
-    ax.set(xlabel="x", ylabel="y", title="one test task, K = 5")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    atomic_write(out / "sine_fit.png", lambda p: fig.savefig(p, format="png", dpi=120))
-    plt.close(fig)
-
-
 def make_model(cfg: SineConfig) -> fit.Model:
     return fit.Model(build_model(cfg.hidden, cfg.init), F.mse_loss)
 
@@ -177,7 +137,8 @@ def final_test(fitted: fit.Fitted) -> fit.Results:
     # diverges there is reported (as an infinite MSE and in diverged_tasks), not fatal.
     learner.check_finite = False
     results = evaluate(learner, cfg, opts.device, seed=cfg.seed + 20_000)
-    plot(opts.out, fitted.model, learner, fitted.trainer.history, opts.device)
+    plots.learning_curves(opts.out, fitted.trainer.history, PANELS)
+    plots.sine_fit(opts.out, fitted.model, learner, opts.device)
     return fit.Results(results, "mse", _table(results, cfg))
 
 

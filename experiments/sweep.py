@@ -40,7 +40,7 @@ import numpy as np
 from experiments.cli import UsageError
 from experiments.files import atomic_write
 from experiments.lock import unlock_folders
-from experiments.sweep_file import Sweep, SweepError, Trial, build_command, check_parameters, load_sweep, next_trial
+from experiments.sweep_file import Sweep, Trial, build_command, check_parameters, load_sweep, next_trial
 from experiments.sweep_runner import best_metric, open_out, run_sweep, write_report
 
 __all__ = ["format_table", "summarize", "dry_run", "main", "load_sweep", "best_metric"]
@@ -80,7 +80,7 @@ def summarize(out: Path) -> tuple[dict[str, Any], str]:
     try:
         trials = json.loads((out / "sweep.json").read_text())["trials"]
     except (OSError, ValueError, KeyError):
-        raise SweepError(f"no sweep in {out} (no readable sweep.json)") from None
+        raise UsageError(f"no sweep in {out} (no readable sweep.json)") from None
     groups: dict[str, dict[str, Any]] = {}
     for trial in trials:
         others = {key: value for key, value in trial["params"].items() if key != "seed"}
@@ -140,7 +140,7 @@ def dry_run(sweep: Sweep, limit: int | None, seed: int, stdout: TextIO) -> None:
 
 def _usage(message: str) -> NoReturn:
     """argparse's errors as ours: one ``error:`` line, exit code 2."""
-    raise SweepError(message)
+    raise UsageError(message)
 
 
 def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
@@ -162,11 +162,11 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None, stderr
             print(summarize(args.summarize)[1], end="", file=stdout)
             return 0
         if args.sweep is None or min(args.jobs, 1 if args.count is None else args.count) < 1:
-            raise SweepError("pass a sweep file (or --summarize DIR); --count and --jobs must be >= 1")
+            raise UsageError("pass a sweep file (or --summarize DIR); --count and --jobs must be >= 1")
         sweep = load_sweep(args.sweep)
         limit = min(filter(None, (args.count, sweep.config.get("run_cap"))), default=None)
         if limit is None and sweep.config["method"] != "grid":
-            raise SweepError(f"a {sweep.config['method']} search does not end by itself: pass --count N or set run_cap")
+            raise UsageError(f"a {sweep.config['method']} search does not end by itself: pass --count N or set run_cap")
         check_parameters(sweep)
         out, trials, recorded = (None, [], None) if args.dry_run else open_out(args.out, sweep, args.resume)
         seed = next(s for s in (args.seed, recorded, random.SystemRandom().randrange(2**31)) if s is not None)
@@ -189,7 +189,7 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None, stderr
             atomic_write(out / "summary.json", lambda tmp: tmp.write_text(json.dumps(summary, indent=2) + "\n"))
             atomic_write(out / "summary.md", lambda tmp: tmp.write_text(markdown))
             print(f"\n{markdown}", end="", file=stdout)
-    except (SweepError, UsageError) as error:
+    except UsageError as error:
         print(f"error: {error}", file=stderr)
         return 2
     finally:

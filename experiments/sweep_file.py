@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from experiments.cli import UsageError
 from experiments.config_file import DuplicateKey, UniqueKeys
 
 with warnings.catch_warnings():  # the engine's pydantic deprecation warnings
@@ -27,9 +28,7 @@ with warnings.catch_warnings():  # the engine's pydantic deprecation warnings
 
 __all__ = [
     "REPO_ROOT",
-    "MACROS",
     "DONE",
-    "SweepError",
     "Sweep",
     "Trial",
     "load_sweep",
@@ -42,10 +41,6 @@ __all__ = [
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MACROS = ("${env}", "${interpreter}", "${program}", "${args}")  # wandb's default command; the only forms built
 DONE = ("finished", "failed")  # trials that ran to their end: --resume keeps them
-
-
-class SweepError(Exception):
-    """Bad input: the message says what to fix (one ``error:`` line, exit code 2)."""
 
 
 def _line(text: str, keys: list[str]) -> str:
@@ -63,7 +58,7 @@ def _line(text: str, keys: list[str]) -> str:
 
 
 def _check_flat(path: Path, text: str, config: dict[str, Any]) -> None:
-    """Raises SweepError for a parameter the trials' flags cannot carry: nested parameters, or a mapping as a value.
+    """Raises UsageError for a parameter the trials' flags cannot carry: nested parameters, or a mapping as a value.
 
     A trial's command passes each parameter as one ``--name=value`` flag: the engine drops a
     parameter that holds ``parameters:`` of its own from every trial, and a mapping as a value
@@ -74,7 +69,7 @@ def _check_flat(path: Path, text: str, config: dict[str, Any]) -> None:
         if not isinstance(spec, dict):
             continue  # the engine's schema says what a parameter must be
         if "parameters" in spec:
-            raise SweepError(
+            raise UsageError(
                 f"{path}{_line(text, ['parameters', str(name), 'parameters'])}: the parameter {name!r} holds nested "
                 f"parameters, which the search would drop from every trial (each trial passes flat --name=value "
                 f"flags); give each flag its own entry under parameters."
@@ -86,7 +81,7 @@ def _check_flat(path: Path, text: str, config: dict[str, Any]) -> None:
         nested = next((value for value in values if isinstance(value, dict)), None)
         if nested is not None:
             where = "value" if "value" in spec else "values"
-            raise SweepError(
+            raise UsageError(
                 f"{path}{_line(text, ['parameters', str(name), where])}: the parameter {name!r} has the mapping "
                 f"{nested!r} as a value, which a trial's --{name}=VALUE flag cannot carry; give it a number, a string "
                 f"or a bool (one parameter per flag)."
@@ -132,43 +127,43 @@ def load_sweep(path: Path) -> Sweep:
     """Reads and checks a sweep file in wandb's format.
 
     Raises:
-        SweepError: An unreadable or invalid file, no metric, a file the engine rejects, an
+        UsageError: An unreadable or invalid file, no metric, a file the engine rejects, an
             unsupported command macro or a missing program.
     """
     try:
         text = path.read_text()
         config = yaml.load(text, Loader=UniqueKeys)
     except DuplicateKey as error:
-        raise SweepError(
+        raise UsageError(
             f"{path}, line {error.problem_mark.line + 1}: the key {error.key!r} is given twice in one mapping, and YAML "
             f"would keep only the last, silently; keep one."
         ) from None
     except (OSError, yaml.YAMLError) as error:
-        raise SweepError(f"sweep file {path} not found or not valid YAML: {' '.join(str(error).split())}") from None
+        raise UsageError(f"sweep file {path} not found or not valid YAML: {' '.join(str(error).split())}") from None
     if not isinstance(config, dict) or not isinstance(config.get("metric"), dict) or not config["metric"].get("name"):
-        raise SweepError(f"{path} needs a metric to rank its trials, e.g. metric: {{name: val/mse, goal: minimize}}")
+        raise UsageError(f"{path} needs a metric to rank its trials, e.g. metric: {{name: val/mse, goal: minimize}}")
     if type(config.get("run_cap", 1)) is not int or config.get("run_cap", 1) < 1:
-        raise SweepError(f"{path}: run_cap must be a positive integer (got {config['run_cap']!r})")
+        raise UsageError(f"{path}: run_cap must be a positive integer (got {config['run_cap']!r})")
     _check_flat(path, text, config)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         engine_input = {key: value for key, value in config.items() if key != "run_cap"}  # not in the engine's schema
         problems = sweeps.schema_violations_from_proposed_config(engine_input)
         if problems:
-            raise SweepError(f"{path} is not a valid sweep config: {'; '.join(problems)}")
+            raise UsageError(f"{path} is not a valid sweep config: {'; '.join(problems)}")
         engine = dict(sweeps.SweepConfig(engine_input))
         try:  # what the schema lets through, e.g. a grid over a continuous range
             sweeps.next_run(engine, [])
         except (ValueError, TypeError, KeyError) as error:
-            raise SweepError(f"{path}: the {config['method']} search cannot use these parameters: {error}") from None
+            raise UsageError(f"{path}: the {config['method']} search cannot use these parameters: {error}") from None
     command = [str(part) for part in config.get("command") or MACROS]
     for macro in re.findall(r"\$\{[^}]*\}", " ".join(command)):
         if macro not in MACROS or macro not in command:
-            raise SweepError(f"{path}: command macro {macro} is not supported offline, only {' '.join(MACROS)}")
+            raise UsageError(f"{path}: command macro {macro} is not supported offline, only {' '.join(MACROS)}")
     found = [base / config["program"] for base in (Path.cwd(), REPO_ROOT, path.parent) if config.get("program")]
     program = next((file.resolve() for file in found if file.is_file()), None)
     if program is None and "${program}" in command:
-        raise SweepError(f"{path}: program {config.get('program')!r} not found from {Path.cwd()} or {REPO_ROOT}")
+        raise UsageError(f"{path}: program {config.get('program')!r} not found from {Path.cwd()} or {REPO_ROOT}")
     ours = program is not None and "fit.fit(" in program.read_text(errors="replace")
     name = re.sub(r"[^\w.-]+", "-", str(config.get("name") or path.stem))
     goal = engine["metric"].get("goal", "minimize")
@@ -233,7 +228,7 @@ def check_parameters(sweep: Sweep) -> None:
     """Checks that a Python program's ``--help`` lists a flag for each parameter; others are not checked.
 
     Raises:
-        SweepError: A parameter that is no flag of the program (every trial would fail on it), with close matches.
+        UsageError: A parameter that is no flag of the program (every trial would fail on it), with close matches.
     """
     source = sweep.program.read_text(errors="replace") if sweep.program and sweep.program.suffix == ".py" else ""
     if "${args}" not in sweep.command or not (sweep.ours or "argparse" in source):
@@ -255,7 +250,7 @@ def check_parameters(sweep: Sweep) -> None:
         if f"--{name}" not in flags and not (sweep.ours and f"--{name.replace('_', '-')}" in flags):
             matches = difflib.get_close_matches(f"--{name}", flags, n=3, cutoff=0.5)
             hint = f" (did you mean {', '.join(matches)}?)" if matches else ""
-            raise SweepError(
+            raise UsageError(
                 f"{sweep.path}: the parameter {name!r} is not a flag of {sweep.config['program']}{hint}; "
                 f"every trial would fail on it. Rename it under parameters (the program's --help lists "
                 f"its flags)."

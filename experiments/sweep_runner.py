@@ -19,19 +19,9 @@ from experiments.cli import UsageError
 from experiments.files import atomic_write
 from experiments.lock import lock_folder
 from experiments.rundir import METRICS_FILE
-from experiments.sweep_file import DONE, REPO_ROOT, Sweep, SweepError, Trial, build_command, next_trial, trial_env
+from experiments.sweep_file import DONE, REPO_ROOT, Sweep, Trial, build_command, next_trial, trial_env
 
-__all__ = [
-    "SAME_TRIALS",
-    "STOPPED",
-    "best_metric",
-    "score",
-    "start_trial",
-    "end_trial",
-    "run_sweep",
-    "open_out",
-    "write_report",
-]
+__all__ = ["best_metric", "run_sweep", "open_out", "write_report"]
 
 SAME_TRIALS = ("method", "parameters", "command", "program")  # what --resume needs unchanged (a grid may add values)
 STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM)  # our scripts' exit codes when stopped with a checkpoint
@@ -163,33 +153,25 @@ def run_sweep(
         raise
 
 
-def _lock(out: Path) -> None:
-    """The sweep's folder, this runner's alone (``rundir.lock_folder``): a second runner on it is refused."""
-    try:
-        lock_folder(out, "the sweep folder")
-    except UsageError as e:
-        raise SweepError(str(e)) from None
-
-
 def open_out(out: Path | None, sweep: Sweep, resume: bool) -> tuple[Path, list[Trial], int | None]:
     """The sweep's folder, created; on ``--resume`` also its trials (cut ones pending again) and its seed."""
     out = (out or Path("runs") / "sweeps" / f"{sweep.name}-{datetime.now():%Y%m%d-%H%M%S}").resolve()
     if not resume:
         if (out / "sweep.json").exists() or any(out.glob("trial-*")):
-            raise SweepError(f"{out} already holds a sweep; pass --resume to continue it, or a new --out folder")
+            raise UsageError(f"{out} already holds a sweep; pass --resume to continue it, or a new --out folder")
         out.mkdir(parents=True, exist_ok=True)
-        _lock(out)
+        lock_folder(out, "the sweep folder")
         return out, [], None
     if out.is_dir():
-        _lock(out)  # before reading sweep.json: a runner still going there rewrites it
+        lock_folder(out, "the sweep folder")  # before reading sweep.json: a runner still going there rewrites it
     try:
         report = json.loads((out / "sweep.json").read_text())
     except (OSError, ValueError):
-        raise SweepError(f"--resume: no sweep in {out} (no readable sweep.json)") from None
+        raise UsageError(f"--resume: no sweep in {out} (no readable sweep.json)") from None
     recorded = report["sweep"]["config"]
     changed = [key for key in SAME_TRIALS if key != "parameters" and recorded.get(key) != sweep.config.get(key)]
     if changed or not _extends(recorded, sweep.config):
-        raise SweepError(
+        raise UsageError(
             f"--resume: {out} holds another sweep than {sweep.path} ({', '.join(SAME_TRIALS)} differ, "
             f"beyond values added to a grid's parameters)"
         )

@@ -14,12 +14,10 @@ import socket
 import sys
 import urllib.parse
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from experiments.cli import UsageError
-
-if TYPE_CHECKING:
-    from experiments.run_options import RunOptions
+from experiments.run_options import RunOptions
 
 __all__ = ["WANDB_MODES", "wandb_mode", "default_wandb_mode", "init_wandb", "finish_wandb"]
 
