@@ -52,6 +52,7 @@ primal with a zero tangent; integer targets (class labels) have no tangent at al
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -135,11 +136,8 @@ def rule_vjp(
     rates: InnerRates,
     rate_values: Params,
     step: int,
-    fast: Params,
-    state: State,
-    grads: Params,
-    cot_fast: Params,
-    cot_state: State,
+    inputs: tuple[Params, State, Params],
+    cotangents: tuple[Params, State],
     *,
     wrt_inputs: bool = True,
     wrt_rates: bool = False,
@@ -148,8 +146,8 @@ def rule_vjp(
 
     Args:
         rule, rates, rate_values, step: the rule and the step's rates (``rates.at(rate_values, step)``).
-        fast, state, grads: ``(T, *shape)`` the step's inputs (values).
-        cot_fast, cot_state: ``(T, *shape)`` cotangents of the step's new fast weights and state.
+        inputs: ``(fast, state, grads)``, ``(T, *shape)`` the step's inputs (values).
+        cotangents: ``(cot_fast, cot_state)``, ``(T, *shape)`` cotangents of the step's new fast weights and state.
         wrt_inputs: pull back to ``(fast, state, grads)``.
         wrt_rates: pull back to the learnable rates.
 
@@ -157,6 +155,7 @@ def rule_vjp(
         The cotangents of ``fast``, ``state`` and ``grads`` (``(T, *shape)``; empty without
         ``wrt_inputs``) and of ``rate_values`` (keyed like it; empty without ``wrt_rates``).
     """
+    (fast, state, grads), (cot_fast, cot_state) = inputs, cotangents
     names = tuple(fast)
     with torch.enable_grad():
         fast_in = {k: v.detach().requires_grad_(wrt_inputs) for k, v in fast.items()}
@@ -217,32 +216,20 @@ def step_vjp(
         (keyed like ``rate_values``; empty unless ``want_rates``) and of the trained parameters
         outside the adapt set (keyed as ``hvp`` returns them).
     """
+    pull = functools.partial(rule_vjp, rule, rates, rate_values, step)  # the rule's vjp at this step
+    cotangents = (cot_fast, cot_state)
     if grads is None and not rule.linear:
         grads = support_grad(fast)
     if grads is None:
         # A linear rule's vjp does not depend on the gradient's value: take it at 0, and the
         # rates' cotangent (which does depend on it) at the gradient the jvp returns.
         zeros = {k: torch.zeros_like(v) for k, v in fast.items()}
-        cot_in, cot_state_in, u, _ = rule_vjp(rule, rates, rate_values, step, fast, state, zeros, cot_fast, cot_state)
+        cot_in, cot_state_in, u, _ = pull((fast, state, zeros), cotangents)
         grads, h_fast, h_trained = hvp(fast, u)
         cot_rates = {}
         if want_rates:
-            cot_rates = rule_vjp(
-                rule,
-                rates,
-                rate_values,
-                step,
-                fast,
-                state,
-                grads,
-                cot_fast,
-                cot_state,
-                wrt_inputs=False,
-                wrt_rates=True,
-            )[3]
+            cot_rates = pull((fast, state, grads), cotangents, wrt_inputs=False, wrt_rates=True)[3]
     else:
-        cot_in, cot_state_in, u, cot_rates = rule_vjp(
-            rule, rates, rate_values, step, fast, state, grads, cot_fast, cot_state, wrt_rates=want_rates
-        )
+        cot_in, cot_state_in, u, cot_rates = pull((fast, state, grads), cotangents, wrt_rates=want_rates)
         _, h_fast, h_trained = hvp(fast, u)
     return {k: v + h_fast[k] for k, v in cot_in.items()}, cot_state_in, cot_rates, h_trained
