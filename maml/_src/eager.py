@@ -9,9 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .batch import TaskBatch
 from .forward import Params
-from .loop import InnerLoop, MetaOutput, autograd_support_grad, per_task, query_step, stacked
+from .loop import MetaOutput, Problem, autograd_support_grad, per_task, query_step, stacked
 from .rules import State
 
 __all__ = ["adapt", "run"]
@@ -25,29 +24,14 @@ def _values(step: int, fast: Params, state: State) -> tuple[Params, State]:
 
 
 def adapt(
-    loop: InnerLoop,
-    params: Params,
-    rate_values: Params,
-    consts: Params,
-    x: Tensor,
-    y: Tensor,
-    steps: int,
-    *,
-    first_order: bool,
-    query: tuple[Tensor, Tensor] | None = None,
+    p: Problem, *, first_order: bool, query: tuple[Tensor, Tensor] | None = None
 ) -> tuple[Params, Tensor, list[Tensor]]:
-    """Runs the inner loop on ``T`` tasks.
+    """Runs the inner loop on the support sets of ``p.batch``'s ``T`` tasks.
 
     Under ``torch.no_grad()`` it computes the same values without keeping a graph (evaluation).
 
     Args:
-        loop: the learner's inner loop.
-        params: the adapted parameters' initial values (no task dimension).
-        rate_values: the learnable rates (see ``InnerRates``).
-        consts: shared parameters and buffers.
-        x: ``(T, n, *x_shape)`` support inputs.
-        y: ``(T, n, *y_shape)`` support targets.
-        steps: inner steps.
+        p: the inner problem: the loop, the meta-parameters, the tasks, the steps.
         first_order: take the inner gradients as constants.
         query: ``(query_x, query_y)`` to score after every step but the last (the multi-step loss).
 
@@ -55,10 +39,11 @@ def adapt(
         The fast weights ``(T, *shape)``, the ``(steps, T)`` support losses, and the ``(T,)``
         query losses after each step but the last (empty without ``query``).
     """
+    loop, rate_values, consts, x, y = p.loop, p.rate_values, p.consts, p.batch.support_x, p.batch.support_y
     tasks = x.shape[0]
     differentiable = torch.is_grad_enabled()
     with torch.enable_grad():  # the inner loop needs gradients even under torch.no_grad()
-        fast = per_task(params, tasks)
+        fast = per_task(p.params, tasks)
         if not differentiable:
             # Evaluation: no meta-gradient wanted, so the same values without a graph to keep.
             fast = {k: v.detach().requires_grad_() for k, v in fast.items()}
@@ -72,7 +57,7 @@ def adapt(
             fast,
             loop.rule.init(fast),
             rate_values,
-            steps,
+            p.steps,
             score=score,
             keep=None if differentiable else _values,
         )
@@ -80,31 +65,11 @@ def adapt(
     return fast, stacked(done.support_losses, tasks, x), done.scores
 
 
-def run(
-    loop: InnerLoop,
-    params: Params,
-    rate_values: Params,
-    consts: Params,
-    batch: TaskBatch,
-    steps: int,
-    *,
-    first_order: bool,
-    step_weights: Tensor | None,
-) -> MetaOutput:
-    """Adapts to every task of ``batch`` and scores the fast weights on its query set."""
-    query = (batch.query_x, batch.query_y)
+def run(p: Problem, *, first_order: bool, step_weights: Tensor | None) -> MetaOutput:
+    """Adapts to every task of ``p.batch`` and scores the fast weights on its query set."""
+    query = (p.batch.query_x, p.batch.query_y)
     every_step = step_weights is not None
-    fast, support, step_query = adapt(
-        loop,
-        params,
-        rate_values,
-        consts,
-        batch.support_x,
-        batch.support_y,
-        steps,
-        first_order=first_order,
-        query=query if every_step else None,
-    )
-    query_losses, query_out = loop.forward(fast, consts, *query, step=query_step(steps))
+    fast, support, step_query = adapt(p, first_order=first_order, query=query if every_step else None)
+    query_losses, query_out = p.loop.forward(fast, p.consts, *query, step=query_step(p.steps))
     per_step = torch.stack([*step_query, query_losses]) if every_step else None
     return MetaOutput.of(query_losses, query_out, support, fast, per_step, step_weights)

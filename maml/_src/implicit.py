@@ -19,11 +19,10 @@ import math
 import torch
 from torch import Tensor
 
-from .batch import TaskBatch
 from .compiled import with_gradient
 from .forward import Params, TaskForward
 from .hvp import support_hvp
-from .loop import Adapted, InnerLoop, MetaOutput, autograd_support_grad, per_task, query_step, stacked
+from .loop import Adapted, MetaOutput, Problem, autograd_support_grad, per_task, query_step, stacked
 
 __all__ = ["Implicit", "run"]
 
@@ -136,32 +135,19 @@ def conjugate_gradient(apply: callable, b: Params, iterations: int, tolerance: f
     return v
 
 
-def proximal_adapt(
-    loop: InnerLoop,
-    options: Implicit,
-    params: Params,
-    rate_values: Params,
-    consts: Params,
-    x: Tensor,
-    y: Tensor,
-    steps: int,
-) -> Adapted:
+def proximal_adapt(p: Problem, options: Implicit) -> Adapted:
     """The inner loop on each task's proximal problem ``L_s(phi) + lam/2 |phi - theta|^2``, values only.
 
-    What iMAML adapts with, in training and in evaluation alike.
-
-    Args:
-        params: the adapted parameters ``theta`` (no task dimension).
-        x: ``(T, n, *x_shape)`` support inputs.
-        y: ``(T, n, *y_shape)`` support targets.
+    What iMAML adapts with, in training and in evaluation alike, on the support sets of
+    ``p.batch``; ``p.params`` are ``theta`` (no task dimension).
 
     Returns:
         The loop's result, its ``(T, *shape)`` fast weights detached.
     """
-    lam = options.lam
-    anchor = per_task({k: v.detach() for k, v in params.items()}, x.shape[0])
-    consts = {k: v.detach() for k, v in consts.items()}
-    rates = {k: v.detach() for k, v in rate_values.items()}
+    lam, loop, x, y = options.lam, p.loop, p.batch.support_x, p.batch.support_y
+    anchor = per_task({k: v.detach() for k, v in p.params.items()}, x.shape[0])
+    consts = {k: v.detach() for k, v in p.consts.items()}
+    rates = {k: v.detach() for k, v in p.rate_values.items()}
     plain = autograd_support_grad(loop.forward, consts, x, y, create_graph=False)
 
     def support_grad(fast: Params, step: int) -> tuple[Params, Tensor]:  # of the proximal loss
@@ -175,23 +161,17 @@ def proximal_adapt(
 
     with torch.enable_grad():
         fast = {k: v.clone().requires_grad_() for k, v in anchor.items()}
-        done = loop.run(support_grad, fast, loop.rule.init(fast), rates, steps, keep=values)
+        done = loop.run(support_grad, fast, loop.rule.init(fast), rates, p.steps, keep=values)
     return done._replace(fast={k: v.detach() for k, v in done.fast.items()})
 
 
-def evaluate(
-    loop: InnerLoop,
-    options: Implicit,
-    params: Params,
-    rate_values: Params,
-    consts: Params,
-    batch: TaskBatch,
-    steps: int,
-) -> MetaOutput:
+def evaluate(p: Problem, options: Implicit) -> MetaOutput:
     """The query losses after the proximal adaptation, without a meta-gradient (evaluation)."""
-    done = proximal_adapt(loop, options, params, rate_values, consts, batch.support_x, batch.support_y, steps)
+    done, batch = proximal_adapt(p, options), p.batch
     with torch.no_grad():
-        query_losses, query_out = loop.forward(done.fast, consts, batch.query_x, batch.query_y, step=query_step(steps))
+        query_losses, query_out = p.loop.forward(
+            done.fast, p.consts, batch.query_x, batch.query_y, step=query_step(p.steps)
+        )
     return MetaOutput(
         loss=query_losses.mean(),
         query_losses=query_losses,
@@ -202,22 +182,15 @@ def evaluate(
     )
 
 
-def run(
-    loop: InnerLoop,
-    options: Implicit,
-    params: Params,
-    rate_values: Params,
-    consts: Params,
-    batch: TaskBatch,
-    steps: int,
-) -> MetaOutput:
+def run(p: Problem, options: Implicit) -> MetaOutput:
     """Adapts to the proximal problem (values only), then returns the query loss carrying iMAML's meta-gradient."""
+    loop, params, batch = p.loop, p.params, p.batch
     tasks, lam = batch.num_tasks, options.lam
     x, y = batch.support_x, batch.support_y
-    done = proximal_adapt(loop, options, params, rate_values, consts, x, y, steps)
-    fast, consts = done.fast, {k: v.detach() for k, v in consts.items()}
+    done = proximal_adapt(p, options)
+    fast, consts = done.fast, {k: v.detach() for k, v in p.consts.items()}
     with torch.enable_grad():
-        last = query_step(steps)
+        last = query_step(p.steps)
         leaves = {k: v.clone().requires_grad_() for k, v in fast.items()}
         query_losses, query_out = loop.forward(leaves, consts, batch.query_x, batch.query_y, step=last)
         g = dict(

@@ -22,7 +22,7 @@ from .batch import TaskBatch
 from .chunked import backward_in_chunks
 from .forward import LossFn, Params, TaskForward, check_finite
 from .implicit import Implicit
-from .loop import InnerLoop, MetaOutput
+from .loop import InnerLoop, MetaOutput, Problem
 from .options import Batching, CheckpointHvp, InnerOptimizer, LearnInnerLr, Mode
 from .probe import Probe
 from .rates import InnerRates
@@ -242,20 +242,20 @@ class MetaLearner:
     def backward(
         self,
         batch: TaskBatch,
-        step_weights: Tensor | None = None,
+        step_weights: Tensor | None = ...,
         *,
-        chunk: int | None = None,
-        return_output: Literal[False] = False,
+        chunk: int | None = ...,
+        return_output: Literal[False] = ...,
     ) -> Tensor: ...
 
     @overload
     def backward(
         self,
         batch: TaskBatch,
-        step_weights: Tensor | None = None,
+        step_weights: Tensor | None = ...,
         *,
-        chunk: int | None = None,
-        return_output: Literal[True],
+        return_output: Literal[True],  # keyword-only: any order; the loss or the whole output
+        chunk: int | None = ...,
     ) -> MetaOutput: ...
 
     def backward(
@@ -407,12 +407,7 @@ class MetaLearner:
     ) -> modes.Call:
         """What the mode's paths get (:class:`modes.Call`)."""
         return modes.Call(
-            self._loop,
-            params,
-            self._rate_values(),
-            consts,
-            batch,
-            steps,
+            Problem(self._loop, params, self._rate_values(), consts, batch, steps),
             step_weights,
             chunk=modes.tasks_per_chunk(self.chunk_size, self.resolved_batching, batch.num_tasks),
             checkpoint_every=self.checkpoint_every,

@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from .batch import TaskBatch
 from .forward import Params, TaskForward
 from .rates import InnerRates
 from .rules import BoundRule, State
@@ -35,6 +36,7 @@ __all__ = [
     "Adapted",
     "InnerLoop",
     "MetaOutput",
+    "Problem",
     "SupportGrad",
     "autograd_support_grad",
     "flatten_state",
@@ -197,6 +199,26 @@ def unflatten_state(values: list[Tensor] | tuple[Tensor, ...], names: tuple[str,
     """Inverse of :func:`flatten_state`."""
     n = len(names)
     return tuple(dict(zip(names, values[i : i + n])) for i in range(0, len(values), n))
+
+
+class Problem(NamedTuple):
+    """One call's inner problem, the arguments every path takes first (the compiled path after its step).
+
+    Attributes:
+        loop: the learner's inner loop.
+        params: the adapted parameters' initial values (no task dimension).
+        rate_values: the learnable rates and a rule's own tensors (see ``InnerRates``).
+        consts: the other parameters and the buffers, shared by the tasks.
+        batch: ``T`` tasks; the inner loop adapts on their support sets.
+        steps: inner steps.
+    """
+
+    loop: InnerLoop
+    params: Params
+    rate_values: Params
+    consts: Params
+    batch: TaskBatch
+    steps: int
 
 
 @dataclasses.dataclass(frozen=True)

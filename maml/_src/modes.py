@@ -21,7 +21,7 @@ from . import checkpointed, checks, compiled, eager, implicit, reptile
 from .batch import TaskBatch
 from .forward import Params, exact_attention
 from .implicit import Implicit
-from .loop import InnerLoop, MetaOutput
+from .loop import MetaOutput, Problem
 
 __all__ = [
     "COMPILED_MODES",
@@ -42,19 +42,13 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class Call:
-    """What every path gets: the inner loop, the meta-parameters as the paths take them, the tasks and the options.
+    """What every path gets: the inner problem and the options.
 
-    ``params``: the adapted parameters (no task dimension); ``rate_values``: the learnable rates
-    and a rule's own tensors; ``consts``: the other parameters and the buffers. ``chunk``: tasks
-    per checkpointed segment or compiled call.
+    ``problem``: the inner loop, the meta-parameters as the paths take them, the tasks and the
+    steps (:class:`~loop.Problem`). ``chunk``: tasks per checkpointed segment or compiled call.
     """
 
-    loop: InnerLoop
-    params: Params
-    rate_values: Params
-    consts: Params
-    batch: TaskBatch
-    steps: int
+    problem: Problem
     step_weights: Tensor | None
     chunk: int
     checkpoint_every: int | None  # None: checkpointed.segment_steps
@@ -65,66 +59,53 @@ class Call:
 Path = Callable[[Call], MetaOutput]
 
 
-def _leading(c: Call) -> tuple[InnerLoop, Params, Params, Params, TaskBatch, int]:
-    """The arguments the unrolled paths' ``run`` functions take first, in their order."""
-    return c.loop, c.params, c.rate_values, c.consts, c.batch, c.steps
-
-
 def _eager(first_order: bool) -> Path:
     def path(c: Call) -> MetaOutput:
-        return eager.run(*_leading(c), first_order=first_order, step_weights=c.step_weights)
+        return eager.run(c.problem, first_order=first_order, step_weights=c.step_weights)
 
     return path
 
 
 def _adapt(first_order: bool) -> Callable[[Call], Params]:
     def adapt(c: Call) -> Params:
-        b = c.batch
-        return eager.adapt(
-            c.loop, c.params, c.rate_values, c.consts, b.support_x, b.support_y, c.steps, first_order=first_order
-        )[0]
+        return eager.adapt(c.problem, first_order=first_order)[0]
 
     return adapt
 
 
 def _implicit_adapt(c: Call) -> Params:  # iMAML's adaptation: the proximal problem, values only
-    b = c.batch
-    return implicit.proximal_adapt(
-        c.loop, c.implicit, c.params, c.rate_values, c.consts, b.support_x, b.support_y, c.steps
-    ).fast
+    return implicit.proximal_adapt(c.problem, c.implicit).fast
 
 
 def _checkpointed(c: Call) -> MetaOutput:
     return checkpointed.run(
-        *_leading(c), chunk=c.chunk, every=c.checkpoint_every, step_weights=c.step_weights, hvp=c.checkpoint_hvp
+        *c.problem, chunk=c.chunk, every=c.checkpoint_every, step_weights=c.step_weights, hvp=c.checkpoint_hvp
     )
 
 
 def _reptile(c: Call) -> MetaOutput:
-    return reptile.run(*_leading(c))
+    return reptile.run(c.problem)
 
 
 def _implicit(c: Call) -> MetaOutput:
-    return implicit.run(c.loop, c.implicit, c.params, c.rate_values, c.consts, c.batch, c.steps)
+    return implicit.run(c.problem, c.implicit)
 
 
 def _implicit_evaluation(c: Call) -> MetaOutput:
-    return implicit.evaluate(c.loop, c.implicit, c.params, c.rate_values, c.consts, c.batch, c.steps)
+    return implicit.evaluate(c.problem, c.implicit)
 
 
 def compiled_path(c: Call, mode: str, cache: dict[str, Any], *, check_finite: bool) -> MetaOutput:
     """The training path of ``compile=True``: the meta-loss and its gradient from the mode's compiled step.
 
     ``mode``'s step is compiled at its first call and kept in ``cache`` (the learner's, by mode), so
-    that setting the mode between steps compiles each once. The step traces ``c.loop``; with
+    that setting the mode between steps compiles each once. The step traces the problem's loop; with
     ``check_finite=False`` it runs the loop without the NaN/Inf check.
     """
     if mode not in cache:
-        cache[mode] = compiled.compile_step(compiled.meta_step(c.loop, first_order=mode == "first_order"))
-    loop = c.loop if check_finite else c.loop.unchecked()
-    return compiled.run(
-        cache[mode], *_leading(dataclasses.replace(c, loop=loop)), chunk=c.chunk, step_weights=c.step_weights
-    )
+        cache[mode] = compiled.compile_step(compiled.meta_step(c.problem.loop, first_order=mode == "first_order"))
+    loop = c.problem.loop if check_finite else c.problem.loop.unchecked()
+    return compiled.run(cache[mode], *c.problem._replace(loop=loop), chunk=c.chunk, step_weights=c.step_weights)
 
 
 @dataclasses.dataclass(frozen=True)

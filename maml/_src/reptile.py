@@ -12,24 +12,19 @@ from __future__ import annotations
 
 import torch
 
-from .batch import TaskBatch
 from .compiled import with_gradient
 from .eager import adapt
-from .forward import Params
-from .loop import InnerLoop, MetaOutput, query_step
+from .loop import MetaOutput, Problem, query_step
 
 __all__ = ["run"]
 
 
-def run(
-    loop: InnerLoop, params: Params, rate_values: Params, consts: Params, batch: TaskBatch, steps: int
-) -> MetaOutput:
-    """Adapts every task of ``batch`` (values only), scores the query sets, and returns Reptile's loss."""
+def run(p: Problem) -> MetaOutput:
+    """Adapts every task of ``p.batch`` (values only), scores the query sets, and returns Reptile's loss."""
+    loop, params, consts, batch = p.loop, p.params, p.consts, p.batch
     with torch.no_grad():  # values only: Reptile differentiates nothing
-        fast, support, _ = adapt(
-            loop, params, rate_values, consts, batch.support_x, batch.support_y, steps, first_order=True
-        )
-        query_losses, query_out = loop.forward(fast, consts, batch.query_x, batch.query_y, step=query_step(steps))
+        fast, support, _ = adapt(p, first_order=True)
+        query_losses, query_out = loop.forward(fast, consts, batch.query_x, batch.query_y, step=query_step(p.steps))
         directions = [p.detach() - fast[k].mean(0) for k, p in params.items()]
     trained = [v for v in consts.values() if v.requires_grad]
     loss = with_gradient(
@@ -45,5 +40,4 @@ def run(
         query_out=query_out,
         support_losses=support,
         fast=fast,
-        step_query_losses=None,
-    )
+    )  # no step_query_losses: Reptile weighs no steps
