@@ -180,9 +180,13 @@ class MetaLearner:
 
     @mode.setter
     def mode(self, mode: str) -> None:
-        learned = options.learned(self.learn_inner_lr, self.rule)
         options.check_new_mode(
-            mode, compile=self.compile, learned=learned, chunk_size=self.chunk_size, batching=self.batching
+            mode,
+            compile=self.compile,
+            learn_inner_lr=self.learn_inner_lr,
+            rule=self.rule,
+            chunk_size=self.chunk_size,
+            batching=self.batching,
         )
         checks.warn_weight_norm(self.model, mode)
         self._mode = mode

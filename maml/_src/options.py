@@ -119,18 +119,21 @@ def learned(learn_inner_lr: LearnInnerLr, rule: UpdateRule) -> str | None:
     return f"the rule {type(rule).__name__}'s own tensors" if rule_tensors(rule) else None
 
 
-def check_new_mode(mode: Any, *, compile: bool, learned: str | None, chunk_size: int | None, batching: str) -> None:
-    """The checks of a mode set on a live learner: a supported name, :func:`modes.check_mode`, and the chunking.
+def check_new_mode(
+    mode: Any, *, compile: bool, learn_inner_lr: LearnInnerLr, rule: UpdateRule, chunk_size: int | None, batching: str
+) -> None:
+    """The checks of a mode set on a live learner built with these options.
 
-    A learner built with ``chunk_size`` and ``batching="auto"`` outside the checkpointed mode
-    chunks its vmap (``TaskForward`` is built so); the checkpointed mode would read ``chunk_size``
-    as tasks per segment instead, so it is refused rather than reinterpreted.
+    A supported name, :func:`modes.check_mode`, and the chunking: a learner built with
+    ``chunk_size`` and ``batching="auto"`` outside the checkpointed mode chunks its vmap
+    (``TaskForward`` is built so); the checkpointed mode would read ``chunk_size`` as tasks per
+    segment instead, so it is refused rather than reinterpreted.
 
     Raises:
         ValueError: naming the mode and what does not go with it.
     """
     checks.one_of("mode", mode, modes.MODES)
-    modes.check_mode(mode, compile=compile, learned=learned)
+    modes.check_mode(mode, compile=compile, learned=learned(learn_inner_lr, rule))
     if mode == "checkpointed" and chunk_size is not None and batching == "auto":
         raise ValueError(
             f"mode='checkpointed' on a learner built with chunk_size={chunk_size} for chunked vmap; "

@@ -42,7 +42,7 @@ def split(
             the model's current ones.
         rate_values: the learnable rates and the rule's tensors, which must be placed like the parameters.
         integer_inputs: the model embeds integer inputs (``nn.Embedding``).
-        inputs: ``support_x`` (and ``query_x``), in that order, for their dtype.
+        inputs: ``(T, n, *x_shape)`` ``support_x`` (and ``query_x``), in that order, for their dtype.
 
     Returns:
         The adapted parameters and the constants (:func:`constants`).
