@@ -178,10 +178,7 @@ def fit(experiment: Experiment, argv: Sequence[str] | None = None) -> None:
     trainer = Trainer(
         learner=trained,
         optimizer=optimizer,
-        sample=tasks.sample,
-        metrics=tasks.metrics,
-        val_batch=tasks.val_batch,
-        val_metrics=tasks.val_metrics,
+        **vars(tasks),  # sample, metrics, val_batch, val_metrics, select
         watch=watch,
         iterations=cfg.iterations,
         log_every=cfg.log_every,
@@ -190,7 +187,6 @@ def fit(experiment: Experiment, argv: Sequence[str] | None = None) -> None:
         seed=cfg.seed,
         device=opts.device,
         schedule=recipes.Schedule.of(cfg),
-        select=tasks.select,
         backward_chunk=cfg.backward_chunk,
         clip_value=cfg.clip_meta_grad,
     )

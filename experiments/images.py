@@ -181,26 +181,28 @@ def _describe(splits: tasks.ImageSplits) -> dict[str, Any]:
     }
 
 
-def run(argv: Sequence[str] | None = None) -> None:
-    def test(fitted: fit.Fitted) -> fit.Results:
-        return omniglot.final_test(fitted, _describe, f"held-out {type(fitted.data[0].test).spec.name} classes")
+def _test(fitted: fit.Fitted) -> fit.Results:
+    return omniglot.final_test(fitted, _describe, f"held-out {type(fitted.data[0].test).spec.name} classes")
 
-    fit.fit(
-        fit.Experiment(
-            "images",
-            ImagesConfig,
-            __doc__.split("\n\n")[0],
-            validate_config,
-            model=make_model,
-            tasks=omniglot.train_tasks,
-            test=test,
-            resolve=resolve,
-            load=load,
-            run_name=lambda cfg: f"{cfg.dataset}-{cfg.ways}way-{cfg.shots}shot",
-            needs=memory_needs,
-        ),
-        argv,
-    )
+
+EXPERIMENT = fit.Experiment(
+    "images",
+    ImagesConfig,
+    __doc__.split("\n\n")[0],
+    validate_config,
+    make_model,
+    omniglot.train_tasks,
+    _test,
+    resolve=resolve,
+    load=load,
+    run_name=lambda cfg: f"{cfg.dataset}-{cfg.ways}way-{cfg.shots}shot",
+    needs=memory_needs,
+)
+
+
+def run(argv: Sequence[str] | None = None) -> None:
+    """The script, with the command line ``argv`` (default: ``sys.argv[1:]``)."""
+    fit.fit(EXPERIMENT, argv)
 
 
 if __name__ == "__main__":

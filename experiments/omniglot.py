@@ -305,24 +305,25 @@ def final_test(
     return fit.Results(results, "accuracy", "\n".join(lines), {"data": data, "test_best": best_results})
 
 
+EXPERIMENT = fit.Experiment(
+    "omniglot",
+    OmniglotConfig,
+    __doc__.split("\n\n")[0],
+    validate_config,
+    make_model,
+    train_tasks,
+    final_test,
+    resolve=resolve,
+    load=load,
+    notes=notes,
+    run_name=lambda cfg: f"omniglot-{cfg.ways}way-{cfg.shots}shot",
+    needs=memory_needs,
+)
+
+
 def run(argv: Sequence[str] | None = None) -> None:
-    fit.fit(
-        fit.Experiment(
-            "omniglot",
-            OmniglotConfig,
-            __doc__.split("\n\n")[0],
-            validate_config,
-            model=make_model,
-            tasks=train_tasks,
-            test=final_test,
-            resolve=resolve,
-            load=load,
-            notes=notes,
-            run_name=lambda cfg: f"omniglot-{cfg.ways}way-{cfg.shots}shot",
-            needs=memory_needs,
-        ),
-        argv,
-    )
+    """The script, with the command line ``argv`` (default: ``sys.argv[1:]``)."""
+    fit.fit(EXPERIMENT, argv)
 
 
 if __name__ == "__main__":
