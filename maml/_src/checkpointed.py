@@ -56,6 +56,7 @@ from .loop import (
     Adapted,
     InnerLoop,
     MetaOutput,
+    Problem,
     autograd_support_grad,
     flatten_state,
     per_task,
@@ -554,12 +555,7 @@ def segment_steps(steps: int, tasks: int, chunk: int) -> int:
 
 
 def run(
-    loop: InnerLoop,
-    params: Params,
-    rate_values: Params,
-    consts: Params,
-    batch: TaskBatch,
-    steps: int,
+    problem: Problem,
     *,
     chunk: int,
     every: int | None,
@@ -569,18 +565,14 @@ def run(
     """The exact meta-loss with recomputation in the backward pass.
 
     Args:
-        loop: the learner's inner loop.
-        params: the adapted parameters' initial values (no task dimension).
-        rate_values: the learnable rates.
-        consts: shared parameters and buffers; those that require grad (parameters outside the
-            adapt set) get their exact meta-gradient.
-        batch: ``T`` tasks.
-        steps: inner steps.
+        problem: the inner problem (``loop.Problem``); its constants that require grad
+            (parameters outside the adapt set) get their exact meta-gradient.
         chunk: tasks per recomputed segment.
         every: inner steps per recomputed segment (``checkpoint_every``); None: :func:`segment_steps`.
         step_weights: ``(steps,)`` MAML++'s multi-step loss weights, or ``None``.
         hvp: how a segment's backward differentiates its steps (``checkpoint_hvp``, see ``hvp.py``).
     """
+    loop, params, rate_values, consts, batch, steps = problem
     assert hvp in ("reverse_over_reverse", "forward_over_reverse"), hvp
     names, tasks = tuple(params), batch.num_tasks
     trained = tuple(k for k, v in consts.items() if v.requires_grad)

@@ -22,9 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .batch import TaskBatch
 from .forward import Params
-from .loop import InnerLoop, MetaOutput, func_support_grad, meta_objective, per_task, query_step, stacked
+from .loop import InnerLoop, MetaOutput, Problem, func_support_grad, meta_objective, per_task, query_step, stacked
 
 __all__ = ["meta_step", "run"]
 
@@ -79,18 +78,7 @@ def meta_step(loop: InnerLoop, first_order: bool) -> Step:
     return step
 
 
-def run(
-    step: Step,
-    loop: InnerLoop,
-    params: Params,
-    rate_values: Params,
-    consts: Params,
-    batch: TaskBatch,
-    steps: int,
-    *,
-    chunk: int,
-    step_weights: Tensor | None,
-) -> MetaOutput:
+def run(step: Step, problem: Problem, *, chunk: int, step_weights: Tensor | None) -> MetaOutput:
     """The meta-loss with its meta-gradient computed now, by the compiled ``step``, ``chunk`` tasks at a time.
 
     With the loop, each call is one task (no grouped convolutions, one task's activations);
@@ -98,6 +86,7 @@ def run(
     weighted by their sizes, which is the mean over the meta-batch. ``loop.check`` runs on the
     support losses afterwards.
     """
+    loop, params, rate_values, consts, batch, steps = problem
     tasks = batch.num_tasks
     trained = {k: v for k, v in consts.items() if v.requires_grad}
     inputs = [*params.values(), *rate_values.values(), *trained.values()]

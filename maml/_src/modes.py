@@ -79,7 +79,7 @@ def _implicit_adapt(c: Call) -> Params:  # iMAML's adaptation: the proximal prob
 
 def _checkpointed(c: Call) -> MetaOutput:
     return checkpointed.run(
-        *c.problem, chunk=c.chunk, every=c.checkpoint_every, step_weights=c.step_weights, hvp=c.checkpoint_hvp
+        c.problem, chunk=c.chunk, every=c.checkpoint_every, step_weights=c.step_weights, hvp=c.checkpoint_hvp
     )
 
 
@@ -105,7 +105,7 @@ def compiled_path(c: Call, mode: str, cache: dict[str, Any], *, check_finite: bo
     if mode not in cache:
         cache[mode] = compiled.compile_step(compiled.meta_step(c.problem.loop, first_order=mode == "first_order"))
     loop = c.problem.loop if check_finite else c.problem.loop.unchecked()
-    return compiled.run(cache[mode], *c.problem._replace(loop=loop), chunk=c.chunk, step_weights=c.step_weights)
+    return compiled.run(cache[mode], c.problem._replace(loop=loop), chunk=c.chunk, step_weights=c.step_weights)
 
 
 @dataclasses.dataclass(frozen=True)
