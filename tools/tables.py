@@ -82,6 +82,8 @@ def command(results: dict[str, Any]) -> str:
         if defaults.get(key) == value or (isinstance(value, list) and tuple(value) == defaults.get(key)):
             continue
         shown = ",".join(map(str, value)) if isinstance(value, list) else "null" if value is None else value
+        if key == "data":  # where the run found the archives, a path of its machine: the reader's is DIR
+            shown = "DIR"
         flags.append(f"--{key.replace('_', '-')} {shown}")
     return " ".join([f"python -m experiments.{name}", *flags])
 
@@ -105,6 +107,27 @@ def provenance(runs: Sequence[dict[str, Any]]) -> str:
         f"device {device}"
         + (f" ({cpus})" if cpus != "-" else "")
         + f"{threads}; {_distinct(sorted(dates))}; commit {commits}"
+    )
+
+
+# The Omniglot archives a run read, known by the number of characters it found in them (results.json's
+# ``data``): the two small background archives hold 242 once Greek and Latin, in both, are read once.
+OMNIGLOT_ARCHIVES = {
+    242: "the two small background archives, `images_background_small1.zip` and `images_background_small2.zip`",
+    1623: "the full archives, `images_background.zip` and `images_evaluation.zip`",
+}
+
+
+def omniglot_data(runs: Sequence[dict[str, Any]]) -> str:
+    """Which Omniglot archives ``runs`` read and how their characters were split, as a sentence ("" if unrecorded)."""
+    splits = {tuple(run["data"]["characters"]) for run in runs if "characters" in run.get("data", {})}
+    if len(splits) != 1:  # none recorded, or runs that read different data
+        return ""
+    ((train, val, test),) = splits
+    archives = OMNIGLOT_ARCHIVES.get(train + val + test, "archives")
+    return (
+        f" Data (`--data DIR` or `$OMNIGLOT_DIR`): {archives}, {train + val + test} characters, {train} to train on, "
+        f"{val} to validate and {test} to test."
     )
 
 
@@ -139,7 +162,7 @@ def omniglot_curve(root: Path = REPO / "results/omniglot/curve") -> str:
         f"Validation accuracy of `{cfg['algorithm']}` (seed {cfg['seed']}) on {cfg['val_tasks']} fixed validation tasks "
         f"after {cfg['steps']} step{'s' * (cfg['steps'] != 1)}, every 200 of {results['iterations']} iterations (the "
         f"meta-loss: the mean over the {cfg['log_every']} iterations before; the training query accuracy: that "
-        f"iteration's meta-batch). `{command(results)}`; {provenance([results])}.",
+        f"iteration's meta-batch). `{command(results)}`; {provenance([results])}.{omniglot_data([results])}",
         "",
         "| iteration | validation accuracy % | training query accuracy % | meta-loss |",
         "|---|---|---|---|",
@@ -200,9 +223,9 @@ def omniglot_long(root: Path = REPO / "results/omniglot/gpu") -> str:
         f"{_task(runs)} test accuracy % on {tasks} tasks of held-out alphabets (+- the 95 % confidence interval), "
         f"with the best validation's parameters (validated every {runs[0]['config']['val_every']:,} iterations on "
         f"{runs[0]['config']['val_tasks']} tasks) unless the column says otherwise. Trained with `--iterations 60000 "
-        f"--device cuda` on a budget of GPU time that ended at the iteration shown (the median step: the training "
-        f"step time in `metrics.jsonl`), then tested from its checkpoint on the CPU: `{command(runs[0])} --resume`; "
-        f"{provenance(runs)}.",
+        f"--device cuda`, stopped at the iteration shown (the median step: the training step time in "
+        f"`metrics.jsonl`), then tested from its checkpoint on the CPU: `{command(runs[0])} --resume`; "
+        f"{provenance(runs)}.{omniglot_data(runs)}",
     ]
     return "\n".join(lines) + "\n"
 
@@ -219,7 +242,7 @@ def omniglot_long_curve(root: Path = REPO / "results/omniglot/gpu", window: int 
         lines = [
             f"`{cfg['algorithm']}`, {_task([results])}, seed {cfg['seed']}: validation on "
             f"{cfg['val_tasks']} fixed tasks every {cfg['val_every']:,} iterations, and the training meta-loss, "
-            f"{window:,} iterations a row ({folder.relative_to(REPO).as_posix()}/metrics.jsonl).",
+            f"{window:,} iterations a row ({folder.relative_to(REPO).as_posix()}/metrics.jsonl).{omniglot_data([results])}",
             "",
             "| iterations | validations | mean validation % | best validation % | mean meta-loss |",
             "|---|---|---|---|---|",
@@ -324,10 +347,10 @@ def omniglot_seeds(
         f"{_distinct(r['config']['val_every'] for r in everything)} iterations, `best.pt`) "
         f"unless the column says otherwise; the training steps are each recipe's, the test steps the columns'. "
         f"Minutes a run: the mean training time, other runs sharing the cores (a cost, not a timing). "
-        f"Runs: {provenance(everything)}. Sweeps: {', '.join(commands)}, data from `$OMNIGLOT_DIR`.",
+        f"Runs: {provenance(everything)}. Sweeps: {', '.join(commands)}.{omniglot_data(everything)}",
     ]
     if pending:
-        notes.append(f"Not yet run: {', '.join(pending)}; the sweeps resume with `--resume`.")
+        notes.append(f"Without results here: {', '.join(pending)} (trials of the sweeps; `--resume` runs them).")
     return "\n".join(lines + notes) + "\n"
 
 
@@ -576,7 +599,7 @@ def sine_seeds(sweep: Path = REPO / "results/sine/seeds") -> str:
         f"`python -m experiments.sweep {report['sweep']['file']} --out {sweep.relative_to(REPO).as_posix()}`.",
     ]
     if pending:
-        lines.append(f"Not yet run: {', '.join(pending)}; the sweep resumes with `--resume`.")
+        lines.append(f"Without results here: {', '.join(pending)} (trials of the sweep; `--resume` runs them).")
     return "\n".join(lines) + "\n"
 
 

@@ -99,7 +99,7 @@ def test_the_seed_table_gives_mean_and_std_over_finished_seeds_and_names_the_pen
         row
         == "| `maml` | 2 of 2 (0, 1) | 2000 | 80.0 +- 14.1 | 80.0 +- 14.1 | 80.0 +- 14.1 | 70.0 +- 14.1 | 1500, 1500 | 10 |"
     )
-    assert "Not yet run: `anil` (2 seeds); the sweeps resume with `--resume`." in text
+    assert "Without results here: `anil` (2 seeds) (trials of the sweeps; `--resume` runs them)." in text
     assert "Sweeps: `python -m experiments.sweep experiments/sweeps/x.yaml --out results/seeds`" in text
     assert "commit 0123456789; device cpu" not in text and "2026-11-24; commit 0123456789" in text
     assert "5-way 1-shot test accuracy % on 600 tasks" in text and "(every 100 iterations, `best.pt`)" in text
@@ -294,7 +294,7 @@ def test_the_command_names_only_the_flags_that_differ_from_the_recipes_defaults(
         }
     )  # the recipe's
     assert tables.command({"experiment": "omniglot", "config": cfg}) == (
-        "python -m experiments.omniglot --iterations 2000 --algorithm mamlpp --val-every 100 --data x"
+        "python -m experiments.omniglot --iterations 2000 --algorithm mamlpp --val-every 100 --data DIR"
     )
 
 
