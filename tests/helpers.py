@@ -176,14 +176,14 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def omniglot_root() -> Path:
-    """The real Omniglot archives: $OMNIGLOT_DIR, else ../shared/data/omniglot. Missing data fails, never skips."""
+    """The real Omniglot archives: $OMNIGLOT_DIR, else the folder .ci/run defaults to. Missing data fails, never skips."""
     root = Path(os.environ.get("OMNIGLOT_DIR") or REPO.parent / "shared" / "data" / "omniglot")
     archives = ("images_background_small1.zip", "images_background_small2.zip")
     missing = [a for a in archives if not (root / a).is_file()]
     if missing:
         pytest.fail(
             f"the real Omniglot archives {missing} are not in {root}; set OMNIGLOT_DIR to the folder "
-            f"holding them (CI: .ci/run sets it to ../shared/data/omniglot).",
+            f"holding them (CI: .ci/run sets it).",
             pytrace=False,
         )
     return root

@@ -15,7 +15,7 @@ import tasks
 
 @pytest.fixture(scope="module")
 def omni(tmp_path_factory: pytest.TempPathFactory) -> tasks.Omniglot:
-    """The real archives from $OMNIGLOT_DIR (else ../shared/data/omniglot); missing data fails."""
+    """The real archives from $OMNIGLOT_DIR (else the folder .ci/run defaults to); missing data fails."""
     root = omniglot_root()
     return tasks.Omniglot(root, rotations=False, cache_dir=tmp_path_factory.mktemp("omniglot-cache"))
 

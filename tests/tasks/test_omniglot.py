@@ -274,7 +274,7 @@ def test_a_read_only_data_folder_is_left_alone_even_by_root(
     layout: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("MAML_CACHE_DIR", str(tmp_path / "user-cache"))
-    layout.chmod(0o555)  # like ../shared/data/omniglot; root could still write, so the code must not
+    layout.chmod(0o555)  # like a shared, read-only data folder; root could still write, so the code must not
     try:
         omni = tasks.Omniglot(layout, rotations=False)
         assert omni.cache_path is not None and omni.cache_path.parent == tmp_path / "user-cache"
