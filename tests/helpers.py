@@ -176,8 +176,14 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def omniglot_root() -> Path:
-    """The real Omniglot archives: $OMNIGLOT_DIR, else the folder .ci/run defaults to. Missing data fails, never skips."""
-    root = Path(os.environ.get("OMNIGLOT_DIR") or REPO.parent / "shared" / "data" / "omniglot")
+    """The real Omniglot archives, in $OMNIGLOT_DIR (.ci/run sets it). Missing data fails, never skips."""
+    if not os.environ.get("OMNIGLOT_DIR"):
+        pytest.fail(
+            "OMNIGLOT_DIR is not set; set it to the folder holding images_background_small1.zip and "
+            "images_background_small2.zip (github.com/brendenlake/omniglot).",
+            pytrace=False,
+        )
+    root = Path(os.environ["OMNIGLOT_DIR"])
     archives = ("images_background_small1.zip", "images_background_small2.zip")
     missing = [a for a in archives if not (root / a).is_file()]
     if missing:
