@@ -14,13 +14,17 @@ __all__ = ["write_report"]
 
 def write_report(path: Path, benchmark: str, argv: list[str], device: Any, threads: int, **fields: Any) -> None:
     """Writes ``fields`` to ``path`` (atomically) with how, where and when they were measured."""
+    import torch
+
     from experiments.files import atomic_write
     from experiments.results import provenance
 
+    device = torch.device(device)
     report = {
         "benchmark": benchmark,
         "command": " ".join([f"python -m benchmarks.{benchmark}", *argv]),
         "device": str(device),
+        **({"gpu": torch.cuda.get_device_name(device)} if device.type == "cuda" else {}),
         **{k: v for k, v in provenance().items() if k != "host"},
         "threads": threads,
         **fields,

@@ -529,6 +529,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     tables: list[dict[str, object]] = []
 
+    def save(complete: bool) -> None:
+        """Writes --json after every table (a stopped run keeps what it measured), then whole."""
+        if args.json is not None:
+            command = sys.argv[1:] if argv is None else argv
+            write_report(
+                args.json, "speed", command, device, threads, peak_gflops=peak / 1e9, complete=complete, tables=tables
+            )
+
     device = torch.device(args.device)
     clock = Clock(device)
     peak = peak_flops(device, clock)
@@ -577,9 +585,8 @@ def main(argv: list[str] | None = None) -> int:
                         repeats,
                         versus="vs peer",
                     )
-    if args.json is not None:
-        argv = sys.argv[1:] if argv is None else argv
-        write_report(args.json, "speed", argv, device, threads, peak_gflops=peak / 1e9, tables=tables)
+                save(complete=False)
+    save(complete=True)
     return 0
 
 
