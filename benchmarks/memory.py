@@ -314,7 +314,9 @@ def run_worker(method: str, tasks: int, steps: int, args: argparse.Namespace, gr
         command += ["--grad-file", str(grad_file)]
     if args.chunk_size is not None:
         command += ["--chunk-size", str(args.chunk_size)]
-    env = {**os.environ, "MALLOC_ARENA_MAX": "1", "PYTHONPATH": str(REPO)}
+    # The repository first, then the caller's own path (where its peers may be installed).
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "MALLOC_ARENA_MAX": "1", "PYTHONPATH": path}
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         lines = done.stderr.strip().splitlines() or [f"exit status {done.returncode}"]

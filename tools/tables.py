@@ -96,7 +96,7 @@ def _distinct(values: Iterable[Any]) -> str:
 def provenance(runs: Sequence[dict[str, Any]]) -> str:
     """Device, processor, threads, dates and commits of ``runs``, as one sentence."""
     dates = [run.get("date") or _commit_date(run.get("git_commit")) for run in runs]
-    cpus = _distinct(run.get("cpu") for run in runs)
+    cpus = _distinct(run.get("gpu") or run.get("cpu") for run in runs)
     threads = _distinct(run.get("threads") for run in runs)
     commits = _distinct(
         (run.get("git_commit") or "")[:10] + (" (uncommitted changes)" if run.get("git_dirty") else "") for run in runs
@@ -355,7 +355,8 @@ def omniglot_seeds(
 
 
 def memory(
-    path: Path = REPO / "results/benchmarks/memory.json", longer: Path = REPO / "results/benchmarks/memory_long.json"
+    path: Path = REPO / "results/benchmarks/memory.json",
+    longer: Path | None = REPO / "results/benchmarks/memory_long.json",
 ) -> str:
     """``benchmarks/memory.py --json``: tensor peak, RSS and time of one meta-training step per method and inner steps.
 
@@ -363,7 +364,7 @@ def memory(
     the methods; its cells join the table and its command and commit the caption.
     """
     report = _json(path)
-    if not longer.is_file():
+    if longer is None or not longer.is_file():
         return _memory_table(report, "steps")
     extra = _json(longer)
     if extra["setting"] != report["setting"]:
@@ -605,6 +606,7 @@ def sine_seeds(sweep: Path = REPO / "results/sine/seeds") -> str:
 
 RENDERERS: dict[str, Callable[[], str]] = {
     "speed": speed,
+    "speed_cuda": functools.partial(speed, REPO / "results/benchmarks/speed_cuda.json"),
     "sine-seeds": sine_seeds,
     "omniglot-curve": omniglot_curve,
     "omniglot-seeds": omniglot_seeds,
@@ -613,6 +615,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "omniglot-20way": functools.partial(omniglot_seeds, [REPO / "results/omniglot/20way"]),
     "omniglot-20way-curve": functools.partial(omniglot_long_curve, REPO / "results/omniglot/20way", window=250),
     "memory": memory,
+    "memory_cuda": functools.partial(memory, REPO / "results/benchmarks/memory_cuda.json", None),
     "image_sampling": image_sampling,
     "memory_tasks": memory_tasks,
     "flags-run": _flags_of("run"),
