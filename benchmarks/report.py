@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ def write_report(path: Path, benchmark: str, argv: list[str], device: Any, threa
     device = torch.device(device)
     report = {
         "benchmark": benchmark,
-        "command": " ".join([f"python -m benchmarks.{benchmark}", *argv]),
+        "command": shlex.join(["python", "-m", f"benchmarks.{benchmark}", *argv]),
         "device": str(device),
         **({"gpu": torch.cuda.get_device_name(device)} if device.type == "cuda" else {}),
         **{k: v for k, v in provenance().items() if k != "host"},
