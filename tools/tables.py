@@ -386,6 +386,7 @@ def _memory_table(report: dict[str, Any], axis: str) -> str:
     cells = {(r["method"], r[axis]): r for r in report["results"]}
     setting = report["setting"]
     limit = setting["limit_gib"]
+    cuda = report["device"].startswith("cuda")
 
     def cell(r: dict[str, Any] | None) -> str:
         if r is None:
@@ -394,6 +395,8 @@ def _memory_table(report: dict[str, Any], axis: str) -> str:
             return f"> {limit:g} GiB"
         if r.get("error"):
             return "error"
+        if cuda:  # both figures are the allocator's peak: one is enough
+            return f"{r['tensor_mib']:,.0f} MiB, {r['seconds']:.1f} s"
         tensors = f"{r['tensor_mib']:,.0f} MiB tensors (RSS " if "tensor_mib" in r else ""
         rss = f"{r['extra_mib']:,.0f} MiB" + (")" if tensors else "")
         return f"{tensors}{rss}, {r['seconds']:.1f} s"
@@ -404,7 +407,7 @@ def _memory_table(report: dict[str, Any], axis: str) -> str:
         "|---" + "|---:" * len(columns) + "|",
     ]
     lines += [f"| `{m}` | " + " | ".join(cell(cells.get((m, c))) for c in columns) + " |" for m in report["methods"]]
-    clock = "wall time" if report["device"].startswith("cuda") else f"CPU time of {report['threads']} thread"
+    clock = "wall time" if cuda else f"CPU time of {report['threads']} thread"
     fixed = (
         f"{setting['tasks']} tasks"
         if axis == "steps"
@@ -413,15 +416,22 @@ def _memory_table(report: dict[str, Any], axis: str) -> str:
     lines += [
         "",
         (
-            "Peak of live tensor bytes of one meta-training step (profiler memory events on the CPU, "
-            "`torch.cuda.max_memory_allocated` on a GPU), its peak resident memory over the process's baseline "
+            "Peak of `torch.cuda.max_memory_allocated` during one meta-training step over the memory allocated before it "
+            if cuda
+            else "Peak of live tensor bytes of one meta-training step (profiler memory events), "
+            "its peak resident memory over the process's baseline "
             if any("tensor_mib" in r for r in report["results"])
             else "Peak memory of one meta-training step over the process's baseline, "
         )
         + f"and its {clock}{' (of its only step, which also touches its memory first)' if setting['repeats'] == 0 else ''} (the MAML "
         f"Omniglot max-pool net, {fixed}, {setting['ways']}-way {setting['shots']}-shot, "
-        f"{setting['query']} query images per class, batching `{setting['batching']}`; a worker may add "
-        f"{limit:g} GiB of address space, RLIMIT_AS; > {limit:g} GiB: it ran out of it). `{report['command']}`; torch {report['versions'].get('torch', '?')}; {provenance([report])}."
+        f"{setting['query']} query images per class, batching `{setting['batching']}`"
+        + (
+            f"; a worker may add {limit:g} GiB of address space, RLIMIT_AS; > {limit:g} GiB: it ran out of it)."
+            if report["device"] == "cpu"
+            else "; error: the worker failed)."
+        )
+        + f" `{report['command']}`; torch {report['versions'].get('torch', '?')}; {provenance([report])}."
         + (
             ""
             if report.get("complete", True)
