@@ -130,44 +130,56 @@ def flat_grad(learner: maml.MetaLearner, batch: maml.TaskBatch) -> Tensor:
 def finite_difference_error(
     learner: maml.MetaLearner, batch: maml.TaskBatch, directions: int = 3, seed: int = 0
 ) -> float:
-    """Worst relative error of the meta-gradient against central differences of the meta-loss.
+    """:func:`directional_error` of a learner's meta-gradient, over all its meta-parameters (model
+    parameters and learnable inner rates)."""
+    return directional_error(lambda: learner.meta_loss(batch), list(learner.parameters()), directions, seed)
 
-    Along ``directions`` random directions v in the space of all meta-parameters (model
-    parameters and learnable inner rates): ``<grad, v>`` versus ``(L(p + eps v) - L(p - eps v)) / 2 eps``.
-    ReLU and max-pool make the meta-loss piecewise smooth, so a difference whose step crosses
-    a kink is wrong whatever the gradient; the step shrinks until the central difference has
-    converged (from function values alone, never from the gradient under test).
+
+def directional_error(
+    loss_at: Callable[[], Tensor], params: list[Tensor], directions: int = 3, seed: int = 0, *, order: int = 2
+) -> float:
+    """Worst relative error of ``<grad, v>`` against central differences of ``loss_at()`` along random
+    directions v over ``params`` (the one finite-difference checker of the tests).
+
+    ``loss_at`` is called once with gradients on (the gradient under test), then under ``torch.no_grad()``
+    for values alone. ReLU and max-pool make a meta-loss piecewise smooth, so a difference whose step
+    crosses a kink is wrong whatever the gradient; the step shrinks until two differences agree (from
+    function values alone, never from the gradient under test). ``order=4``: the fourth-order stencil,
+    from larger steps, for losses curved at the scale of a step (Adam's update where a gradient is small).
     """
-    params = list(learner.parameters())
-    loss = learner.meta_loss(batch)
+    loss = loss_at()
     grads = torch.autograd.grad(loss, params)
     g = torch.Generator().manual_seed(seed)
-    # A central difference carries the rounding of the two losses it subtracts, about eps_float * |L| / step:
+    # A central difference carries the rounding of the losses it subtracts, about eps_float * |L| / step:
     # two steps agree at best to that (a kink that forces the step down to 1e-7 leaves ~1e-9 of noise).
     rounding = 8 * torch.finfo(loss.dtype).eps * abs(float(loss.detach()))
+    steps = (1e-5, 1e-6, 1e-7) if order == 2 else (1e-4, 3e-5, 1e-5, 3e-6, 1e-6)
 
-    def loss_at(v: list[Tensor], step: float) -> float:
+    def value(v: list[Tensor], step: float) -> float:
         with torch.no_grad():
             for p, vi in zip(params, v):
                 p.add_(step * vi)
-            value = float(learner.meta_loss(batch))
-            for p, vi in zip(params, v):
-                p.sub_(step * vi)
-        return value
+            try:
+                return float(loss_at().detach())
+            finally:
+                for p, vi in zip(params, v):
+                    p.sub_(step * vi)
 
-    def central(v: list[Tensor], eps: float) -> float:
-        return (loss_at(v, eps) - loss_at(v, -eps)) / (2 * eps)
+    def central(v: list[Tensor], h: float) -> float:
+        if order == 2:
+            return (value(v, h) - value(v, -h)) / (2 * h)
+        return (8 * (value(v, h) - value(v, -h)) - (value(v, 2 * h) - value(v, -2 * h))) / (12 * h)
 
     worst = 0.0
     for _ in range(directions):
         v = [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in params]
         analytic = sum(float((gi * vi).sum()) for gi, vi in zip(grads, v))
-        for eps in (1e-5, 1e-6, 1e-7):
-            coarse, fine = central(v, eps), central(v, eps / 2)
-            if abs(coarse - fine) <= 1e-8 * max(abs(fine), 1e-12) + rounding / eps:
+        for h in steps:
+            coarse, fine = central(v, h), central(v, h / 2)
+            if abs(coarse - fine) <= 1e-8 * max(abs(fine), 1e-12) + rounding / h:
                 break
         else:
-            raise AssertionError("central differences did not converge: the meta-loss is not smooth here")
+            raise AssertionError("central differences did not converge: the loss is not smooth here")
         worst = max(worst, abs(analytic - fine) / max(abs(fine), 1e-12))
     return worst
 

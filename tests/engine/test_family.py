@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import directional_error
 from torch import Tensor, nn
 from torch.func import functional_call
 
@@ -368,46 +369,6 @@ def rel(got: dict[str, Tensor], expected: dict[str, Tensor]) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def fd_error(loss_at: Callable[[], Tensor], params: list[Tensor], directions: int = 3, seed: int = 0) -> float:
-    """Worst relative error of ``<grad, v>`` against finite differences of ``loss_at`` along random
-    directions v over ``params``.
-
-    As tests/helpers.finite_difference_error (which takes a learner's meta_loss without step
-    weights), with a fourth-order central stencil: Adam's update is strongly curved where a
-    gradient is small, and ReLU/max-pool kinks need small steps; the step shrinks until two
-    differences agree, from function values alone.
-    """
-    grads = torch.autograd.grad(loss_at(), params)
-    g = torch.Generator().manual_seed(seed)
-
-    def value(v: list[Tensor], step: float) -> float:
-        with torch.no_grad():
-            for p, vi in zip(params, v):
-                p.add_(step * vi)
-        try:
-            return float(loss_at().detach())
-        finally:
-            with torch.no_grad():
-                for p, vi in zip(params, v):
-                    p.sub_(step * vi)
-
-    def central(v: list[Tensor], h: float) -> float:
-        return (8 * (value(v, h) - value(v, -h)) - (value(v, 2 * h) - value(v, -2 * h))) / (12 * h)
-
-    worst = 0.0
-    for _ in range(directions):
-        v = [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in params]
-        analytic = sum(float((gi * vi).sum()) for gi, vi in zip(grads, v))
-        for h in (1e-4, 3e-5, 1e-5, 3e-6, 1e-6):
-            coarse, fine = central(v, h), central(v, h / 2)
-            if abs(coarse - fine) <= 1e-8 * max(abs(fine), 1e-12):
-                break
-        else:
-            raise AssertionError("finite differences did not converge: the meta-loss is not smooth here")
-        worst = max(worst, abs(analytic - fine) / max(abs(fine), 1e-12))
-    return worst
-
-
 # ----------------------------------------------------------------------------------------- the peers
 
 
@@ -653,7 +614,7 @@ def test_reference_matches_finite_differences(case, name):
                 model, loss_fn, batch, cfg, inner_lr=lr, steps=3, first_order=values_only, rates=rates
             ).loss
 
-    assert fd_error(loss, params) < 1e-6
+    assert directional_error(loss, params, order=4) < 1e-6
 
 
 def test_reference_cases_are_what_they_claim():
@@ -732,7 +693,7 @@ def test_matches_finite_differences(case, name, mode, batching):
     cfg = OPTIONS[name]
     learner, batch, _ = build(case, cfg, mode, batching, **extra(mode))
     params = list(meta_params(learner.model, learner.rate_parameters).values())
-    assert fd_error(lambda: engine_loss(learner, batch, cfg), params) < 1e-6
+    assert directional_error(lambda: engine_loss(learner, batch, cfg), params, order=4) < 1e-6
 
 
 # ================================================================= checkpointed equals second order (c)
@@ -912,7 +873,7 @@ def test_adam_with_exactly_zero_gradients_is_finite_and_exact(mode, batching):
     assert got["model:body.0.weight"][:, 0].abs().sum() > 0
     if mode != "first_order":
         params = list(meta_params(learner.model, learner.rate_parameters).values())
-        assert fd_error(lambda: engine_loss(learner, batch, cfg), params) < 1e-6
+        assert directional_error(lambda: engine_loss(learner, batch, cfg), params, order=4) < 1e-6
 
 
 # ======================================================================= momentum and Adam vs higher (i)
@@ -1032,7 +993,7 @@ def test_compiled_second_order_family():
     a, b = compiled.run(batch, step_weights=step_weights(cfg)), eager.run(batch, step_weights=step_weights(cfg))
     assert torch.allclose(a.step_query_losses, b.step_query_losses, rtol=1e-10)
     params = list(meta_params(compiled.model, compiled.rate_parameters).values())
-    assert fd_error(lambda: engine_loss(compiled, batch, cfg), params) < 1e-6
+    assert directional_error(lambda: engine_loss(compiled, batch, cfg), params, order=4) < 1e-6
 
 
 def test_compiled_first_order_family_and_mode_switch():
