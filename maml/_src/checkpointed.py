@@ -171,6 +171,45 @@ class _Pass:
         lo, hi = self.bounds[c]
         return [t[lo:hi] for t in tensors]
 
+    def support_grad(self, c: int, consts: Params) -> Callable[[Params, int], tuple[Params, Tensor]]:
+        """Chunk ``c``'s support gradient at given fast weights (values only), under each step's recorded random state."""
+        part = self.parts[c]
+        support = autograd_support_grad(self.forward, consts, part.support_x, part.support_y, create_graph=False)
+
+        def support_grad(fast: Params, step: int) -> tuple[Params, Tensor]:
+            _set_rng(self.rng["support", c, step])
+            with torch.enable_grad():
+                return support({k: v.detach().requires_grad_() for k, v in fast.items()}, step)
+
+        return support_grad
+
+    def entering(
+        self, c: int, start: int, count: int, fast: Params, state: State, rates: Params, consts: Params
+    ) -> list[tuple[Params, State, Params | None]]:
+        """A values-only replay of chunk ``c``'s steps ``start .. start + count - 1`` from ``(fast, state)``.
+
+        Returns:
+            Per step, the fast weights and state entering it and the support gradient there
+            (``None`` for the last step, whose gradient the replay does not compute).
+        """
+        support_grad = self.support_grad(c, consts)
+        grads: list[Params | None] = []
+        visited = [(fast, state)]
+
+        def record(fast: Params, step: int) -> tuple[Params, Tensor]:
+            g, losses = support_grad(fast, step)
+            grads.append(g)
+            return g, losses
+
+        def keep(step: int, fast: Params, state: State) -> tuple[Params, State]:
+            visited.append((fast, state))
+            return fast, state
+
+        self.loop.unchecked().run(
+            record, fast, state, rates, self.steps, start=start, stop=start + count - 1, keep=keep
+        )
+        return [(f, st, g) for (f, st), g in zip(visited, [*grads, None])]
+
 
 def _values_pass(
     p: _Pass, params: Params, rate_values: Params, consts: Params, every: int
@@ -291,25 +330,12 @@ class _StepByStep:
 
     def _entering(self, kept: list[Tensor], others: list[Tensor]) -> list[list[Tensor]]:
         """The kept tensors (fast weights, then state) entering each step of the segment, by a values-only replay."""
-        p, names, part = self.p, self.p.names, self.p.parts[self.c]
+        p, names = self.p, self.p.names
         rates, consts = p.unpack([t.detach() for t in others])
-        support = autograd_support_grad(p.forward, consts, part.support_x, part.support_y, create_graph=False)
-        entering = [[t.detach() for t in kept]]
-
-        def support_grad(fast: Params, step: int) -> tuple[Params, Tensor]:
-            _set_rng(p.rng["support", self.c, step])
-            with torch.enable_grad():
-                return support({k: v.detach().requires_grad_() for k, v in fast.items()}, step)
-
-        def keep(step: int, fast: Params, state: State) -> tuple[Params, State]:
-            entering.append([*fast.values(), *flatten_state(state, names)])
-            return fast, state
-
-        fast, state = dict(zip(names, entering[0][: len(names)])), unflatten_state(entering[0][len(names) :], names)
-        p.loop.unchecked().run(
-            support_grad, fast, state, rates, p.steps, start=self.start, stop=self.start + self.count - 1, keep=keep
-        )
-        return entering
+        kept = [t.detach() for t in kept]
+        fast, state = dict(zip(names, kept[: len(names)])), unflatten_state(kept[len(names) :], names)
+        steps = p.entering(self.c, self.start, self.count, fast, state, rates, consts)
+        return [[*f.values(), *flatten_state(st, names)] for f, st, _ in steps]
 
     def __call__(
         self, inputs: list[Tensor], outputs: list[Tensor], cotangents: Sequence[Tensor], needs: Sequence[bool]
@@ -403,19 +429,6 @@ class _ForwardOverReverse:
         self.p, self.c, self.start, self.count, self.n_kept = p, c, start, count, n_kept
         self.part = p.parts[c]
 
-    def _support_grad(self, consts: Params) -> Callable[[Params, int], tuple[Params, Tensor]]:
-        """The step's support gradient at given fast weights (values), under its recorded random state."""
-        support = autograd_support_grad(
-            self.p.forward, consts, self.part.support_x, self.part.support_y, create_graph=False
-        )
-
-        def support_grad(fast: Params, step: int) -> tuple[Params, Tensor]:
-            _set_rng(self.p.rng["support", self.c, step])
-            with torch.enable_grad():
-                return support({k: v.detach().requires_grad_() for k, v in fast.items()}, step)
-
-        return support_grad
-
     def _hvp(self, step: int, fixed: Params, phi: Params) -> HessianProducts:
         def products(fast: Params, tangent: Params) -> tuple[Params, Params, Params]:
             _set_rng(self.p.rng["support", self.c, step])
@@ -448,7 +461,7 @@ class _ForwardOverReverse:
         # The trained consts whose cotangent is wanted get the cross terms; the rest are constants.
         phi = {k: seg_consts[k] for i, k in enumerate(p.trained) if needs[n_kept + len(p.rate_keys) + i]}
         fixed = {k: v for k, v in seg_consts.items() if k not in phi}
-        support_grad = self._support_grad(seg_consts)
+        support_grad = p.support_grad(self.c, seg_consts)
         fast = {k: v.detach() for k, v in zip(names, inputs[:n_fast])}  # (T_c, *shape)
         state: State = unflatten_state([t.detach() for t in inputs[n_fast:n_kept]], names)
         cot_fast = dict(zip(names, cotangents[:n_fast]))
@@ -459,22 +472,7 @@ class _ForwardOverReverse:
         with _rng_forked(p.device), exact_attention():
             # Values only, through all but the last step (whose output the node kept), keeping
             # the fast weights, state and support gradient entering each step.
-            seen: list[Params | None] = []
-            visited: list[tuple[Params, State]] = [(fast, state)]
-
-            def record(fast: Params, step: int) -> tuple[Params, Tensor]:
-                grads, losses = support_grad(fast, step)
-                seen.append(grads)
-                return grads, losses
-
-            def keep(step: int, fast: Params, state: State) -> tuple[Params, State]:
-                visited.append((fast, state))
-                return fast, state
-
-            loop.unchecked().run(
-                record, fast, state, seg_rates, p.steps, start=start, stop=start + count - 1, keep=keep
-            )
-            entering = [(f, s, g) for (f, s), g in zip(visited, [*seen, None])]
+            entering = p.entering(self.c, start, count, fast, state, seg_rates, seg_consts)
             for i in reversed(range(count)):
                 step = start + i
                 if p.every_step and step < p.steps - 1:  # the query score after the step, at its output
