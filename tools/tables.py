@@ -26,9 +26,11 @@ import ast
 import dataclasses
 import functools
 import inspect
+import itertools
 import json
 import math
 import re
+import shlex
 import subprocess
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -484,8 +486,19 @@ def speed(path: Path = REPO / "results/benchmarks/speed.json") -> str:
         f"order's median over the row's (first-order rows against its first order); % of peak: the step's "
         f"FLOPs over its time against the measured float32 matmul peak ({report['peak_gflops']:.0f} GFLOP/s). "
         f"`{report['command']}`; torch {report['versions'].get('torch', '?')}; {provenance([report])}."
+        + (_unfinished(report) if not report.get("complete", True) else "")
     )
     return "\n\n".join(blocks) + "\n"
+
+
+def _unfinished(report: dict[str, Any]) -> str:
+    """The sentence naming the workloads a stopped speed run did not reach."""
+    words = shlex.split(report["command"])
+    asked = words[words.index("--workloads") + 1 :] if "--workloads" in words else []
+    asked = list(itertools.takewhile(lambda w: not w.startswith("--"), asked))
+    done = {t["workload"] for t in report["tables"]}
+    missing = [w for w in asked if w not in done]
+    return f" The run was stopped before {', '.join(missing)}." if missing else " The run was stopped before its end."
 
 
 def _field_docs(cls: type) -> dict[str, str]:
