@@ -10,8 +10,11 @@ import torch
 
 # Under pytest-xdist (-n N) the workers share the cores: each gets its share of torch's threads, so that
 # N workers of all-core thread pools do not oversubscribe the machine (several-fold slower on 2 cores).
+# The scripts a test starts as processes get the same share (OMP_NUM_THREADS, which torch reads at start-up).
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    _share = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    torch.set_num_threads(_share)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_share))
 
 
 @pytest.fixture(autouse=True)
