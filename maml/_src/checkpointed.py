@@ -184,15 +184,23 @@ class _Pass:
         return support_grad
 
     def entering(
-        self, c: int, start: int, count: int, fast: Params, state: State, rates: Params, consts: Params
+        self,
+        support_grad: Callable[[Params, int], tuple[Params, Tensor]],
+        start: int,
+        count: int,
+        fast: Params,
+        state: State,
+        rates: Params,
     ) -> list[tuple[Params, State, Params | None]]:
-        """A values-only replay of chunk ``c``'s steps ``start .. start + count - 1`` from ``(fast, state)``.
+        """A values-only replay of steps ``start .. start + count - 1`` from ``(fast, state)``.
+
+        Args:
+            support_grad: the chunk's :meth:`support_grad`.
 
         Returns:
             Per step, the fast weights and state entering it and the support gradient there
             (``None`` for the last step, whose gradient the replay does not compute).
         """
-        support_grad = self.support_grad(c, consts)
         grads: list[Params | None] = []
         visited = [(fast, state)]
 
@@ -334,7 +342,7 @@ class _StepByStep:
         rates, consts = p.unpack([t.detach() for t in others])
         kept = [t.detach() for t in kept]
         fast, state = dict(zip(names, kept[: len(names)])), unflatten_state(kept[len(names) :], names)
-        steps = p.entering(self.c, self.start, self.count, fast, state, rates, consts)
+        steps = p.entering(p.support_grad(self.c, consts), self.start, self.count, fast, state, rates)
         return [[*f.values(), *flatten_state(st, names)] for f, st, _ in steps]
 
     def __call__(
@@ -472,7 +480,7 @@ class _ForwardOverReverse:
         with _rng_forked(p.device), exact_attention():
             # Values only, through all but the last step (whose output the node kept), keeping
             # the fast weights, state and support gradient entering each step.
-            entering = p.entering(self.c, start, count, fast, state, seg_rates, seg_consts)
+            entering = p.entering(support_grad, start, count, fast, state, seg_rates)
             for i in reversed(range(count)):
                 step = start + i
                 if p.every_step and step < p.steps - 1:  # the query score after the step, at its output
