@@ -529,14 +529,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     tables: list[dict[str, object]] = []
 
-    def save(complete: bool) -> None:
-        """Writes --json after every table (a stopped run keeps what it measured), then whole."""
-        if args.json is not None:
-            command = sys.argv[1:] if argv is None else argv
-            write_report(
-                args.json, "speed", command, device, threads, peak_gflops=peak / 1e9, complete=complete, tables=tables
-            )
-
     device = torch.device(args.device)
     clock = Clock(device)
     peak = peak_flops(device, clock)
@@ -545,6 +537,15 @@ def main(argv: list[str] | None = None) -> int:
         f"device: {device}, torch {torch.__version__}, {threads} CPU threads, "
         f"measured float32 matmul peak {peak / 1e9:.0f} GFLOP/s"
     )
+
+    def save(complete: bool) -> None:
+        """Writes --json after every table (a stopped run keeps what it measured), then whole."""
+        if args.json is not None:
+            command = sys.argv[1:] if argv is None else argv
+            write_report(
+                args.json, "speed", command, device, threads, peak_gflops=peak / 1e9, complete=complete, tables=tables
+            )
+
     all_workloads = workloads(Path(args.data or "."), device)
     for key in args.workloads:
         for wl in [with_steps(all_workloads[key], s) for s in args.steps] if args.steps else [all_workloads[key]]:

@@ -390,10 +390,13 @@ def _memory_table(report: dict[str, Any], axis: str) -> str:
     limit = setting["limit_gib"]
     cuda = report["device"].startswith("cuda")
 
+    def out_of_memory(r: dict[str, Any]) -> bool:
+        return bool(r.get("oom")) or str(r.get("error", "")).startswith("MemoryError")  # a C++ bad_alloc too
+
     def cell(r: dict[str, Any] | None) -> str:
         if r is None:
             return "-"
-        if r.get("oom") or str(r.get("error", "")).startswith("MemoryError"):  # a C++ bad_alloc under the limit too
+        if out_of_memory(r):
             return f"> {limit:g} GiB"
         if r.get("error"):
             return "error"
@@ -429,10 +432,16 @@ def _memory_table(report: dict[str, Any], axis: str) -> str:
         f"Omniglot max-pool net, {fixed}, {setting['ways']}-way {setting['shots']}-shot, "
         f"{setting['query']} query images per class, batching `{setting['batching']}`"
         + (
-            f"; a worker may add {limit:g} GiB of address space, RLIMIT_AS; > {limit:g} GiB: it ran out of it)."
-            if report["device"] == "cpu"
-            else "; error: the worker failed)."
+            "; error: the worker failed"
+            if any(r.get("error") and not out_of_memory(r) for r in report["results"])
+            else ""
         )
+        + (
+            ""
+            if cuda
+            else f"; a worker may add {limit:g} GiB of address space, RLIMIT_AS; > {limit:g} GiB: it ran out of it"
+        )
+        + ")."
         + f" `{report['command']}`; torch {report['versions'].get('torch', '?')}; {provenance([report])}."
         + (
             ""
