@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import maml
 from experiments import STARTING
 from experiments.cli import UsageError
 from experiments.run_options import RunOptions
@@ -183,19 +184,14 @@ def _store_gone() -> bool:
 
 
 def check_shards(meta_batch: int, opts: RunOptions) -> None:
-    """Raises UsageError when the meta-batch cannot be split into equal shares, one per process.
+    """Raises UsageError when the meta-batch cannot be split into equal shares, one per process (``maml.shard_size``).
 
-    Equal shares make the mean of the processes' meta-gradients the meta-gradient of the whole
-    meta-batch (see ``maml.shard``); checked at start-up rather than at the first step.
+    Checked at start-up rather than at the first step.
     """
-    if meta_batch % opts.world_size:
-        fits = [n for n in range(1, meta_batch + 1) if meta_batch % n == 0]
-        raise UsageError(
-            f"--meta-batch {meta_batch} cannot be split evenly across {opts.world_size} processes (the world size "
-            f"torchrun started): each process adapts the same number of tasks. Pass a --meta-batch that is a "
-            f"multiple of {opts.world_size}, or start a number of processes (--nnodes x --nproc-per-node) that "
-            f"divides {meta_batch}: {', '.join(map(str, fits))}."
-        )
+    try:
+        maml.shard_size(meta_batch, opts.world_size)
+    except ValueError as error:
+        raise UsageError(f"--meta-batch {meta_batch}: {error} torchrun starts --nnodes x --nproc-per-node.") from None
 
 
 def broadcast(value: Any, opts: RunOptions) -> Any:

@@ -9,7 +9,7 @@ learner.meta_loss(batch).backward()
 from . import nn
 from ._src.batch import TaskBatch
 from ._src.curvature import MetaCurvature
-from ._src.distributed import all_reduce_grads, all_reduce_mean, shard
+from ._src.distributed import all_reduce_grads, all_reduce_mean, shard, shard_size
 from ._src.implicit import Implicit
 from ._src.learner import MetaLearner
 from ._src.loop import MetaOutput
@@ -41,5 +41,6 @@ __all__ = [
     "nn",
     "all_reduce_mean",
     "shard",
+    "shard_size",
 ]
 __version__ = "0.1.0"

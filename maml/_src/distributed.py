@@ -63,7 +63,19 @@ def shard(batch: TaskBatch, rank: int | None = None, world_size: int | None = No
         raise ValueError(
             f"rank={rank} is out of range for world_size={world_size}; it must be in [0, {world_size - 1}]."
         )
-    tasks = batch.num_tasks
+    size = shard_size(batch.num_tasks, world_size)
+    if world_size == 1:
+        return batch
+    return batch[rank * size : (rank + 1) * size]
+
+
+def shard_size(tasks: int, world_size: int) -> int:
+    """The tasks each of ``world_size`` processes adapts: ``tasks / world_size``, which must be whole.
+
+    Raises:
+        ValueError: ``tasks`` is not a multiple of ``world_size``; the message names the nearest
+            meta-batches and the numbers of processes that fit.
+    """
     if tasks % world_size:
         lower, upper = tasks - tasks % world_size, tasks + world_size - tasks % world_size
         divisors = [d for d in range(1, tasks + 1) if tasks % d == 0]
@@ -74,10 +86,7 @@ def shard(batch: TaskBatch, rank: int | None = None, world_size: int | None = No
             f"(e.g. {' or '.join(str(n) for n in (lower, upper) if n > 0)}), or a number of processes that "
             f"divides {tasks} ({', '.join(map(str, divisors))})."
         )
-    if world_size == 1:
-        return batch
-    size = tasks // world_size
-    return batch[rank * size : (rank + 1) * size]
+    return tasks // world_size
 
 
 def all_reduce_grads(

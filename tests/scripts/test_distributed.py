@@ -98,7 +98,7 @@ def test_a_meta_batch_the_processes_cannot_share_is_refused_before_anything_is_w
     )
     flag = torchrun(["-m", "experiments.sine", "--meta-batch", "10", "--bogus", "3", "--out", str(out)], tmp_path)
     for proc, message in [
-        (shares, "error: --meta-batch 25 cannot be split evenly across 2 processes"),
+        (shares, "error: --meta-batch 25: a meta-batch of 25 tasks cannot be split evenly across 2 processes"),
         (flag, "error: unknown flag --bogus"),
     ]:
         _, err = proc.communicate(timeout=300)
@@ -347,10 +347,11 @@ def test_the_scripts_check_the_meta_batch_against_the_number_of_processes(tmp_pa
     opts = RunOptions("sine", tmp_path, False, False, "disabled", torch.device("cpu"), None, rank=0, world_size=3)
     check_shards(24, opts)
     with pytest.raises(
-        UsageError, match=re.escape("--meta-batch 25 cannot be split evenly across 3 processes")
+        UsageError,
+        match=re.escape("--meta-batch 25: a meta-batch of 25 tasks cannot be split evenly across 3 processes"),
     ) as error:
         check_shards(25, opts)
-    assert "divides 25: 1, 5, 25" in str(error.value)
+    assert "multiple of 3 (e.g. 24 or 27)" in str(error.value) and "divides 25 (1, 5, 25)" in str(error.value)
 
 
 def test_on_two_machines_a_stopped_run_resumes_from_rank_0s_checkpoint(tmp_path):
