@@ -23,3 +23,13 @@ def _keep_threads() -> Iterator[None]:
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
+
+
+# The tests that start processes of their own (the scripts, the wheel build) take seconds to minutes each:
+# they run first, so that under pytest-xdist the short ones fill the cores around them at the end instead
+# of one worker finishing a long test alone (the longest first balances the workers best).
+_LONG_FIRST = ("tests/scripts/", "tests/tools/test_packaging.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: not item.nodeid.startswith(_LONG_FIRST))  # stable: the order within each part stays
