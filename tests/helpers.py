@@ -28,14 +28,15 @@ DTYPE = torch.float64
 
 @dataclass(frozen=True)
 class Case:
-    """A model family with a matching meta-batch and loss."""
+    """A model family with a matching meta-batch and loss; ``finish`` edits both after they are drawn."""
 
     build: Callable[[], nn.Module]
     batch: Callable[[torch.Generator], maml.TaskBatch]
     loss_fn: Callable[[Tensor, Tensor], Tensor]
+    finish: Callable[[nn.Module, maml.TaskBatch], tuple[nn.Module, maml.TaskBatch]] | None = None
 
 
-def _regression_batch(g: torch.Generator, tasks: int = 3, n: int = 5, features: int = 3) -> maml.TaskBatch:
+def regression_batch(g: torch.Generator, tasks: int = 3, n: int = 5, features: int = 3) -> maml.TaskBatch:
     def x() -> Tensor:
         return torch.randn(tasks, n, features, generator=g, dtype=DTYPE)
 
@@ -45,9 +46,11 @@ def _regression_batch(g: torch.Generator, tasks: int = 3, n: int = 5, features: 
     return maml.TaskBatch(x(), y(), x(), y())
 
 
-def _image_batch(g: torch.Generator, tasks: int = 3, ways: int = 3, shots: int = 2, query: int = 3) -> maml.TaskBatch:
+def image_batch(
+    g: torch.Generator, tasks: int = 3, ways: int = 3, shots: int = 2, query: int = 3, side: int = 8
+) -> maml.TaskBatch:
     def split(per_class: int) -> tuple[Tensor, Tensor]:
-        x = torch.randn(tasks, ways * per_class, 1, 8, 8, generator=g, dtype=DTYPE)
+        x = torch.randn(tasks, ways * per_class, 1, side, side, generator=g, dtype=DTYPE)
         y = torch.arange(ways).repeat_interleave(per_class).expand(tasks, -1).contiguous()
         return x, y
 
@@ -78,31 +81,34 @@ def _mlp(norm: Callable[[int], nn.Module] | None = None) -> nn.Module:
 
 
 CASES: dict[str, Case] = {
-    "mlp": Case(lambda: _mlp(), _regression_batch, F.mse_loss),
-    "mlp_layernorm": Case(lambda: _mlp(nn.LayerNorm), _regression_batch, F.mse_loss),
+    "mlp": Case(lambda: _mlp(), regression_batch, F.mse_loss),
+    "mlp_layernorm": Case(lambda: _mlp(nn.LayerNorm), regression_batch, F.mse_loss),
     "mlp_batchnorm1d": Case(
-        lambda: _mlp(lambda c: nn.BatchNorm1d(c, track_running_stats=False)), _regression_batch, F.mse_loss
+        lambda: _mlp(lambda c: nn.BatchNorm1d(c, track_running_stats=False)), regression_batch, F.mse_loss
     ),
     "conv_batchnorm_maxpool": Case(
-        lambda: _conv(lambda c: nn.BatchNorm2d(c, track_running_stats=False)), _image_batch, F.cross_entropy
+        lambda: _conv(lambda c: nn.BatchNorm2d(c, track_running_stats=False)), image_batch, F.cross_entropy
     ),
-    "conv_groupnorm": Case(lambda: _conv(lambda c: nn.GroupNorm(2, c)), _image_batch, F.cross_entropy),
-    "conv_instancenorm": Case(
-        lambda: _conv(lambda c: nn.InstanceNorm2d(c, affine=True)), _image_batch, F.cross_entropy
-    ),
+    "conv_groupnorm": Case(lambda: _conv(lambda c: nn.GroupNorm(2, c)), image_batch, F.cross_entropy),
+    "conv_instancenorm": Case(lambda: _conv(lambda c: nn.InstanceNorm2d(c, affine=True)), image_batch, F.cross_entropy),
 }
 
 
 def make(case: str, seed: int = 0) -> tuple[nn.Module, maml.TaskBatch, Callable[[Tensor, Tensor], Tensor]]:
     """A float64 model (random init from ``seed``), a meta-batch and the loss of ``case``."""
+    return build_case(CASES[case], seed)
+
+
+def build_case(c: Case, seed: int = 0) -> tuple[nn.Module, maml.TaskBatch, Callable[[Tensor, Tensor], Tensor]]:
+    """``c``'s float64 model at a generic point (its defaults perturbed), its meta-batch and its loss."""
     torch.manual_seed(seed)
-    c = CASES[case]
     model = c.build().to(DTYPE)
     # Perturb the defaults so norm affine parameters are not exactly 1/0 (a generic point).
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.1 * torch.randn_like(p))
-    return model, c.batch(torch.Generator().manual_seed(seed + 1)), c.loss_fn
+    batch = c.batch(torch.Generator().manual_seed(seed + 1))
+    return (model, batch, c.loss_fn) if c.finish is None else (*c.finish(model, batch), c.loss_fn)
 
 
 # The exact execution paths beside eager second order with vmap (learner options), for tests that hold

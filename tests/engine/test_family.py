@@ -11,6 +11,7 @@ The reference is itself checked against ``higher``, ``torch.optim`` and finite d
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 import zlib
@@ -22,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import directional_error
+from helpers import Case, build_case, directional_error, image_batch, regression_batch
 from torch import Tensor, nn
 from torch.func import functional_call
 
@@ -66,21 +67,6 @@ def _conv_bn() -> nn.Module:
     )
 
 
-def _regression(g: torch.Generator, tasks: int = 3, n: int = 5) -> maml.TaskBatch:
-    def r(*shape: int) -> Tensor:
-        return torch.randn(tasks, n, *shape, generator=g, dtype=DTYPE)
-
-    return maml.TaskBatch(r(3), r(1), r(3), r(1))
-
-
-def _images(g: torch.Generator, tasks: int = 3, ways: int = 3, shots: int = 2, query: int = 2) -> maml.TaskBatch:
-    def split(per_class: int) -> tuple[Tensor, Tensor]:
-        x = torch.randn(tasks, ways * per_class, 1, 6, 6, generator=g, dtype=DTYPE)
-        return x, torch.arange(ways).repeat_interleave(per_class).expand(tasks, -1).contiguous()
-
-    return maml.TaskBatch(*split(shots), *split(query))
-
-
 def _kill(model: nn.Module, batch: maml.TaskBatch) -> tuple[nn.Module, maml.TaskBatch]:
     """Exact zeros in the support gradient, where Adam's second moment stays 0.
 
@@ -98,35 +84,19 @@ def _kill(model: nn.Module, batch: maml.TaskBatch) -> tuple[nn.Module, maml.Task
     return model, maml.TaskBatch(support_x, batch.support_y, batch.query_x, batch.query_y)
 
 
-@dataclass(frozen=True)
-class Case:
-    build: Callable[[], nn.Module]
-    batch: Callable[[torch.Generator], maml.TaskBatch]
-    loss_fn: Callable[[Tensor, Tensor], Tensor]
-    inner_lr: dict[str, float]  # per inner optimizer
-    finish: Callable[[nn.Module, maml.TaskBatch], tuple[nn.Module, maml.TaskBatch]] | None = None
-
-
+# The inner rate of each case by inner optimizer (the family's reference runs each rule at its own).
 LR = {"sgd": 0.1, "momentum": 0.05, "adam": 0.02}
+RATES = {"mlp": LR, "conv_bn": {"sgd": 0.3, "momentum": 0.1, "adam": 0.03}, "mlp_dead": LR}
 CASES = {
-    "mlp": Case(_mlp, _regression, F.mse_loss, LR),
-    "conv_bn": Case(_conv_bn, _images, F.cross_entropy, {"sgd": 0.3, "momentum": 0.1, "adam": 0.03}),
-    "mlp_dead": Case(lambda: _mlp(nn.ReLU), _regression, F.mse_loss, LR, _kill),
+    "mlp": Case(_mlp, regression_batch, F.mse_loss),
+    "conv_bn": Case(_conv_bn, functools.partial(image_batch, query=2, side=6), F.cross_entropy),
+    "mlp_dead": Case(lambda: _mlp(nn.ReLU), regression_batch, F.mse_loss, _kill),
 }
 
 
 def make(case: str, seed: int = 0) -> tuple[nn.Module, maml.TaskBatch, Callable[[Tensor, Tensor], Tensor]]:
     """A float64 model at a generic point (defaults perturbed), a meta-batch of 3 tasks and the loss."""
-    c = CASES[case]
-    torch.manual_seed(seed)
-    model = c.build().to(DTYPE)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    batch = c.batch(torch.Generator().manual_seed(seed + 1))
-    if c.finish is not None:
-        model, batch = c.finish(model, batch)
-    return model, batch, c.loss_fn
+    return build_case(CASES[case], seed)
 
 
 # ------------------------------------------------------------------------------- family configurations
@@ -457,7 +427,7 @@ def build(
 ) -> tuple[maml.MetaLearner, maml.TaskBatch, float]:
     """A learner with the family options of ``cfg`` (its learnable rates spread), its meta-batch and inner_lr."""
     model, batch, loss_fn = make(case, seed)
-    lr = CASES[case].inner_lr[rule_of(cfg)]
+    lr = RATES[case][rule_of(cfg)]
     learner = maml.MetaLearner(
         model, loss_fn, inner_lr=lr, steps=steps, mode=mode, batching=batching, **learner_kwargs(cfg), **kw
     )
@@ -600,7 +570,7 @@ def test_reference_fast_weights_equal_torch_optim(name):
 def test_reference_matches_finite_differences(case, name):
     cfg = OPTIONS[name]
     model, batch, loss_fn = make(case)
-    lr = CASES[case].inner_lr[rule_of(cfg)]
+    lr = RATES[case][rule_of(cfg)]
     adapted = resolve_adapt(cfg.get("adapt"), trainable(model))
     rates = ref_rates(model, adapted, cfg.get("learn_inner_lr"), lr, 3)
     spread(rates)
@@ -623,7 +593,7 @@ def test_reference_cases_are_what_they_claim():
     for case in ("mlp", "conv_bn"):
         for adapt in (HEAD, body):
             model, batch, loss_fn = make(case)
-            lr = CASES[case].inner_lr["sgd"]
+            lr = RATES[case]["sgd"]
             cfg = {"adapt": adapt}
             so, fo = (
                 reference(model, loss_fn, batch, cfg, inner_lr=lr, steps=3, first_order=f).loss for f in (False, True)
