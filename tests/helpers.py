@@ -36,12 +36,14 @@ class Case:
     finish: Callable[[nn.Module, maml.TaskBatch], tuple[nn.Module, maml.TaskBatch]] | None = None
 
 
-def regression_batch(g: torch.Generator, tasks: int = 3, n: int = 5, features: int = 3) -> maml.TaskBatch:
+def regression_batch(
+    g: torch.Generator, tasks: int = 3, n: int = 5, features: int = 3, outputs: int = 1
+) -> maml.TaskBatch:
     def x() -> Tensor:
         return torch.randn(tasks, n, features, generator=g, dtype=DTYPE)
 
     def y() -> Tensor:
-        return torch.randn(tasks, n, 1, generator=g, dtype=DTYPE)
+        return torch.randn(tasks, n, outputs, generator=g, dtype=DTYPE)
 
     return maml.TaskBatch(x(), y(), x(), y())
 
@@ -102,13 +104,19 @@ def make(case: str, seed: int = 0) -> tuple[nn.Module, maml.TaskBatch, Callable[
 def build_case(c: Case, seed: int = 0) -> tuple[nn.Module, maml.TaskBatch, Callable[[Tensor, Tensor], Tensor]]:
     """``c``'s float64 model at a generic point (its defaults perturbed), its meta-batch and its loss."""
     torch.manual_seed(seed)
-    model = c.build().to(DTYPE)
-    # Perturb the defaults so norm affine parameters are not exactly 1/0 (a generic point).
+    model = perturbed(c.build())
+    batch = c.batch(torch.Generator().manual_seed(seed + 1))
+    return (model, batch, c.loss_fn) if c.finish is None else (*c.finish(model, batch), c.loss_fn)
+
+
+def perturbed(model: nn.Module) -> nn.Module:
+    """``model`` in float64 at a generic point: its defaults perturbed (from torch's global generator), so that norm
+    affine parameters are not exactly 1/0."""
+    model = model.to(DTYPE)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.1 * torch.randn_like(p))
-    batch = c.batch(torch.Generator().manual_seed(seed + 1))
-    return (model, batch, c.loss_fn) if c.finish is None else (*c.finish(model, batch), c.loss_fn)
+    return model
 
 
 # The exact execution paths beside eager second order with vmap (learner options), for tests that hold

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import finite_difference_error
+from helpers import finite_difference_error, image_batch, perturbed, regression_batch
 from torch import Tensor, nn
 
 import maml
@@ -47,30 +47,15 @@ def conv(norm: Callable[[int], nn.Module]) -> nn.Module:
 def generic(model: nn.Module, seed: int = 0) -> nn.Module:
     """``model`` in float64 at a generic point (norm affine parameters not exactly 1/0)."""
     torch.manual_seed(seed)
-    model = model.to(DTYPE)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return model
+    return perturbed(model)
 
 
 def regression(tasks: int = 3, n: int = 4, out: int = 1, seed: int = 1) -> maml.TaskBatch:
-    g = torch.Generator().manual_seed(seed)
-
-    def draw(*shape: int) -> Tensor:
-        return torch.randn(tasks, n, *shape, generator=g, dtype=DTYPE)
-
-    return maml.TaskBatch(draw(3), draw(out), draw(3), draw(out))
+    return regression_batch(torch.Generator().manual_seed(seed), tasks, n, outputs=out)
 
 
 def images(tasks: int = 3, ways: int = 3, shots: int = 1, query: int = 2, seed: int = 1) -> maml.TaskBatch:
-    g = torch.Generator().manual_seed(seed)
-
-    def split(per_class: int) -> tuple[Tensor, Tensor]:
-        x = torch.randn(tasks, ways * per_class, 1, 6, 6, generator=g, dtype=DTYPE)
-        return x, torch.arange(ways).repeat_interleave(per_class).expand(tasks, -1).contiguous()
-
-    return maml.TaskBatch(*split(shots), *split(query))
+    return image_batch(torch.Generator().manual_seed(seed), tasks, ways, shots, query, side=6)
 
 
 NORMS: dict[str, tuple[Callable[[], nn.Module], Callable[[], maml.TaskBatch], Loss]] = {

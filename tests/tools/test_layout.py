@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -35,10 +36,15 @@ def first_party_imports(path: Path) -> set[str]:
                 )
             found.add(base)
             found.update(f"{base}.{alias.name}" for alias in node.names)
-    modules = {module_name(p) for name in (*PACKAGES, "tools", "benchmarks") for p in (ROOT / name).rglob("*.py")}
-    return {name for name in found if name in modules}
+    return found & first_party_modules()
 
 
+@functools.cache
+def first_party_modules() -> frozenset[str]:
+    return frozenset(module_name(p) for name in (*PACKAGES, "tools", "benchmarks") for p in (ROOT / name).rglob("*.py"))
+
+
+@functools.cache
 def graph() -> dict[str, set[str]]:
     return {
         module_name(path): first_party_imports(path) - {module_name(path)}
