@@ -358,24 +358,27 @@ def omniglot_seeds(
 
 def memory(
     path: Path = REPO / "results/benchmarks/memory.json",
-    longer: Path | None = REPO / "results/benchmarks/memory_long.json",
+    parts: Sequence[Path] = (REPO / "results/benchmarks/memory_long.json",),
 ) -> str:
     """``benchmarks/memory.py --json``: tensor peak, RSS and time of one meta-training step per method and inner steps.
 
-    ``longer``, where it exists: a second run of the same setting at more inner steps, for some of
-    the methods; its cells join the table and its command and commit the caption.
+    ``parts``, those that exist: further runs of the same setting (more inner steps, or the
+    configurations a stopped run did not reach); each fills the cells the runs before it lack, and
+    its command and commit join the caption.
     """
     report = _json(path)
-    if longer is None or not longer.is_file():
-        return _memory_table(report, "steps")
-    extra = _json(longer)
-    if extra["setting"] != report["setting"]:
-        raise TableError(f"{longer.relative_to(REPO)}: another setting than {path.relative_to(REPO)}'s")
-    caption = (
-        f" The columns of {', '.join(map(str, extra['steps']))} steps: `{extra['command']}`; {provenance([extra])}."
-    )
-    merged = {**report, "results": report["results"] + extra["results"]}
-    return _memory_table(merged, "steps").rstrip("\n") + caption + "\n"
+    cells = {(r["method"], r["steps"]) for r in report["results"]}
+    captions = []
+    for part in (p for p in parts if p.is_file()):
+        extra = _json(part)
+        if extra["setting"] != report["setting"]:
+            raise TableError(f"{part.relative_to(REPO)}: another setting than {path.relative_to(REPO)}'s")
+        new = [r for r in extra["results"] if (r["method"], r["steps"]) not in cells]
+        cells |= {(r["method"], r["steps"]) for r in new}
+        steps = ", ".join(map(str, sorted({r["steps"] for r in new})))
+        captions.append(f" The cells of {steps} steps not in that run: `{extra['command']}`; {provenance([extra])}.")
+        report = {**report, "results": report["results"] + new}
+    return _memory_table(report, "steps").rstrip("\n") + "".join(captions) + "\n"
 
 
 def memory_tasks(path: Path = REPO / "results/benchmarks/memory_tasks.json") -> str:
@@ -399,7 +402,7 @@ def _memory_table(report: dict[str, Any], axis: str) -> str:
         if out_of_memory(r):
             return f"> {limit:g} GiB"
         if r.get("error"):
-            return "error"
+            return f"error ({str(r['error']).split(':')[0]})"  # the exception's name; its message is in the JSON
         if cuda:  # both figures are the allocator's peak: one is enough
             return f"{r['tensor_mib']:,.0f} MiB, {r['seconds']:.1f} s"
         tensors = f"{r['tensor_mib']:,.0f} MiB tensors (RSS " if "tensor_mib" in r else ""
@@ -432,7 +435,7 @@ def _memory_table(report: dict[str, Any], axis: str) -> str:
         f"Omniglot max-pool net, {fixed}, {setting['ways']}-way {setting['shots']}-shot, "
         f"{setting['query']} query images per class, batching `{setting['batching']}`"
         + (
-            "; error: the worker failed"
+            "; error: the worker failed, with the exception named"
             if any(r.get("error") and not out_of_memory(r) for r in report["results"])
             else ""
         )
@@ -444,9 +447,9 @@ def _memory_table(report: dict[str, Any], axis: str) -> str:
         + ")."
         + f" `{report['command']}`; torch {report['versions'].get('torch', '?')}; {provenance([report])}."
         + (
-            ""
-            if report.get("complete", True)
-            else " The run was stopped before its last configurations: - did not run."
+            " The run was stopped before its last configurations: - did not run."
+            if not report.get("complete", True) and len(cells) < len(columns) * len(report["methods"])
+            else ""
         ),
     ]
     return "\n".join(lines) + "\n"
@@ -647,7 +650,11 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "omniglot-20way": functools.partial(omniglot_seeds, [REPO / "results/omniglot/20way"]),
     "omniglot-20way-curve": functools.partial(omniglot_long_curve, REPO / "results/omniglot/20way", window=250),
     "memory": memory,
-    "memory_cuda": functools.partial(memory, REPO / "results/benchmarks/memory_cuda.json", None),
+    "memory_cuda": functools.partial(
+        memory,
+        REPO / "results/benchmarks/memory_cuda.json",
+        [REPO / "results/benchmarks/memory_cuda_5steps.json", REPO / "results/benchmarks/memory_cuda_80steps.json"],
+    ),
     "image_sampling": image_sampling,
     "memory_tasks": memory_tasks,
     "flags-run": _flags_of("run"),

@@ -311,3 +311,60 @@ def test_the_long_curve_averages_each_window_and_skips_windows_without_a_validat
     table = tables.omniglot_long_curve(tmp_path / "results" / "gpu", window=20).splitlines()
     assert table[-2:] == ["| 1-20 | 2 | 60.0 | 70.0 | 1.250 |", "| 21-40 | 2 | 85.0 | 90.0 | 3.250 |"]
     assert "results/gpu/maml-seed0/metrics.jsonl" in table[0]  # 41-45 has no validation: no row
+
+
+def memory_run(path: Path, cells: dict[tuple[str, int], float | str], *, complete: bool, commit: str) -> Path:
+    """A ``benchmarks/memory.py --device cuda --json`` file with one result per (method, steps) of ``cells``."""
+    results = [
+        {"method": m, "steps": n, "tasks": 8, "error": v}
+        if isinstance(v, str)
+        else {"method": m, "steps": n, "tasks": 8, "tensor_mib": v, "extra_mib": v, "seconds": 1.0}
+        for (m, n), v in cells.items()
+    ]
+    report = {
+        "command": f"python -m benchmarks.memory --json {path.name}",
+        "device": "cuda",
+        "gpu": "GPU",
+        "versions": {"torch": "2.0"},
+        "git_commit": commit,
+        "git_dirty": False,
+        "threads": 1,
+        "date": "2026-11-26",
+        "setting": {
+            "tasks": 8,
+            "ways": 5,
+            "shots": 5,
+            "query": 15,
+            "batching": "auto",
+            "repeats": 0,
+            "limit_gib": 10.0,
+        },
+        "methods": ["a", "b"],
+        "steps": sorted({n for _, n in cells}),
+        "complete": complete,
+        "results": results,
+    }
+    path.write_text(json.dumps(report))
+    return path
+
+
+def test_the_memory_table_fills_a_stopped_runs_cells_from_later_runs_and_names_each(tmp_path, monkeypatch):
+    monkeypatch.setattr(tables, "REPO", tmp_path)
+    main = memory_run(tmp_path / "main.json", {("a", 20): 100.0, ("b", 20): 200.0}, complete=False, commit="1" * 40)
+    five = memory_run(
+        tmp_path / "five.json", {("a", 5): 10.0, ("b", 5): 20.0, ("a", 20): 999.0}, complete=False, commit="2" * 40
+    )
+    text = tables.memory(main, [five])
+    assert "| `a` | 10 MiB, 1.0 s | 100 MiB, 1.0 s |" in text  # the main run's cell wins over a later one's
+    assert "| `b` | 20 MiB, 1.0 s | 200 MiB, 1.0 s |" in text
+    assert "The cells of 5 steps not in that run: `python -m benchmarks.memory --json five.json`" in text
+    assert "commit 1111111111" in text and "commit 2222222222" in text
+    assert "stopped" not in text  # every cell is filled
+    late = memory_run(tmp_path / "late.json", {("b", 80): "ImportError: no module"}, complete=True, commit="3" * 40)
+    text = tables.memory(main, [late])
+    assert "| `a` | 100 MiB, 1.0 s | - |" in text and "| `b` | 200 MiB, 1.0 s | error (ImportError) |" in text
+    assert "The run was stopped before its last configurations: - did not run." in text  # (a, 80) is missing
+    other = memory_run(tmp_path / "other.json", {("a", 5): 1.0}, complete=True, commit="4" * 40)
+    other.write_text(other.read_text().replace('"ways": 5', '"ways": 20'))
+    with pytest.raises(tables.TableError, match="other.json: another setting than main.json's"):
+        tables.memory(main, [other])
