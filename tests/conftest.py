@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
 
@@ -25,10 +26,25 @@ def _keep_threads() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-# The tests that start processes of their own (the scripts, the wheel build) take seconds to minutes each:
-# they run first, so that under pytest-xdist the short ones fill the cores around them at the end instead
+@pytest.fixture(autouse=True)
+def _compile_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch.compile`` with inductor only in the tests marked ``inductor``; the others with ``aot_eager``.
+
+    From an empty compile cache (as on CI), inductor's C++ kernels take most of a compiled test's time:
+    one compiler call per kernel, about 1.5 s each, half of the suite's time. The ``inductor`` tests
+    (``tests/engine/test_compiled.py``) compare what users run with the eager engine and finite
+    differences; the rest test what the compiled path traces (the step, its arguments, rules, shared
+    modules): dynamo's graph and AOT autograd's, the same under ``aot_eager``, run by eager kernels.
+    Processes a test starts (the scripts) compile with inductor.
+    """
+    if request.node.get_closest_marker("inductor") is None:
+        monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+
+
+# The tests that start processes of their own (the scripts, the wheel build) and those that compile with
+# inductor take seconds to minutes each (from an empty compile cache): they run first, so that under pytest-xdist the short ones fill the cores around them at the end instead
 # of one worker finishing a long test alone (the longest first balances the workers best).
-_LONG_FIRST = ("tests/scripts/", "tests/tools/test_packaging.py")
+_LONG_FIRST = ("tests/scripts/", "tests/tools/test_packaging.py", "tests/engine/test_compiled.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
