@@ -50,6 +50,8 @@ Workloads, on the real task distributions (Omniglot: --data, else $OMNIGLOT_DIR)
     omniglot20       20-way 1-shot, 15 query per class, meta-batch 16, 5 inner steps (lr 0.1)
     omniglot5-reference  the reference's strided net (experiments.omniglot's default), 5-way 1-shot, 1 query
                      per class, meta-batch 32, 1 inner step (lr 0.4 on its summed loss)
+    omniglot20-reference  the same net, 20-way 1-shot, 1 query per class, meta-batch 16, 5 inner steps
+                     (lr 0.1 on its summed loss): the reference's 20-way settings
     omniglot5-1shot  the max-pool conv net, 5-way 1-shot, 15 query per class, meta-batch 8, 1 inner step (lr 0.4)
     omniglot5-5shot  5-way 5-shot, otherwise the same (the workload of benchmarks/memory.py)
 --steps N [N ...] runs every chosen workload at each of these numbers of inner steps instead of its own.
@@ -164,6 +166,14 @@ def workloads(data: Path, device: torch.device) -> dict[str, Workload]:
             loss_function("reference", 5),
             0.4,
             1,
+        ),
+        "omniglot20-reference": Workload(
+            "Omniglot strided net (the reference's), 16 tasks, 20-way 1-shot, 1 query per class, 5 steps",
+            lambda: reference_net(20),
+            omniglot(20, 16, query=1),
+            loss_function("reference", 20),
+            0.1,
+            5,
         ),
         "omniglot5-1shot": Workload(
             "Omniglot conv net, 8 tasks, 5-way 1-shot, 1 step",

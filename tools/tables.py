@@ -641,6 +641,7 @@ def sine_seeds(sweep: Path = REPO / "results/sine/seeds") -> str:
 
 RENDERERS: dict[str, Callable[[], str]] = {
     "speed": speed,
+    "speed_omniglot20": functools.partial(speed, REPO / "results/benchmarks/speed_omniglot20.json"),
     "speed_cuda": functools.partial(speed, REPO / "results/benchmarks/speed_cuda.json"),
     "sine-seeds": sine_seeds,
     "omniglot-curve": omniglot_curve,
