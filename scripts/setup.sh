@@ -52,6 +52,10 @@ if pip("cert"):
     os.environ.setdefault("SSL_CERT_FILE", pip("cert"))
 if pip("timeout") or pip("default-timeout"):
     os.environ.setdefault("UV_HTTP_TIMEOUT", str(round(float(pip("timeout") or pip("default-timeout")))))
+# Bytecode compiled at install, as pip does (uv does not by default): where Python may not write it
+# (PYTHONDONTWRITEBYTECODE, a read-only tree), every process would compile torch's modules again at
+# import, seconds each, and the tests start hundreds of processes.
+os.environ.setdefault("UV_COMPILE_BYTECODE", "1")
 os.execv(sys.executable, [sys.executable, "-m", "uv", "pip", *sys.argv[1:], *options])
 PY
 }
