@@ -42,8 +42,9 @@ def _compile_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyP
 
 
 # The tests that start processes of their own (the scripts, the wheel build) and those that compile with
-# inductor take seconds to minutes each (from an empty compile cache): they run first, so that under pytest-xdist the short ones fill the cores around them at the end instead
-# of one worker finishing a long test alone (the longest first balances the workers best).
+# inductor take seconds to minutes each (from an empty compile cache): they run first, so that under
+# pytest-xdist the short ones fill the cores around them at the end instead of one worker finishing a
+# long test alone (the longest first balances the workers best).
 _LONG_FIRST = ("tests/scripts/", "tests/tools/test_packaging.py", "tests/engine/test_compiled.py")
 
 

@@ -374,9 +374,13 @@ def memory(
         if extra["setting"] != report["setting"]:
             raise TableError(f"{part.relative_to(REPO)}: another setting than {path.relative_to(REPO)}'s")
         new = [r for r in extra["results"] if (r["method"], r["steps"]) not in cells]
+        if not new:  # none of its figures is shown: nothing to name
+            continue
         cells |= {(r["method"], r["steps"]) for r in new}
         steps = ", ".join(map(str, sorted({r["steps"] for r in new})))
-        captions.append(f" The cells of {steps} steps not in that run: `{extra['command']}`; {provenance([extra])}.")
+        captions.append(
+            f" The cells of {steps} steps not in the first run: `{extra['command']}`; {provenance([extra])}."
+        )
         report = {**report, "results": report["results"] + new}
     return _memory_table(report, "steps").rstrip("\n") + "".join(captions) + "\n"
 

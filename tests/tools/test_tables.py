@@ -357,7 +357,9 @@ def test_the_memory_table_fills_a_stopped_runs_cells_from_later_runs_and_names_e
     text = tables.memory(main, [five])
     assert "| `a` | 10 MiB, 1.0 s | 100 MiB, 1.0 s |" in text  # the main run's cell wins over a later one's
     assert "| `b` | 20 MiB, 1.0 s | 200 MiB, 1.0 s |" in text
-    assert "The cells of 5 steps not in that run: `python -m benchmarks.memory --json five.json`" in text
+    assert "The cells of 5 steps not in the first run: `python -m benchmarks.memory --json five.json`" in text
+    # a run that fills no cell is not named; a part that does not exist is skipped
+    assert tables.memory(main, [five, five, tmp_path / "absent.json"]) == text
     assert "commit 1111111111" in text and "commit 2222222222" in text
     assert "stopped" not in text  # every cell is filled
     late = memory_run(tmp_path / "late.json", {("b", 80): "ImportError: no module"}, complete=True, commit="3" * 40)
