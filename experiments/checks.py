@@ -19,23 +19,16 @@ from maml import COMPILED_MODES, UNROLLED_MODES
 
 __all__ = ["MAX_STEPS", "MAX_CG_ITERATIONS", "check_config", "check_given"]
 
-# The most inner steps a run takes, in training (--steps) or in the evaluation (--eval-steps). Each step is a
-# forward and backward pass of every task, and second order keeps each one's graph for the meta-gradient, so
-# 10^12 steps run for days before the first meta-iteration ends. Published protocols take at most 50 (MAML 1-10,
-# MAML++ 5, iMAML 16-25, Reptile's evaluation 50): 10,000 is 200 times that, and still finishes.
+# Upper bounds, so that a run asked for can finish: published protocols take at most 50 inner steps (MAML 1-10,
+# MAML++ 5, iMAML 16-25, Reptile's evaluation 50) and 20 conjugate-gradient iterations (iMAML 5-20).
 MAX_STEPS = 10_000
-# The most conjugate-gradient iterations of --mode implicit. In exact arithmetic CG solves an n-dimensional
-# system in n iterations, and in float32 it stops gaining long before (iMAML runs 5-20); each iteration is a
-# Hessian-vector product of every task, so 10^12 of them never end. 1,000 is 50 times the most published.
 MAX_CG_ITERATIONS = 1_000
 
 
 def check_config(cfg: Any, positive: Sequence[str] = ()) -> None:
     """Raises ValueError naming the flag and the value of the first invalid key of :class:`ExperimentConfig`.
 
-    ``positive``: the experiment's own integer keys (or lists of them) that must be >= 1. A
-    None value (a field whose default is filled in later) passes; the choice fields are checked
-    as they are parsed.
+    ``positive``: the experiment's own integer keys (or tuples of them) that must be >= 1; None passes.
     """
     if cfg.clip_meta_grad is not None and not 0 < cfg.clip_meta_grad < float("inf"):
         raise ValueError(
@@ -48,9 +41,7 @@ def check_config(cfg: Any, positive: Sequence[str] = ()) -> None:
         *("iterations", "meta_batch", "shots", "query", "log_every", "val_every", "val_tasks", "checkpoint_every"),
         *("eval_tasks", "cg_iterations", "backward_chunk", *positive),
     )
-    # Upper bounds on the counts whose loops a meta-iteration runs, so that a run asked for can finish. The
-    # other counts are not bounded: --iterations and the intervals are Python integers, which do not overflow,
-    # and a long run is stopped and resumed from its checkpoint; the sizes are bounded by memory (fit).
+    # Only the loops inside a meta-iteration are bounded: a long run is stopped and resumed, and memory bounds sizes.
     most = f"{MAX_STEPS} inner steps, the most a run takes (each step is a forward and backward pass of every task; "
     most += "published protocols take 1 to 50)"
     for keys, low in ((positive, 1), (("steps", "eval_steps"), 0)):
@@ -109,15 +100,12 @@ def check_config(cfg: Any, positive: Sequence[str] = ()) -> None:
             f"pick another --mode."
         )
     if cfg.mode == "reptile" and cfg.steps == 0:
-        # Reptile's direction is the meta-parameters minus the adapted weights: without a step, zero.
         raise ValueError(
             "--steps 0 with --mode reptile: Reptile's meta-gradient is the meta-parameters minus the weights the "
             "inner steps adapt, which 0 steps leave where they are, so it is zero and nothing trains; pass --steps 1 "
             "or more (the reptile recipe takes 5)."
         )
     if cfg.mode == "implicit" and cfg.steps == 0:
-        # iMAML's gradient holds at the solution of the proximal inner problem; 0 steps leave the meta-parameters,
-        # which solve it only where the support gradient is zero: the gradient would be no iMAML gradient.
         raise ValueError(
             "--steps 0 with --mode implicit: iMAML's meta-gradient is that of the inner problem's solution, and 0 "
             "inner steps solve nothing (the adapted weights stay the meta-parameters); pass --steps 1 or more (the "
@@ -146,8 +134,7 @@ def check_config(cfg: Any, positive: Sequence[str] = ()) -> None:
         )
 
 
-# The keys only --mode implicit reads, and what each is: set with another mode, they would do nothing but be
-# recorded in config.yaml and results.json as if they had shaped the run.
+# The keys only --mode implicit reads: set with another mode, they would be recorded as if they had shaped the run.
 IMPLICIT_KEYS = {
     "implicit_lam": "iMAML's proximal regularisation",
     "cg_iterations": "the number of conjugate-gradient iterations of iMAML's linear solve",
@@ -157,9 +144,8 @@ IMPLICIT_KEYS = {
 def check_given(cfg: Any, given: Mapping[str, Path | None]) -> None:
     """Raises ValueError naming a key the user set that ``cfg``'s mode does not read.
 
-    ``given``: the keys set by a flag (None) or by a ``--config`` file (its path) to a value of
-    their own; the defaults and the recipe's values are not given, so ``--algorithm imaml
-    --mode first_order`` passes while ``--mode first_order --cg-iterations 10`` does not.
+    ``given``: the keys set by a flag (None) or a ``--config`` file (its path), not by a default or a
+    recipe: ``--algorithm imaml --mode first_order`` passes, ``--mode first_order --cg-iterations 10`` does not.
     """
     if cfg.mode == "implicit":
         return

@@ -1,12 +1,10 @@
 """The command line of the experiment scripts: how a flag's words become a value, and the one-line errors.
 
-The flags come from the config dataclasses through tyro (``config.parse_args``): each field is a
-kebab-case flag (``--inner-lr``; ``--inner_lr`` too, as a W&B sweep passes it) and a YAML key,
-and its attribute docstring is its ``--help`` text. Before tyro parses a command line,
-:func:`check_argv` reads it with the same value readers (tyro's constructor registry,
-:data:`REGISTRY`) and turns anything tyro would reject into a :class:`UsageError` of one line that
-names the flag, the value and the fix; tyro then only ever sees input it accepts. ``--config``
-files are read by the same readers (:func:`read_items`).
+tyro makes the flags from the config dataclasses (``config.parse_args``): each field is a kebab-case
+flag (``--inner_lr`` too, as a W&B sweep passes it) and a YAML key. tyro reports bad input in a
+multi-line box, so :func:`check_argv` first reads the command line with tyro's own value readers
+(:data:`REGISTRY`) and turns what tyro would reject into a one-line :class:`UsageError`; ``--config``
+files go through the same readers (:func:`read_items`).
 """
 
 from __future__ import annotations
@@ -118,9 +116,8 @@ def read_items(
 ) -> dict[str, Any]:
     """The values of ``(key, words)`` pairs, each read as tyro reads its flag; a later pair of a key wins.
 
-    Checked as tyro checks them: the choices in the order given, then each value in the order of
-    ``types_`` (the dataclass fields). ``name(key)`` names a key in the messages (its flag, or the
-    key itself for a config file) after the prefix ``where``.
+    Checked in tyro's order: the choices as given, then each value in the order of ``types_``. ``name(key)``
+    names a key in the messages (its flag, or the key itself in a config file) after the prefix ``where``.
 
     Raises:
         UsageError: a value not among its choices, or one its reader refuses.
@@ -145,28 +142,16 @@ def _check_choice(key: str, words: list[str], types_: dict[str, Any], name: Any 
         raise UsageError(f"{where}{name(key)} {words[0]!r} is not one of {allowed}.")
 
 
-def _negative_number(token: str) -> bool:
-    """``-5``, ``-.5``, ``-inf``: a value, not a flag (tyro's rule)."""
-    rest = token[1:]
-    return (
-        token.startswith("-")
-        and rest[:1] != "-"
-        and bool(rest)
-        and (rest[0] in "0123456789." or rest.lower() in ("inf", "nan", "infinity"))
-    )
-
-
 def _stops_values(token: str) -> bool:
-    """Whether ``token`` ends the words of the flag before it: ``--``, or a flag (a dash and a letter)."""
-    return token == "--" or (token.startswith("-") and token.lstrip("-")[:1].isalpha() and not _negative_number(token))
+    """Whether ``token`` ends the words of the flag before it: ``--``, or a flag (a dash and a letter, not -inf)."""
+    negative = token[1:].lower() in ("inf", "nan", "infinity")  # tyro's rule: a value, not a flag
+    return token == "--" or (token.startswith("-") and token.lstrip("-")[:1].isalpha() and not negative)
 
 
 def check_argv(argv: Sequence[str], types_: dict[str, Any], switches: Collection[str] = ()) -> dict[str, Any] | None:
-    """The values of the flags in ``argv``, read as tyro will read them; None when it asks for ``--help``.
+    """The values of the flags in ``argv``, read and split among the flags as tyro will; None when it asks for ``--help``.
 
-    ``types_``: each key's type, by key (``inner_lr``); ``switches``: the keys whose flag takes no
-    value (``--resume``). Words are split among the flags as tyro splits them: a flag's value
-    follows it, or ``=`` attaches it; a tuple takes the words up to the next flag.
+    ``types_``: each key's type (``inner_lr``); ``switches``: the keys whose flag takes no value (``--resume``).
 
     Raises:
         UsageError: an unknown flag (with close matches) or a stray word; a flag without its value;

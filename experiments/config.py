@@ -1,9 +1,7 @@
-"""What a run is given: the hyperparameters (:class:`ExperimentConfig`), how to run (:class:`RunFlags`,
-:class:`RunOptions`), and :func:`parse_args`, which reads them from the command line and ``--config`` YAML.
+"""What a run is given: the hyperparameters (:class:`ExperimentConfig`), how to run (:class:`RunFlags`), and
+:func:`parse_args`, which reads them from the command line and ``--config`` YAML.
 
-Each field of the config dataclasses is a flag and a YAML key, and its attribute docstring is its
-``--help`` text (``experiments.cli`` reads the words). Precedence: the dataclass defaults, then
-the recipe of ``--algorithm`` (``experiments.recipes``), then ``--config FILE``, then flags.
+Each field is a flag and a YAML key, and its attribute docstring is its ``--help`` text.
 """
 
 from __future__ import annotations
@@ -52,11 +50,8 @@ class RunFlags:
 
 @dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
-    """The hyperparameters every experiment has (each is a flag and a YAML key).
-
-    The defaults are the sine experiment's (Finn et al.'s regression protocol); an experiment's
-    subclass overrides those that differ and adds its own fields after these.
-    """
+    """The hyperparameters every experiment has; the defaults are the sine protocol's (Finn et al.), which an
+    experiment's subclass overrides and extends."""
 
     iterations: int = 70_000
     """meta-iterations"""
@@ -136,9 +131,8 @@ def parse_args(
 ) -> tuple[Any, RunOptions]:
     """Parses the command line into the experiment's config dataclass and the run options.
 
-    Precedence: the dataclass defaults, then the recipe of ``--algorithm``, then ``--config FILE``
-    (YAML), then flags: tyro parses the flags over the config that the others make. ``threads``
-    is the experiment's default ``--threads`` (None: PyTorch's).
+    Precedence: the dataclass defaults, the recipe of ``--algorithm``, ``--config FILE``, then flags.
+    ``threads`` is the experiment's default ``--threads`` (None: PyTorch's).
 
     Raises:
         UsageError: unknown flag or key (with close matches), wrong type, invalid value, or a
@@ -154,8 +148,7 @@ def parse_args(
         algorithm = {**vars(cls()), **from_yaml, **flagged}["algorithm"]
         preset = {**vars(cls()), **recipes.recipe(experiment, algorithm)}
         base = cls(**{**preset, **from_yaml})
-        # A --config file written by a run (config.yaml) holds every key: only a value other than the
-        # default or the recipe's counts as set there.
+        # A run's config.yaml holds every key: only a value other than the default or the recipe's counts as set.
         given = {k: flagged["config"] for k, v in from_yaml.items() if v != preset.get(k)}
         given |= {k: None for k in flagged}
     args_cls = dataclasses.make_dataclass(

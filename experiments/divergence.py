@@ -1,13 +1,8 @@
 """Why a run diverged (NaN/Inf): the outer loop (lower ``--meta-lr``) or the inner loop (lower ``--inner-lr``).
 
-Under Reptile's SGD meta-step at a meta-lr of at most 1, meta-parameters that ran away are the
-inner loop's doing (:class:`DivergenceWatch`).
-
-The trainer asks :class:`DivergenceWatch` at two points of each iteration: when the engine's
-check stops ``learner.run`` (a FloatingPointError: an inner loss is NaN/Inf), and after the
-optimizer step, which :meth:`DivergenceWatch.check_step` checks. Either way the run ends with
-:class:`Diverged`, whose message names the meta-iteration, the loop and the flag to lower, and
-:func:`stop_on_divergence` turns that into one line on stderr and exit code 1.
+The trainer asks :class:`DivergenceWatch` when the engine's check stops ``learner.run`` (an inner
+loss is NaN/Inf) and after each optimizer step; either way the run ends with :class:`Diverged`,
+which :func:`stop_on_divergence` turns into one line on stderr and exit code 1.
 """
 
 from __future__ import annotations
@@ -35,25 +30,15 @@ class Diverged(Exception):
 class DivergenceWatch:
     """Tells an outer-loop divergence from an inner-loop one and stops the run before it is checkpointed.
 
-    Outer (lower ``--meta-lr``): an optimizer step made a meta-parameter (a weight or a learnable
-    rate) NaN/Inf from a finite meta-gradient; or the meta-parameters' own loss, before any inner
-    step, is NaN/Inf; or the outer updates raised that own loss ``GROWTH``-fold since the first
-    iteration this process ran, and the inner steps on it overflowed. Inner (lower ``--inner-lr``):
-    a loss after inner steps, or the meta-gradient through them, is NaN/Inf while the
-    meta-parameters and their own loss are finite and have not run away.
+    Outer (lower ``--meta-lr``): a step made a meta-parameter NaN/Inf from a finite meta-gradient,
+    or the meta-parameters' own loss (before any inner step) is NaN/Inf or grew ``GROWTH``-fold
+    since this process's first iteration. Inner (lower ``--inner-lr``): a loss after inner steps, or
+    the meta-gradient through them, is NaN/Inf while the meta-parameters are finite and have not
+    run away. A NaN/Inf loss or meta-gradient makes the meta-parameters NaN/Inf too, so
+    :meth:`check_step` (one synchronisation per iteration) catches every case before a checkpoint.
 
-    The trainer hands it each training iteration's output (:meth:`record`), asks it to explain
-    the engine's NaN/Inf check (:meth:`diverged`, which runs the batch again to find the step and
-    the task), and has it check the meta-parameters after every optimizer step
-    (:meth:`check_step`): a NaN/Inf loss or meta-gradient makes them NaN/Inf too, so this one
-    check, one synchronisation per iteration, stops the run before the trainer checkpoints it;
-    only then are the losses and gradients looked at.
-
-    Reptile's SGD meta-step (``reptile``) is ``theta += meta_lr (phi - theta)``: at a meta-lr of at
-    most 1 it moves the meta-parameters part of the way to the adapted weights ``phi`` and no
-    further, so meta-parameters that ran away were led there by the inner loop, and the message
-    names ``--inner-lr`` and ``--steps``, not the ``--meta-lr`` the user may already have lowered.
-    Above 1 the step overshoots ``phi``, and the message asks for a meta-lr of at most 1.
+    Reptile's SGD meta-step, ``theta += meta_lr (phi - theta)``, at a meta-lr of at most 1 stops at
+    the adapted weights ``phi``: meta-parameters that ran away were led there by the inner loop.
 
     Args:
         learner: the one the trainer runs.
@@ -82,11 +67,8 @@ class DivergenceWatch:
             self._first = float(self._own(out.support_losses, out.query_losses).mean())
 
     def diverged(self, batch: maml.TaskBatch, phase: str | None = None, steps: int | None = None) -> Diverged:
-        """Why ``learner.run(batch, steps=steps)`` stopped at the engine's NaN/Inf check (a FloatingPointError).
-
-        ``phase``: None for a training iteration; else what ran after the iteration (``"the
-        validation"``, ``"the final test"``), as the message names it.
-        """
+        """Why ``learner.run(batch, steps=steps)`` stopped at the engine's NaN/Inf check; ``phase``: None in training,
+        else what ran after the iteration (``"the validation"``, ``"the final test"``)."""
         where = (
             f"meta-iteration {self.iteration + 1}"
             if phase is None
@@ -102,9 +84,8 @@ class DivergenceWatch:
     def _explain(self, where: str, batch: maml.TaskBatch, steps: int | None) -> str:
         """Runs ``batch`` again, one more inner step at a time, to find the loss, the step and the task that diverged.
 
-        The support loss before inner step ``k`` is the query loss, after ``k`` steps, of a batch
-        whose query set is the support set; runs that stop before the first NaN/Inf one pass the
-        engine's check, whatever ``check_finite`` is.
+        The support loss before step ``k`` is the query loss after ``k`` steps of a batch whose query set is its
+        support set; the runs before the first NaN/Inf one pass the engine's check.
         """
         steps = self.learner.steps if steps is None else steps
         on_support = maml.TaskBatch(batch.support_x, batch.support_y, batch.support_x, batch.support_y)
@@ -153,11 +134,8 @@ class DivergenceWatch:
         )
 
     def _outer(self, at: str, why: str, fix: str | None = None) -> str:
-        """The message for meta-parameters that diverged ``at`` (``"by meta-iteration 7"``) for the reason ``why``.
-
-        The outer loop's, whose fix is ``fix`` (default: lower --meta-lr); under Reptile's step at a
-        meta-lr of at most 1, the inner loop's (see the class docstring).
-        """
+        """The message for meta-parameters that diverged ``at`` (``"by meta-iteration 7"``) for the reason ``why``:
+        the outer loop's (``fix``: lower --meta-lr), or under Reptile's step at a meta-lr <= 1 the inner loop's."""
         if not self.reptile:
             return f"the outer loop diverged {at}: {why}; {fix or f'lower --meta-lr {self.meta_lr:g}'}"
         if self.meta_lr > 1:  # the step overshoots the adapted weights: 1 is a value below the user's
@@ -218,11 +196,8 @@ class DivergenceWatch:
 
 @contextlib.contextmanager
 def stop_on_divergence(out: Path, run: Any, main: bool = True) -> Iterator[None]:
-    """Turns a divergence inside the block into one line on stderr and exit code 1 (not a usage error).
-
-    The trainer checkpoints only finite meta-parameters, so ``out/checkpoint.pt`` keeps the last
-    one written before the divergence; the wandb ``run`` (None on ranks > 0) is marked failed.
-    """
+    """Turns a divergence inside the block into one line on stderr and exit code 1, naming the last checkpoint
+    (only finite meta-parameters are checkpointed); the wandb ``run`` (None on ranks > 0) is marked failed."""
     try:
         yield
     except Diverged as e:

@@ -1,7 +1,6 @@
 """Writing a run's files: atomically (a kill never leaves half a file), with a full disk reported in one line.
 
-Every file the package writes (config.yaml, checkpoints, metrics.jsonl, results.json, the plots,
-a sweep's reports) goes through :func:`atomic_write`, or, for a file appended to, :func:`writing`.
+Every file the package writes goes through :func:`atomic_write`, or, for a file appended to, :func:`writing`.
 """
 
 from __future__ import annotations
@@ -20,11 +19,8 @@ __all__ = ["atomic_write", "writing"]
 
 @contextlib.contextmanager
 def writing(path: Path) -> Iterator[None]:
-    """Turns an OSError while writing ``path`` into a UsageError that names the path and what to do.
-
-    A full disk names the filesystem (its mount point and the space left), so the user knows
-    what to free; the script then exits with code 2 and one line, not a traceback.
-    """
+    """Turns an OSError while writing ``path`` into a UsageError naming the path and what to do (for a full disk,
+    the filesystem's mount point and its free space)."""
     try:
         yield
     except OSError as e:
@@ -53,9 +49,8 @@ def _size(n: float) -> str:
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     """Writes through a temporary file and a rename, so a kill never leaves a half-written file.
 
-    ``write(tmp)`` writes the content to the temporary path ``tmp`` (``.NAME.tmpPID`` beside
-    ``path``); it must use Python's file I/O (or anything that raises OSError) for a full disk to
-    be reported as one.
+    ``write(tmp)`` writes the content to ``tmp`` (``.NAME.tmpPID`` beside ``path``) with Python's file
+    I/O (or anything that raises OSError), so that a full disk is reported as one.
 
     Raises:
         UsageError: the disk is full or the folder cannot be written (the message names the path

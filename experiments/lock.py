@@ -1,10 +1,8 @@
 """A folder that belongs to one live process: a run's ``--out``, a sweep's folder.
 
-``flock`` on the folder itself: nothing is written in it, and the kernel drops the lock when its
-holder dies, however it dies (SIGKILL, the out-of-memory killer), so a dead run's folder is taken
-over by the next. The holder's PID, for the message, comes from ``/proc/locks`` (Linux).
-By hand, not ``filelock``: that library locks a lock file it creates (and leaves) inside the folder,
-and cannot lock the folder itself (``IsADirectoryError``), while a run's folder must hold only its files.
+``flock`` on the folder itself, which the kernel drops however its holder dies (SIGKILL too), so a
+dead run's folder is taken over by the next. By hand, not ``filelock``: that library locks a file
+it leaves inside the folder and cannot lock a folder (``IsADirectoryError``).
 """
 
 from __future__ import annotations
@@ -22,12 +20,7 @@ _LOCKS: dict[Path, int] = {}  # the folders this process holds, and the descript
 
 
 def lock_folder(folder: Path, what: str = "--out") -> None:
-    """Makes ``folder`` this process's until it exits: another process that asks for it gets a UsageError.
-
-    The lock is ``flock`` on the folder itself (nothing is written in it), which the kernel drops
-    when its holder dies however it dies (SIGKILL too), so a folder left by a dead run is taken
-    over. Its holder's PID comes from ``/proc/locks``. Idempotent within a process; the folder
-    must exist.
+    """Makes the existing ``folder`` this process's until it exits (idempotent); another process asking gets a UsageError.
 
     Raises:
         UsageError: another live process holds the folder.

@@ -17,12 +17,9 @@ __all__ = ["Logbook"]
 class Logbook:
     """Rank 0's log of a run: every row to ``metrics.jsonl`` and to wandb.
 
-    On a start the file is rewritten with the checkpoint's history, so after a kill it holds each
-    logged iteration once, up to the checkpoint, and no rows of iterations that are then redone.
-    A resumed wandb run gets those rows again, from wandb's own next step on (0 offline, where
-    the killed run's file may hold nothing; after the server's last row online). When stderr is
-    not a terminal (a batch job, ``nohup``), tqdm stays silent and a plain progress line per log
-    window goes to stderr instead.
+    A start rewrites the file with the checkpoint's history, so after a kill it holds each logged
+    iteration once and none that is redone. Where stderr is no terminal (a batch job), tqdm is
+    silent and a plain progress line per log window goes to stderr instead.
     """
 
     def __init__(self, path: Path, file: IO[str], run: Any, wandb_from: int, start: int) -> None:
@@ -37,8 +34,7 @@ class Logbook:
         atomic_write(path, lambda p: p.write_text("".join(json.dumps(row) + "\n" for row in history)))
         with writing(path):
             file = path.open("a")
-        # wandb's next step: 0 offline; online, past the last row its server holds. It drops (with a
-        # warning) a row of an earlier step, which it has from the run before: the same row.
+        # wandb's next step: 0 offline; online, past the last row its server holds (it has the earlier ones).
         wandb_from = run.starting_step
         for row in history:
             if row["iteration"] >= wandb_from:

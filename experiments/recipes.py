@@ -5,58 +5,8 @@ and every flag or YAML key still overrides it (precedence: the experiment's defa
 recipe, then ``--config``, then flags). The resolved settings are what ``config.yaml`` and
 ``results.json`` record.
 
-| recipe  | paper                | what it sets                                                          |
-|---------|----------------------|-----------------------------------------------------------------------|
-| maml    | Finn et al. 2017     | nothing: the experiment's defaults are the paper's                    |
-| fomaml  | Finn et al. 2017     | first-order meta-gradients                                            |
-| metasgd | Li et al. 2017       | a learned rate per parameter entry                                    |
-| anil    | Raghu et al. 2020    | the inner loop adapts only the head (the last layer)                  |
-| mamlpp  | Antoniou et al. 2019 | 5 inner steps, learned per-layer per-step rates (LSLR), the annealed  |
-|         |                      | multi-step loss for the first 10 % of training, first-order for the   |
-|         |                      | first half (derivative-order annealing), cosine meta-lr down to 1e-5; |
-|         |                      | Omniglot: per-step batch-norm weights and biases (BNWB)               |
-| reptile | Nichol et al. 2018   | Reptile's direction (``mode="reptile"``) applied by SGD at a meta-step |
-|         |                      | annealed linearly to 0, with its released code's inner loop           |
-| imaml   | Rajeswaran et al.    | the implicit meta-gradient (``mode="implicit"``) of 16 inner steps,   |
-|         | 2019                 | lambda 2, 5 conjugate-gradient iterations                             |
-
-MAML++ details, from its paper and released configs (``HowToTrainYourMAMLPytorch``): the
-per-step loss weights start uniform and move linearly towards the last step over the first
-``msl_fraction`` of training (10 of 100 epochs), the earlier steps keeping at least
-``0.03 / steps``; afterwards only the last step's loss counts. The paper trains first-order for
-its first 50 epochs (its released Omniglot configs turn that off); here the first half. Omniglot
-uses its inner rate 0.1 on the mean cross-entropy (its code's loss) and meta-batch 8. On sine the
-rates start at the protocol's 0.001, where Adam's steps at meta-lr 0.001 are 100 % changes: they
-grew to 0.35 within a few thousand iterations and the 5-step inner loop overflowed in every seed,
-so sine's recipe gives them ``rate_meta_lr``
-1e-4 (1e-5 also trained; 1e-4 reached the lower validation MSE in a one-seed probe, 0.018 against
-0.030; README). On Omniglot its batch norms hold a weight and a bias per inner step
-(``maml.nn.StepBatchNorm2d``, ``--per-step-bn``), learned by the outer loop only, as its code's
-default keeps normalisation parameters out of the inner loop; its per-step running statistics
-(BNRS) are not built: every pass normalises by its own batch.
-
-Reptile, from ``openai/supervised-reptile`` (Omniglot 5-way 1-shot: ``--train-shots 10
---inner-batch 10 --inner-iters 5 --learning-rate 0.001 --meta-step 1 --meta-step-final 0
---meta-batch 5 --eval-iters 50 --transductive``; inner Adam with ``beta1=0``) and from the
-sine demo of its blog post (inner SGD 0.02 over 5 minibatches, meta-step 0.1 annealed to 0, one
-task per iteration, 30,000 iterations). Where it differs: the engine's inner steps use the whole
-support set (the reference draws 5 minibatches of 10 of the 50 images; at sine, 5 of 10 of 50
-points), and the inner Adam starts afresh for each task (the reference's Adam moments outlive a
-task, as its optimizer's slots are no trainable variables). Every pass is transductive here too.
-Its inner loop trains, and its meta-step interpolates, every trainable variable, batch norm
-included; so the Omniglot recipe adapts the strided net's batch-norm offsets (and ``--per-step-bn``'s
-weights) that MAML keeps for the outer loop alone, and ``--adapt head`` or ``body`` is refused:
-Reptile moves nothing the inner loop leaves alone.
-
-iMAML, from ``aravindr93/imaml_dev`` (Omniglot 5-way 1-shot: ``--inner_lr 1e-1 --outer_lr 1e-3
---n_steps 16 --task_mb_size 32 --lam 2.0 --cg_steps 5``, mean cross-entropy). The engine solves
-the paper's system, ``(I + H/lambda) x = g``, with the proximal term in every inner step; the
-released code runs 16 unregularised steps, then one step on the proximal term alone, and its
-CG solves ``(2 I + H/(lambda + 10)) x = g`` (``cg_damping`` 1 and a ``lam_damping`` of 10).
-Its outer Adam has ``eps=1e-3``; here PyTorch's default. Its net adapts its batch norms'
-scales and offsets, which the strided net keeps out of the inner loop, so the Omniglot recipe
-runs the max-pool net (``--network maxpool``: iMAML's gradient is that of every trained weight).
-Sine has no iMAML protocol; its recipe keeps sine's inner lr and takes 10 steps.
+The recipes and their papers are tabled, with where each value comes from and where a recipe
+differs from its paper's released code, in the Recipes section of docs/experiments.md.
 """
 
 from __future__ import annotations
@@ -225,17 +175,9 @@ class Schedule:
 
     @classmethod
     def of(cls, cfg: Any) -> Schedule:
-        """The schedule of an experiment config."""
-        return cls(
-            cfg.iterations,
-            cfg.meta_lr,
-            cfg.meta_lr_schedule,
-            cfg.min_meta_lr,
-            cfg.mode,
-            cfg.first_order_fraction,
-            cfg.msl_fraction,
-            cfg.steps,
-        )
+        """The schedule of an experiment config (or of a saved config's dict, whose missing keys take the defaults)."""
+        get = cfg.get if isinstance(cfg, dict) else lambda key, default: getattr(cfg, key)
+        return cls(**{f.name: get(f.name, f.default) for f in dataclasses.fields(cls)})
 
     @property
     def depends_on_length(self) -> bool:

@@ -30,31 +30,18 @@ from experiments.lock import lock_folder
 from experiments.run_options import RunOptions
 from experiments.torchrun import broadcast, check_device
 
-__all__ = [
-    "BEST_FILE",
-    "RUN_FILES",
-    "METRICS_FILE",
-    "PLOTS",
-    "RESUMABLE",
-    "DATA_KEYS",
-    "prepare_out",
-    "take_out",
-    "fingerprint",
-    "data_identity",
-    "write_state",
-]
+__all__ = ["BEST_FILE", "RUN_FILES", "METRICS_FILE", "PLOTS", "RESUMABLE", "DATA_KEYS", "prepare_out", "take_out"]
+__all__ += ["fingerprint", "data_identity", "write_state"]
 
 BEST_FILE = "best.pt"  # the meta-parameters of the best validation so far (Trainer.select)
 RUN_FILES = ("config.yaml", "checkpoint.pt", BEST_FILE, "results.json")
 METRICS_FILE = "metrics.jsonl"  # every logged row, one JSON object a line, as the checkpoint's history
 PLOTS = ("learning_curves.png", "sine_fit.png", "task_grid.png")  # the PNG plots the scripts write
-# Config keys that --resume may change: how long the run goes and how often it logs, validates and
-# checkpoints. None of them changes the trajectory, except the length for a run whose schedule is a
-# share of it (--algorithm mamlpp: refused on resume), so a lengthened run ends with the parameters of
-# a run that was that long from the start.
+# Config keys that --resume may change: none changes the trajectory (except the length of a run whose schedule is a
+# share of it: refused), so a lengthened run ends with the parameters of a run that was that long from the start.
 RESUMABLE = ("iterations", "log_every", "val_every", "checkpoint_every")
-# Config keys naming data on disk: on --resume, another spelling of the path (a trailing slash, a
-# relative path) is the same data, and so is another folder holding the same files (the data moved).
+# Config keys naming data on disk: on --resume, another spelling of the path, or another folder holding the same
+# files (the data moved), is the same data.
 DATA_KEYS = ("data",)
 _TEMPORARY = re.compile(r"\..+\.tmp(\d+)")  # atomic_write's temporary files, .NAME.tmpPID
 _WANDB_FILES = re.compile(r"(offline-)?run-\d{8}_\d{6}-\w+|latest-run|debug(-internal)?\.log")  # under --out/wandb
@@ -63,9 +50,8 @@ _WANDB_FILES = re.compile(r"(offline-)?run-\d{8}_\d{6}-\w+|latest-run|debug(-int
 def prepare_out(opts: RunOptions, cfg: Any) -> dict[str, Any] | None:
     """Checks the device and the output folder before anything is written; returns the checkpoint when resuming.
 
-    With several processes, rank 0 alone reads ``--out`` (the others may run on machines
-    that do not see it) and sends every rank the checkpoint or the error, so that all ranks
-    resume from the same state or stop together.
+    Rank 0 alone reads ``--out`` (other ranks may not see it) and sends every rank the checkpoint or
+    the error, so that all ranks resume from the same state or stop together.
 
     Raises:
         UsageError: the device is not available; ``--out`` is a file, sits under a file or
@@ -120,10 +106,11 @@ def _check_out(opts: RunOptions, cfg: Any) -> dict[str, Any] | None:
                 f"--resume: the checkpoint {path} is corrupt or not from this script ({type(e).__name__}: {e})."
             ) from None
         mine = dataclasses.asdict(cfg)
+        scheduled = recipes.Schedule.of(saved).depends_on_length  # its schedule is a share of its --iterations
         diff = []
         for key in [*mine, *(k for k in saved if k not in mine)]:
             old, new = saved.get(key), mine.get(key)
-            if old == new or (key in RESUMABLE and not (key == "iterations" and _length_scheduled(saved))):
+            if old == new or (key in RESUMABLE and not (key == "iterations" and scheduled)):
                 continue
             if key in DATA_KEYS and isinstance(old, str) and isinstance(new, str):
                 problem = _same_data(old, new, state.get("data", {}).get(key))
@@ -132,7 +119,7 @@ def _check_out(opts: RunOptions, cfg: Any) -> dict[str, Any] | None:
                 diff.append(f"{key}={new!r} (run has {old!r}; {problem})")
             else:
                 diff.append(f"{key}={new!r} (run has {old!r})")
-        if diff and _length_scheduled(saved) and any(d.startswith("iterations=") for d in diff):
+        if diff and scheduled and any(d.startswith("iterations=") for d in diff):
             raise UsageError(
                 f"--resume: --iterations {cfg.iterations} differs from the run's {saved['iterations']}, and its "
                 f"schedule (meta_lr_schedule, first_order_fraction or msl_fraction, as --algorithm sets them) is a "
@@ -189,23 +176,12 @@ def _edited_keys(path: Path, saved: dict[str, Any]) -> list[str]:
 
 
 def _unstarted(out: Path, cfg: Any) -> bool:
-    """Whether ``out`` holds a run of ``cfg`` that ended before its first checkpoint: nothing to resume, all to redo.
-
-    Only its ``config.yaml`` (this config's, to the letter) and what a start writes before the
-    first checkpoint (metrics, a best.pt, wandb files), no checkpoint and no results. The folder
-    is locked by now, so that run is not going on.
-    """
+    """Whether ``out`` (locked by now) holds a run of ``cfg`` to the letter that ended before its first checkpoint."""
     try:
         same = (out / "config.yaml").read_text() == config_text(cfg)
     except (OSError, UnicodeDecodeError):
         return False
     return same and not (out / "checkpoint.pt").exists() and not (out / "results.json").exists()
-
-
-def _length_scheduled(config: dict[str, Any]) -> bool:
-    """Whether a saved config's schedule is a share of its --iterations (keys it lacks take their defaults)."""
-    keys = {f.name for f in dataclasses.fields(recipes.Schedule)}
-    return recipes.Schedule(**{k: v for k, v in config.items() if k in keys}).depends_on_length
 
 
 def _check_writable(out: Path) -> None:
@@ -229,8 +205,7 @@ def _check_writable(out: Path) -> None:
 def fingerprint(path: str) -> str | None:
     """A digest of the names and sizes of the files at ``path`` (a file, or a folder's non-hidden files), None if missing.
 
-    Names and sizes tell data apart without reading it (the cache folders a loader writes
-    beside the data, hidden, are left out); the digest is the same wherever the files are.
+    Names and sizes tell data apart without reading it, wherever the files are (hidden caches left out).
     """
     root = Path(path)
     if root.is_file():
@@ -272,10 +247,9 @@ def _same_data(old: str, new: str, kept: dict[str, str | None] | None) -> str | 
 def take_out(opts: RunOptions, cfg: Any) -> None:
     """Makes ``--out`` this run's, once every check has passed (rank 0): clears, then writes config.yaml.
 
-    With ``--overwrite``, first removes everything the run there wrote (:data:`RUN_FILES`, the
-    metrics, the plots, its wandb runs), so the folder never shows the old run's results or
-    checkpoint beside the new run's files, even if the new run is stopped at once; other files
-    stay. On every start it removes the temporary files of writers that were killed mid-write.
+    With ``--overwrite``, first removes what the old run wrote (:data:`RUN_FILES`, metrics, plots,
+    wandb runs), so its results never stand beside the new run's; other files stay. The temporary
+    files of writers killed mid-write go too.
 
     Raises:
         UsageError: the folder cannot be written (full, read-only); nothing is left half-written.
@@ -309,11 +283,8 @@ def take_out(opts: RunOptions, cfg: Any) -> None:
 
 
 def write_state(path: Path, state: dict[str, Any]) -> None:
-    """Saves ``state`` (``torch.save``) to ``path`` (a checkpoint, ``best.pt``) atomically.
-
-    Serialised in memory and written with Python's file I/O, where a full disk is an OSError
-    (ENOSPC) that atomic_write reports; torch.save to a path makes it a bare RuntimeError.
-    """
+    """Saves ``state`` (``torch.save``) to ``path`` atomically; through memory, as torch.save to a path turns a full
+    disk into a bare RuntimeError where Python's file I/O raises the OSError that atomic_write reports."""
     data = io.BytesIO()
     torch.save(state, data)
     atomic_write(path, lambda p: p.write_bytes(data.getbuffer()))

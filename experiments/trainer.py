@@ -28,36 +28,22 @@ __all__ = ["Trainer"]
 class Trainer:
     """The meta-training loop shared by the experiments: resumable, bit for bit.
 
-    Everything a step depends on (model, optimizer, learnable rates, the task sampler's
-    generator, the global RNG, the iteration) is in the checkpoint, and the checkpoint is
-    written atomically, so a run killed at any point and resumed with ``--resume`` ends with
-    exactly the parameters of an uninterrupted run.
-
-    Under ``torchrun`` every process samples the full meta-batch from the same generator,
-    adapts its share (``maml.shard``), and the meta-gradients are averaged in one all-reduce
-    before the same optimizer step everywhere: the trajectory does not depend on the number
-    of processes (to float rounding), and a run may resume with another number. Rank 0 alone
-    validates, logs and writes checkpoints.
+    Everything a step depends on (model, optimizer, rates, the sampler's generator, the global RNG,
+    the iteration) is in the atomically written checkpoint, so a run killed at any point and
+    resumed ends with exactly the parameters of an uninterrupted run. Under ``torchrun`` every
+    process samples the full meta-batch from the same generator, adapts its share
+    (``maml.shard``) and all-reduces the meta-gradients before the same step: the trajectory does
+    not depend on the number of processes. Rank 0 alone validates, logs and writes.
 
     Attributes:
-        learner: the meta-learner (its model is trained).
-        optimizer: the outer optimizer over ``learner.parameters()``.
         sample: ``sample(generator) -> TaskBatch``, one meta-batch of training tasks.
-        metrics: ``metrics(output, batch) -> dict`` of extra training metrics (e.g. accuracy),
-            each a mean over the tasks of ``batch`` (with several processes, of this rank's
-            share; the logged value is the mean over the ranks, the full meta-batch's).
-        val_batch: the fixed validation tasks (None: no validation); validated on rank 0 only.
-        val_metrics: ``val_metrics(output, val_batch) -> dict`` of validation metrics.
-        watch: explains a NaN/Inf (``maml``'s check in ``learner.run``, or meta-parameters after a step).
-        iterations: total meta-iterations.
-        log_every, val_every, checkpoint_every: in iterations.
-        seed: seeds the sampler's generator.
-        device: where the meta-batches go.
-        select: ``(metric, "max" | "min")``: model selection. Each validation that beats every
-            earlier one on ``metric`` writes the learner's state to ``best.pt`` (with its iteration
-            and metrics), so a run ends with its last and its best-validation parameters.
+        metrics, val_metrics: ``(output, batch) -> dict`` of training (means over this rank's tasks,
+            logged as means over the ranks) and validation metrics.
+        val_batch: the fixed validation tasks (None: no validation).
+        watch: explains a NaN/Inf (:class:`~experiments.divergence.DivergenceWatch`).
+        select: ``(metric, "max" | "min")``: each validation that beats every earlier one on ``metric``
+            writes the learner's state to ``best.pt``; ``best`` holds it (``{"iteration": i, **metrics}``).
         final_val: after ``run``, the validation metrics at the last iteration (rank 0).
-        best: the best validation so far: ``{"iteration": i, **metrics}`` (empty before the first).
     """
 
     learner: maml.MetaLearner
@@ -85,9 +71,7 @@ class Trainer:
     train_seconds: float = 0.0  # wall time of the training loop, summed over resumed runs
     final_val: dict[str, float] = dataclasses.field(default_factory=dict)  # validation at the last iteration
     _began: float = dataclasses.field(default=0.0, repr=False)
-    data_files: dict[str, dict[str, str | None]] = dataclasses.field(
-        default_factory=dict, repr=False
-    )  # DATA_KEYS' identities
+    data_files: dict[str, dict[str, str | None]] = dataclasses.field(default_factory=dict, repr=False)
 
     def state(self, iteration: int, generator: torch.Generator, cfg: Any, wandb_id: str | None) -> dict[str, Any]:
         return {
@@ -109,10 +93,8 @@ class Trainer:
     def run(self, opts: RunOptions, cfg: Any, resumed: dict[str, Any] | None, run: Any) -> None:
         """Trains from iteration 0 or from ``resumed`` up to ``iterations``, then sets ``final_val``.
 
-        The last iteration is always logged and validated, however short the run. A checkpoint
-        at or past ``iterations`` (a run shortened on ``--resume``) trains nothing: the run
-        evaluates the checkpoint's parameters, and ``iterations`` becomes the checkpoint's.
-        Rank 0 logs every row to ``metrics.jsonl`` and wandb (:class:`~experiments.logbook.Logbook`).
+        The last iteration is always logged and validated. A checkpoint at or past ``iterations`` (a
+        run shortened on ``--resume``) trains nothing: the run evaluates the checkpoint's parameters.
         """
         from tqdm import tqdm
 
@@ -126,9 +108,8 @@ class Trainer:
             self.data_files = {k: data_identity(v) for k in DATA_KEYS if isinstance(v := getattr(cfg, k, None), str)}
             log = Logbook.open(opts.out / METRICS_FILE, self.history, run, start)
 
-        # Ctrl-C and SIGTERM (kill, a cluster's pre-emption; torchrun passes them on) stop the run after this
-        # iteration, whose checkpoint is then consistent; a second Ctrl-C, or an iteration that outlasts the
-        # patience, stops at once (the last checkpoint stays valid).
+        # Ctrl-C and SIGTERM stop the run after this iteration, with a consistent checkpoint; a second Ctrl-C, or an
+        # iteration that outlasts the patience, stops at once (the last checkpoint stays valid).
         stop, restore_signals = catch_stop_signals(opts.main)
         self._began = time.perf_counter()
         bar = tqdm(
@@ -214,9 +195,8 @@ class Trainer:
         else:  # learner.backward: the same .grad, one chunk of tasks' graph in memory at a time
             out = self.run_batch(batch, step_weights=weights, backward_chunk=self.backward_chunk)
         if sharded:
-            # One all-reduce carries the meta-gradients, the meta-loss and whether a rank was
-            # signalled; ranks get signals at different moments, and deciding on the shared
-            # vote makes them all stop after the same iteration (none left in a collective).
+            # One all-reduce carries the meta-gradients, the meta-loss and whether a rank was signalled: all
+            # ranks stop after the same iteration on the shared vote (none left in a collective).
             votes = torch.stack([out.loss.detach(), out.loss.new_tensor(float(bool(stop)))])
             loss, vote = maml.all_reduce_grads(self.learner.parameters(), votes).tolist()
             stopping = vote > 0
@@ -268,12 +248,9 @@ class Trainer:
     def run_batch(
         self, batch: maml.TaskBatch, phase: str | None = None, backward_chunk: int | None = None, **kwargs: Any
     ) -> maml.MetaOutput:
-        """``learner.run(batch, **kwargs)``; the engine's NaN/Inf check (FloatingPointError) raises Diverged, explained.
-
-        ``phase``: None in training (the watch keeps the losses to check the step), else what runs
-        after the iteration (``"the validation"``, ``"the final test"``). ``backward_chunk``:
-        backpropagate too, that many tasks at a time (``learner.backward``), and return the output.
-        """
+        """``learner.run(batch, **kwargs)``, or with ``backward_chunk`` ``learner.backward`` that many tasks at a time;
+        the engine's NaN/Inf check raises Diverged, explained. ``phase``: None in training (the watch keeps the
+        losses), else what runs after the iteration (``"the validation"``, ``"the final test"``)."""
         try:
             if backward_chunk is None:
                 out = self.learner.run(batch, **kwargs)
