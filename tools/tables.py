@@ -50,7 +50,7 @@ STEPS = ("1step", "5step", "10step")  # the test columns: the reference trains w
 
 
 class TableError(Exception):
-    """A result file or README block is missing or unreadable: one line, exit code 2."""
+    """A result file or README block is missing, unreadable or not reproducible: one line, exit code 2."""
 
 
 def _json(path: Path) -> Any:
@@ -96,13 +96,18 @@ def _distinct(values: Iterable[Any]) -> str:
 
 
 def provenance(runs: Sequence[dict[str, Any]]) -> str:
-    """Device, processor, threads, dates and commits of ``runs``, as one sentence."""
+    """Device, processor, threads, dates and commits of ``runs``, as one sentence.
+
+    Raises:
+        TableError: a run from a tree with uncommitted changes, whose commit does not reproduce it.
+    """
+    dirty = [run.get("command", run.get("experiment", "a run")) for run in runs if run.get("git_dirty")]
+    if dirty:
+        raise TableError(f"{dirty[0]!r} ran in a tree with uncommitted changes: run it again from a committed tree")
     dates = [run.get("date") or _commit_date(run.get("git_commit")) for run in runs]
     cpus = _distinct(run.get("gpu") or run.get("cpu") for run in runs)
     threads = _distinct(run.get("threads") for run in runs)
-    commits = _distinct(
-        (run.get("git_commit") or "")[:10] + (" (uncommitted changes)" if run.get("git_dirty") else "") for run in runs
-    )
+    commits = _distinct((run.get("git_commit") or "")[:10] for run in runs)
     device = _distinct(run["device"] for run in runs)
     threads = f", {threads} thread{'s' * (threads != '1')} a run" if threads != "-" else ""
     return (
@@ -196,44 +201,8 @@ def _task(runs: Sequence[dict[str, Any]]) -> str:
     return _distinct(f"{r['config']['ways']}-way {r['config']['shots']}-shot" for r in runs)
 
 
-def omniglot_long(root: Path = REPO / "results/omniglot/gpu") -> str:
-    """Runs trained on a GPU towards the paper's 60,000 iterations: the validation curve's plateau and the test."""
-    lines = [
-        "| row | seed | iterations | validation % (at) | 1 step | 5 steps | 10 steps | 10 steps, last parameters | median step |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    runs = []
-    for _, results, rows in _run_folders(root):
-        runs.append(results)
-        cfg, best, last = results["config"], results.get("test_best", results["test"]), results["test"]
-        steps = sorted(r["train/step_time_ms"] for r in rows if "train/step_time_ms" in r)
-        cells = [
-            f"`{cfg['algorithm']}`",
-            str(cfg["seed"]),
-            f"{results['iterations']:,}",
-            f"{_pct(results['best_val']['val/accuracy'])} ({results['best_val']['iteration']:,})",
-            *(f"{_pct(best[s]['accuracy'])} +- {_pct(best[s]['ci95'])}" for s in STEPS),
-            f"{_pct(last['10step']['accuracy'])} +- {_pct(last['10step']['ci95'])}",
-            f"{steps[len(steps) // 2]:.1f} ms",
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    if not runs:
-        return "No run yet.\n"
-    tasks = runs[0]["test"]["10step"]["tasks"]
-    lines += [
-        "",
-        f"{_task(runs)} test accuracy % on {tasks} tasks of held-out alphabets (+- the 95 % confidence interval), "
-        f"with the best validation's parameters (validated every {runs[0]['config']['val_every']:,} iterations on "
-        f"{runs[0]['config']['val_tasks']} tasks) unless the column says otherwise. Trained with `--iterations 60000 "
-        f"--device cuda`, stopped at the iteration shown (the median step: the training step time in "
-        f"`metrics.jsonl`), then tested from its checkpoint on the CPU: `{command(runs[0])} --resume`; "
-        f"{provenance(runs)}.{omniglot_data(runs)}",
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def omniglot_long_curve(root: Path = REPO / "results/omniglot/gpu", window: int = 5000) -> str:
-    """The long runs' validation curves, ``window`` iterations a row: the mean and best validation, the meta-loss.
+def learning_curve(root: Path, window: int) -> str:
+    """The runs' validation curves, ``window`` iterations a row: the mean and best validation, the meta-loss.
 
     One validation on 100 tasks has a 95 % interval of several points, so a window's mean shows
     where the curve flattens and its best shows what model selection picks from.
@@ -650,10 +619,8 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "sine-seeds": sine_seeds,
     "omniglot-curve": omniglot_curve,
     "omniglot-seeds": omniglot_seeds,
-    "omniglot-long": omniglot_long,
-    "omniglot-long-curve": omniglot_long_curve,
     "omniglot-20way": functools.partial(omniglot_seeds, [REPO / "results/omniglot/20way"]),
-    "omniglot-20way-curve": functools.partial(omniglot_long_curve, REPO / "results/omniglot/20way", window=250),
+    "omniglot-20way-curve": functools.partial(learning_curve, REPO / "results/omniglot/20way", window=250),
     "memory": memory,
     "memory_cuda": functools.partial(
         memory,

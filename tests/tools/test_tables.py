@@ -298,7 +298,7 @@ def test_the_command_names_only_the_flags_that_differ_from_the_recipes_defaults(
     )
 
 
-def test_the_long_curve_averages_each_window_and_skips_windows_without_a_validation(tmp_path, monkeypatch):
+def test_the_learning_curve_averages_each_window_and_skips_windows_without_a_validation(tmp_path, monkeypatch):
     monkeypatch.setattr(tables, "REPO", tmp_path)
     run = tmp_path / "results" / "gpu" / "maml-seed0"
     run.mkdir(parents=True)
@@ -308,7 +308,7 @@ def test_the_long_curve_averages_each_window_and_skips_windows_without_a_validat
     for row, accuracy in zip(rows[1::2], (0.5, 0.7, 0.9, 0.8)):  # validations at 10, 20, 30, 40
         row["val/accuracy"] = accuracy
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    table = tables.omniglot_long_curve(tmp_path / "results" / "gpu", window=20).splitlines()
+    table = tables.learning_curve(tmp_path / "results" / "gpu", window=20).splitlines()
     assert table[-2:] == ["| 1-20 | 2 | 60.0 | 70.0 | 1.250 |", "| 21-40 | 2 | 85.0 | 90.0 | 3.250 |"]
     assert "results/gpu/maml-seed0/metrics.jsonl" in table[0]  # 41-45 has no validation: no row
 
@@ -370,3 +370,10 @@ def test_the_memory_table_fills_a_stopped_runs_cells_from_later_runs_and_names_e
     other.write_text(other.read_text().replace('"ways": 5', '"ways": 20'))
     with pytest.raises(tables.TableError, match="other.json: another setting than main.json's"):
         tables.memory(main, [other])
+
+
+def test_a_run_from_a_tree_with_uncommitted_changes_is_refused_by_every_table():
+    run = {"command": "python -m experiments.sine", "device": "cpu", "git_commit": "0" * 40, "git_dirty": True}
+    with pytest.raises(tables.TableError, match="'python -m experiments.sine' ran in a tree with uncommitted changes"):
+        tables.provenance([{**run, "git_dirty": False}, run])
+    assert "0000000000" in tables.provenance([{**run, "git_dirty": False}])
