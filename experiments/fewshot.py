@@ -31,10 +31,7 @@ PANELS = [
 def evaluate(
     run: Callable[..., maml.MetaOutput], sampler: tasks.FewShotSampler, cfg: Any, device: torch.device
 ) -> dict[str, Any]:
-    """Test accuracy on ``eval_tasks`` tasks for each number of steps, with 95 % CIs (the same tasks in each).
-
-    ``run``: ``fit.Fitted.run``, which explains a NaN/Inf.
-    """
+    """Test accuracy on ``eval_tasks`` tasks (the same at each number of steps) with 95 % CIs (``run``: fitted.run)."""
     g = torch.Generator().manual_seed(cfg.seed + 20_000)
     chunks = [
         sampler.sample(min(cfg.eval_chunk, cfg.eval_tasks - i), g, device=device)

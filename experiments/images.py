@@ -6,12 +6,9 @@
     python -m experiments.images --dataset cifarfs --algorithm mamlpp # data from $CIFARFS_DIR
     python -m experiments.images --help
 
-Reads the data set's train, val and test splits from --data (or $MINIIMAGENET_DIR, $TIEREDIMAGENET_DIR,
-$CIFARFS_DIR, $FC100_DIR) in any layout of docs/data.md, decoded once into a cache; meta-trains the
-reference's mini-ImageNet net (4 x [3x3 conv 32 filters, batch norm offset, ReLU, 2x2 max-pool]) with
-its summed loss, 5 inner steps at 0.01, 15 query images per class, meta-batch 4 and meta-gradients
-clipped to [-10, 10]; keeps the best-validation parameters beside the last, and reports the test
-accuracy of both on 600 tasks of the test classes (10 steps) with 95 % confidence intervals.
+Reads the data set's splits from --data (or $MINIIMAGENET_DIR, $TIEREDIMAGENET_DIR, $CIFARFS_DIR, $FC100_DIR) in
+any layout of docs/data.md, meta-trains the reference's mini-ImageNet net, and reports the test accuracy of the last
+and best-validation parameters on 600 tasks of the test classes.
 """
 
 from __future__ import annotations

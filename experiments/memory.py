@@ -1,8 +1,5 @@
-"""Whether a run's tensors can fit in memory: lower bounds on what it allocates, checked before anything is written.
-
-Each experiment lists what it must hold at one moment (:class:`Need`), each a lower bound that every mode and
-batching reaches, so a size flag set far too high ends in one line, not the allocator's traceback after
-``config.yaml`` is written. A run that passes can still run out of memory; a refused run cannot fit.
+"""Whether a run's tensors can fit in memory, checked before anything is written: a size flag set far too high ends
+in one line, not a traceback. Each :class:`Need` is a lower bound every mode reaches: a refused run cannot fit.
 """
 
 from __future__ import annotations

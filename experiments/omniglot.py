@@ -7,12 +7,8 @@
     python -m experiments.omniglot --help
     torchrun --standalone --nproc-per-node 4 -m experiments.omniglot --data ~/data/omniglot --device cuda  # 4 GPUs
 
-Reads every Omniglot archive or folder under --data (images_background, images_evaluation or
-the minimal splits), splits the characters into train/validation/test (by alphabet by
-default, so test characters come from held-out alphabets), meta-trains the reference's strided
-conv net with its loss, batch norm, initialisation and task sizes on the characters in 4
-rotations, keeps the best-validation parameters beside the last, and reports the test
-accuracy of both on 600 tasks with 95 % confidence intervals.
+Splits the characters of every archive or folder under --data by alphabet, meta-trains the reference's net on
+them in 4 rotations, and reports the test accuracy of the last and best-validation parameters on 600 tasks.
 """
 
 from __future__ import annotations
@@ -159,9 +155,7 @@ def resolve(cfg: OmniglotConfig) -> OmniglotConfig:
 def load(cfg: OmniglotConfig) -> Data:
     """The characters split into train, validation and test, and their task samplers (None for a 0 share).
 
-    Raises:
-        UsageError: naming the flag, the split and the fix, when the data cannot be read, a share > 0 gets no
-            character, or a split cannot make the tasks that --ways, --shots and --query ask for.
+    Raises UsageError naming the flag and the fix where the data or a split cannot make the tasks asked for.
     """
     try:
         omni = tasks.Omniglot(cfg.data, rotations=cfg.rotations != "none")
@@ -179,10 +173,8 @@ def load(cfg: OmniglotConfig) -> Data:
             samplers.append(None)
             continue
         if part.num_classes < cfg.ways:
-            alphabets = f"{len(part.alphabets)} alphabet{'s' if len(part.alphabets) != 1 else ''}"
-            classes = f"{len(part.characters)} characters of {alphabets}" + (
-                ", 4 rotations each" if part.rotations else ""
-            )
+            plural, rotated = "s" if len(part.alphabets) != 1 else "", ", 4 rotations each" if part.rotations else ""
+            classes = f"{len(part.characters)} characters of {len(part.alphabets)} alphabet{plural}{rotated}"
             finer = " or --split-by character" if by != "character" else ""
             raise UsageError(
                 f"--ways {cfg.ways}: the {name} split holds only {part.num_classes} classes ({classes}; --split-by {by} "
