@@ -20,11 +20,8 @@ LOSSES = ("reference", "mean")
 
 
 class SameConv2d(nn.Conv2d):
-    """A convolution with TensorFlow's ``'SAME'`` padding: ``ceil(size / stride)`` outputs per side.
-
-    TensorFlow puts the odd pixel of padding at the bottom and right; ``padding=1`` pads both sides, which moves a
-    stride-2 grid by one pixel.
-    """
+    """A convolution with TensorFlow's ``'SAME'`` padding, the odd pixel at the bottom and right (``padding=1`` pads
+    both sides, which moves a stride-2 grid by one pixel)."""
 
     def forward(self, x: Tensor) -> Tensor:
         pad: list[int] = []

@@ -1,10 +1,8 @@
 """learn2learn's MAML as the training engine of an experiment (``--engine learn2learn``): the tables' peer row.
 
-Training runs ``learn2learn.algorithms.MAML`` as its users write it (a ``clone()`` per task, steps by
-``maml_update``); the network, data, sampler, seed, meta-optimizer, validation and the final test (this
-toolkit's engine) stay the experiment's, so the row differs from ``--engine maml`` only by what the library
-computes. ``maml_update`` gets None for the parameters the inner loop leaves alone (``MAML.adapt`` would move
-them all, and the reference keeps its batch-norm offsets out).
+Training runs ``learn2learn.algorithms.MAML`` as its users write it (a ``clone()`` per task, ``maml_update`` steps,
+with None for the parameters the inner loop leaves alone: ``MAML.adapt`` would move them all); all else, the final
+test included, stays the experiment's, so the row differs from ``--engine maml`` only by what the library computes.
 """
 
 from __future__ import annotations

@@ -120,8 +120,7 @@ def train_tasks(cfg: SineConfig, data: None, device: torch.device) -> fit.Tasks:
 def final_test(fitted: fit.Fitted) -> fit.Results:
     """The evaluation on fresh tasks, the plots, and the table."""
     cfg, opts, learner = fitted.cfg, fitted.opts, fitted.learner
-    # Test-time adaptation may take more steps than training did; a task whose inner loop
-    # diverges there is reported (as an infinite MSE and in diverged_tasks), not fatal.
+    # A task whose inner loop diverges at test time (more steps than in training) is reported, not fatal.
     learner.check_finite = False
     results = evaluate(learner, cfg, opts.device, seed=cfg.seed + 20_000)
     plots.learning_curves(opts.out, fitted.trainer.history, PANELS)
