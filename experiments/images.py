@@ -6,12 +6,9 @@
     python -m experiments.images --dataset cifarfs --algorithm mamlpp # data from $CIFARFS_DIR
     python -m experiments.images --help
 
-Reads the data set's train, val and test splits from --data (or $MINIIMAGENET_DIR, $TIEREDIMAGENET_DIR,
-$CIFARFS_DIR, $FC100_DIR) in any layout of docs/data.md, decoded once into a cache; meta-trains the
-reference's mini-ImageNet net (4 x [3x3 conv 32 filters, batch norm offset, ReLU, 2x2 max-pool]) with
-its summed loss, 5 inner steps at 0.01, 15 query images per class, meta-batch 4 and meta-gradients
-clipped to [-10, 10]; keeps the best-validation parameters beside the last, and reports the test
-accuracy of both on 600 tasks of the test classes (10 steps) with 95 % confidence intervals.
+Reads the data set's splits from --data (or $MINIIMAGENET_DIR, $TIEREDIMAGENET_DIR, $CIFARFS_DIR, $FC100_DIR) in
+any layout of docs/data.md, meta-trains the reference's mini-ImageNet net, and reports the test accuracy of the last
+and best-validation parameters on 600 tasks of the test classes.
 """
 
 from __future__ import annotations
@@ -19,19 +16,19 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import tyro
 
 import tasks
-from experiments import fit, omniglot, peers
+from experiments import fewshot, fit, peers
 from experiments.checks import check_config
 from experiments.cli import UsageError
 from experiments.config import ExperimentConfig
 from experiments.memory import FLOAT_BYTES, Need
 from experiments.omniglot_net import LOSSES, REFERENCE_MAXPOOL, build_model, loss_function, meta_only
 
-__all__ = ["ImagesConfig", "validate_config", "resolve", "load", "make_model", "run"]
+__all__ = ["ImagesConfig", "validate_config", "make_model", "run"]
 
 DATASETS = tuple(tasks.IMAGE_DATASETS)  # miniimagenet, tieredimagenet, cifarfs, fc100
 NETWORKS = ("reference", "maxpool")
@@ -83,14 +80,6 @@ class ImagesConfig(ExperimentConfig):
     """what computes the meta-gradient in training: this toolkit, or learn2learn's MAML"""
     eval_chunk: int = 50
     """test tasks per evaluation pass (bounds memory)"""
-
-    @property
-    def train_shots(self) -> int:
-        return self.shots  # (omniglot's hooks read it: images train and test at the same K)
-
-    @property
-    def train_shots_flag(self) -> str:
-        return "--shots"
 
     def resolved(self) -> ImagesConfig:
         """The config with the data path and the per-shots meta-batch filled in."""
@@ -172,17 +161,15 @@ def memory_needs(cfg: ImagesConfig, params: int | None) -> list[Need]:
     ]  # fmt: skip
 
 
-def _describe(splits: tasks.ImageSplits) -> dict[str, Any]:
-    return {
+def final_test(fitted: fit.Fitted) -> fit.Results:
+    splits = fitted.data[0]
+    data = {
         "dataset": type(splits.train).spec.name,
         "layout": splits.train.layout,
         "classes": [p.num_classes for p in splits],
         "images": [len(p) for p in splits],
     }
-
-
-def _test(fitted: fit.Fitted) -> fit.Results:
-    return omniglot.final_test(fitted, _describe, f"held-out {type(fitted.data[0].test).spec.name} classes")
+    return fewshot.final_test(fitted, data, f"held-out {type(splits.test).spec.name} classes")
 
 
 EXPERIMENT = fit.Experiment(
@@ -191,8 +178,8 @@ EXPERIMENT = fit.Experiment(
     __doc__.split("\n\n")[0],
     validate_config,
     make_model,
-    omniglot.train_tasks,
-    _test,
+    fewshot.train_tasks,
+    final_test,
     resolve=resolve,
     load=load,
     run_name=lambda cfg: f"{cfg.dataset}-{cfg.ways}way-{cfg.shots}shot",

@@ -1,12 +1,5 @@
-"""Whether a run's tensors can fit in memory: lower bounds on what it allocates, checked before anything is written.
-
-A size flag set far too high (``--hidden``, ``--meta-batch``, ``--filters``, ... at 10^12) would
-otherwise end in the allocator's traceback after ``config.yaml`` is written, or deep in the
-first iteration. Each experiment lists what it must hold at one moment (:class:`Need`: the
-parameters' copies, a meta-batch's inputs, the validation and test tasks), each a lower bound
-that every mode and batching reaches; :func:`check_fits` refuses a run when one of them alone
-exceeds the memory the device has free. Bounds, not estimates: a run that passes can still run
-out of memory (activations, the graph of several steps), but a refused run cannot fit.
+"""Whether a run's tensors can fit in memory, checked before anything is written: a size flag set far too high ends
+in one line, not a traceback. Each :class:`Need` is a lower bound every mode reaches: a refused run cannot fit.
 """
 
 from __future__ import annotations
@@ -35,10 +28,7 @@ class Need:
 
 
 def parameter_bytes(build: Callable[[], nn.Module]) -> int | None:
-    """The bytes of the parameters of the network ``build()`` makes, built on the meta device (no memory).
-
-    None: the sizes overflow what PyTorch can count (a tensor of more than 2^63 elements).
-    """
+    """The bytes of the parameters of ``build()``, built on the meta device; None where the sizes overflow."""
     try:
         with torch.device("meta"):
             net = build()
@@ -50,13 +40,9 @@ def parameter_bytes(build: Callable[[], nn.Module]) -> int | None:
 
 
 def free_bytes(device: torch.device) -> int | None:
-    """Memory free on ``device``: the GPU's free memory, or the host's available memory and free swap (Linux).
-
-    None where it cannot be read (then nothing is refused).
-    """
+    """The GPU's free memory, or the host's available memory and free swap (Linux); None where it cannot be read."""
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free
+        return torch.cuda.mem_get_info(device)[0]
     if device.type != "cpu":
         return None
     try:
@@ -67,11 +53,11 @@ def free_bytes(device: torch.device) -> int | None:
 
 
 def _size(n: float) -> str:
-    for unit in ("bytes", "KB", "MB", "GB", "TB", "PB"):
-        if n < 1000 or unit == "PB":
+    for unit in ("bytes", "KB", "MB", "GB", "TB"):
+        if n < 1000:
             return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
         n /= 1000
-    raise AssertionError
+    return f"{n:.1f} PB"
 
 
 def check_fits(needs: Sequence[Need], device: torch.device) -> None:

@@ -7,12 +7,8 @@
     python -m experiments.omniglot --help
     torchrun --standalone --nproc-per-node 4 -m experiments.omniglot --data ~/data/omniglot --device cuda  # 4 GPUs
 
-Reads every Omniglot archive or folder under --data (images_background, images_evaluation or
-the minimal splits), splits the characters into train/validation/test (by alphabet by
-default, so test characters come from held-out alphabets), meta-trains the reference's strided
-conv net with its loss, batch norm, initialisation and task sizes on the characters in 4
-rotations, keeps the best-validation parameters beside the last, and reports the test
-accuracy of both on 600 tasks with 95 % confidence intervals.
+Splits the characters of every archive or folder under --data by alphabet, meta-trains the reference's net on
+them in 4 rotations, and reports the test accuracy of the last and best-validation parameters on 600 tasks.
 """
 
 from __future__ import annotations
@@ -20,38 +16,26 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Callable, Sequence
-from typing import Annotated, Any, Literal
+from collections.abc import Sequence
+from typing import Annotated, Literal
 
-import torch
 import tyro
 
-import maml
 import tasks
-from experiments import fit, peers, plots
+from experiments import fewshot, fit, peers
 from experiments.checks import check_config
 from experiments.cli import UsageError
 from experiments.config import ExperimentConfig
 from experiments.memory import FLOAT_BYTES, Need
-from experiments.omniglot_data import Data, load, notes, shares
-from experiments.omniglot_net import LOSSES, NETWORKS, accuracy, build_model, loss_function, meta_only
-from experiments.results import mean_ci95
-from experiments.rundir import BEST_FILE
+from experiments.omniglot_net import LOSSES, NETWORKS, build_model, loss_function, meta_only
 
-__all__ = [
-    "PAPER",
-    "OmniglotConfig",
-    "validate_config",
-    "evaluate",
-    "resolve",
-    "make_model",
-    "train_tasks",
-    "final_test",
-    "run",
-]
+__all__ = ["OmniglotConfig", "validate_config", "load", "make_model", "run"]
 
-# The paper's settings by number of ways: (inner steps, inner lr, meta-batch).
-PAPER = {5: (1, 0.4, 32), 20: (5, 0.1, 16)}
+PAPER = {5: (1, 0.4, 32), 20: (5, 0.1, 16)}  # by number of ways: inner steps, inner lr, meta-batch
+ROTATED = {"all": True, "train": (True, False, False), "none": False}  # --rotations: which of train, val, test
+SPLITS = ("train", "validation", "test")
+# load's data: the splits and their train, validation and test samplers (None: a share of 0)
+Data = tuple[tasks.OmniglotSplits, list[tasks.FewShotSampler | None]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,8 +92,7 @@ class OmniglotConfig(ExperimentConfig):
 
     @property
     def train_shots_flag(self) -> str:
-        """The flag that set the train K of a resolved config: ``--train-shots`` defaults to ``--shots``, so one
-        equal to ``--shots`` is named ``--shots``, one of its own (a flag, or Reptile's recipe) ``--train-shots``."""
+        """The flag that set the train K of a resolved config (``--train-shots`` defaults to ``--shots``)."""
         return "--train-shots" if self.train_shots != self.shots else "--shots"
 
     def resolved(self) -> OmniglotConfig:
@@ -126,20 +109,24 @@ class OmniglotConfig(ExperimentConfig):
         )
 
 
+def shares(cfg: OmniglotConfig) -> str:
+    """--split-fractions as it is written on the command line."""
+    return ",".join(f"{f:g}" for f in cfg.split_fractions)
+
+
 def validate_config(cfg: OmniglotConfig) -> None:
     """Raises ValueError naming the key for an invalid value."""
     check_config(cfg, positive=("ways", "filters", "eval_chunk", "train_shots"))
     if cfg.ways < 2:
         raise ValueError(f"--ways {cfg.ways}: a task needs at least 2 classes to tell apart; pass --ways 2 or more.")
-    fractions = ",".join(f"{f:g}" for f in cfg.split_fractions)
     if len(cfg.split_fractions) != 3 or not all(math.isfinite(f) and f >= 0 for f in cfg.split_fractions):
         raise ValueError(
-            f"--split-fractions {fractions} must be three shares >= 0 (train, validation, test) "
+            f"--split-fractions {shares(cfg)} must be three shares >= 0 (train, validation, test) "
             f"that sum to 1, e.g. 0.6,0.15,0.25."
         )
     if abs(sum(cfg.split_fractions) - 1) > 1e-6:
         raise ValueError(
-            f"--split-fractions {fractions} sums to {sum(cfg.split_fractions):g}; the three shares "
+            f"--split-fractions {shares(cfg)} sums to {sum(cfg.split_fractions):g}; the three shares "
             f"(train, validation, test) must sum to 1, e.g. 0.6,0.15,0.25."
         )
     if cfg.mode == "implicit" and (cfg.network == "strided" or cfg.per_step_bn):
@@ -153,49 +140,71 @@ def validate_config(cfg: OmniglotConfig) -> None:
         raise ValueError(f"{why}.")
     if cfg.split_fractions[0] == 0:
         raise ValueError(
-            f"--split-fractions {fractions} gives the train split no characters; meta-training needs "
+            f"--split-fractions {shares(cfg)} gives the train split no characters; meta-training needs "
             f"a train share > 0, e.g. 0.6,0.15,0.25."
         )
 
 
-@torch.no_grad()
-def evaluate(
-    run: Callable[..., maml.MetaOutput],
-    sampler: tasks.FewShotSampler,
-    cfg: OmniglotConfig,
-    device: torch.device,
-    seed: int,
-) -> dict[str, Any]:
-    """Test accuracy on ``eval_tasks`` tasks for each number of steps, with 95 % CIs (same tasks for every column).
-
-    ``run``: ``learner.run``, or what calls it (``fit.Fitted.run`` explains a NaN/Inf).
-    """
-    g = torch.Generator().manual_seed(seed)
-    chunks = [
-        sampler.sample(min(cfg.eval_chunk, cfg.eval_tasks - i), g, device=device)
-        for i in range(0, cfg.eval_tasks, cfg.eval_chunk)
-    ]
-    results = {}
-    for steps in cfg.eval_steps:
-        acc = torch.cat([accuracy(run(b, steps=steps).query_out, b.query_y) for b in chunks])
-        mean, ci = mean_ci95(acc)
-        results[f"{steps}step"] = {"accuracy": mean, "ci95": ci, "steps": steps, "tasks": acc.numel()}
-    return results
-
-
 def resolve(cfg: OmniglotConfig) -> OmniglotConfig:
-    """The config with its per-ways defaults and the data path filled in (:meth:`OmniglotConfig.resolved`)."""
     cfg = cfg.resolved()
     if cfg.data is None:
         raise UsageError("no data: pass --data PATH (Omniglot archives or folders) or set $OMNIGLOT_DIR.")
     return cfg
 
 
+def load(cfg: OmniglotConfig) -> Data:
+    """The characters split into train, validation and test, and their task samplers (None for a 0 share).
+
+    Raises UsageError naming the flag and the fix where the data or a split cannot make the tasks asked for.
+    """
+    try:
+        omni = tasks.Omniglot(cfg.data, rotations=cfg.rotations != "none")
+    except (FileNotFoundError, ValueError, TypeError) as e:
+        raise UsageError(f"--data {cfg.data}: {e}") from None
+    by, given = cfg.split_by, shares(cfg)
+    try:
+        splits = omni.split(by, cfg.split_fractions, seed=cfg.split_seed, rotations=ROTATED[cfg.rotations])
+    except ValueError as e:  # too few alphabets or archives for every share > 0
+        reason = str(e).split("): ", 1)[-1]  # without the API call, which names no flag
+        raise UsageError(f"--split-by {by} --split-fractions {given}: {reason}") from None
+    samplers: list[tasks.FewShotSampler | None] = []
+    for name, part, share in zip(SPLITS, splits, cfg.split_fractions, strict=True):
+        if share == 0:
+            samplers.append(None)
+            continue
+        if part.num_classes < cfg.ways:
+            plural, rotated = "s" if len(part.alphabets) != 1 else "", ", 4 rotations each" if part.rotations else ""
+            classes = f"{len(part.characters)} characters of {len(part.alphabets)} alphabet{plural}{rotated}"
+            finer = " or --split-by character" if by != "character" else ""
+            raise UsageError(
+                f"--ways {cfg.ways}: the {name} split holds only {part.num_classes} classes ({classes}; --split-by {by} "
+                f"--split-fractions {given}); lower --ways to at most {part.num_classes}, or give the {name} split "
+                f"more characters: a larger share in --split-fractions{finer}."
+            )
+        shots = cfg.train_shots if name == "train" else cfg.shots
+        flag = cfg.train_shots_flag if name == "train" else "--shots"
+        try:
+            samplers.append(tasks.FewShotSampler(part.images, part.labels, cfg.ways, shots, cfg.query))
+        except ValueError as e:  # fewer images per class than shots + query
+            raise UsageError(f"{flag} {shots} --query {cfg.query}, the {name} split: {e}") from None
+    return splits, samplers
+
+
+def notes(cfg: OmniglotConfig, data: Data) -> list[str]:
+    """A line for each split that --split-fractions leaves without characters."""
+    _, (_, val, test) = data
+    return [
+        f"note: --split-fractions {shares(cfg)} gives the {name} split no characters; the run "
+        f"{'trains without validation' if name == 'validation' else 'skips the final test'}."
+        for name, sampler in (("validation", val), ("test", test))
+        if sampler is None
+    ]
+
+
 def memory_needs(cfg: OmniglotConfig, params: int | None) -> list[Need]:
     """Lower bounds on what an Omniglot run holds at one moment (:mod:`experiments.memory`)."""
     image = 28 * 28 * FLOAT_BYTES
     per_task = cfg.ways * (cfg.shots + cfg.query)  # images of one test task
-    per_train_task = cfg.ways * (cfg.train_shots + cfg.query)
     first_layer = cfg.ways * max(cfg.train_shots, cfg.query) * cfg.filters * 14 * 14 * FLOAT_BYTES  # of one pass
     return [
         Need(
@@ -206,7 +215,7 @@ def memory_needs(cfg: OmniglotConfig, params: int | None) -> list[Need]:
         Need(
             "the training meta-batch's images and one task's first feature maps",
             f"--meta-batch, --ways, {cfg.train_shots_flag}, --query, --filters",
-            cfg.meta_batch * per_train_task * image + first_layer,
+            cfg.meta_batch * cfg.ways * (cfg.train_shots + cfg.query) * image + first_layer,
         ),
         Need("the validation tasks' images", "--val-tasks, --ways, --shots, --query", cfg.val_tasks * per_task * image),
         Need("the test tasks' images", "--eval-tasks, --ways, --shots, --query", cfg.eval_tasks * per_task * image),
@@ -215,94 +224,15 @@ def memory_needs(cfg: OmniglotConfig, params: int | None) -> list[Need]:
 
 def make_model(cfg: OmniglotConfig) -> fit.Model:
     net = build_model(cfg.ways, cfg.filters, cfg.network, cfg.steps if cfg.per_step_bn else None)
-    # openai/supervised-reptile adapts every trainable variable, batch norm included, and interpolates them all:
-    # Reptile moves nothing the inner loop leaves alone, so nothing is meta-only there.
+    # openai/supervised-reptile adapts and interpolates every trainable variable, batch norm included.
     kept_out = set() if cfg.mode == "reptile" else meta_only(net)
     return fit.Model(net, loss_function(cfg.loss, cfg.ways), kept_out, engine=cfg.engine)
 
 
-def train_tasks(cfg: OmniglotConfig, data: Data, device: torch.device) -> fit.Tasks:
-    """Training tasks of the train characters; ``val_tasks`` fixed tasks of the validation characters, if any."""
-    _, (train, val, _) = data
-    val_batch = (
-        None
-        if val is None
-        else val.sample(cfg.val_tasks, torch.Generator().manual_seed(cfg.seed + 10_000), device=device)
-    )
-
-    def val_metrics(out: maml.MetaOutput, batch: maml.TaskBatch) -> dict[str, float]:
-        acc, ci = mean_ci95(accuracy(out.query_out, batch.query_y))
-        return {"val/accuracy": acc, "val/accuracy_ci95": ci}
-
-    return fit.Tasks(
-        sample=lambda g: train.sample(cfg.meta_batch, g, device=device),
-        metrics=lambda out, batch: {"train/accuracy": float(accuracy(out.query_out, batch.query_y).mean())},
-        val_batch=val_batch,
-        val_metrics=val_metrics,
-        select=("val/accuracy", "max"),
-    )
-
-
-def final_test(
-    fitted: fit.Fitted,
-    describe: Callable[[Any], dict[str, Any]] | None = None,
-    held_out: str = "held-out characters",
-) -> fit.Results:
-    """The test accuracy of the last and of the best-validation parameters on the same tasks, and the plots.
-
-    ``describe``: results.json's ``data`` entry from the splits (default: Omniglot's characters and
-    alphabets); ``held_out``: what the test tasks are drawn from, for the summary.
-    """
-    cfg, opts, learner, trainer = fitted.cfg, fitted.opts, fitted.learner, fitted.trainer
-    splits, (_, _, test_tasks) = fitted.data
-    results = (
-        evaluate(fitted.run, test_tasks, cfg, opts.device, seed=cfg.seed + 20_000) if test_tasks is not None else {}
-    )
-    panels = [
-        ("meta-loss", "cross-entropy", "linear", [("train/meta_loss", "train meta-loss")]),
-        (
-            "accuracy",
-            "accuracy",
-            "linear",
-            [("train/accuracy", "train query accuracy"), ("val/accuracy", "validation accuracy")],
-        ),
-    ]
-    plots.learning_curves(opts.out, trainer.history, panels)
-    if test_tasks is not None:
-        plots.task_grid(opts.out, learner, test_tasks, cfg, opts.device)
-    # Model selection: the best-validation parameters on the same test tasks (the last's results when they are the last).
-    best_results = results
-    if test_tasks is not None and trainer.best and trainer.best["iteration"] != trainer.iterations:
-        # map_location: a run trained on a GPU may be tested, resumed, on a machine without one
-        best = torch.load(opts.out / BEST_FILE, map_location=opts.device, weights_only=True)
-        learner.load_state_dict(best["learner"])
-        best_results = evaluate(fitted.run, test_tasks, cfg, opts.device, seed=cfg.seed + 20_000)
-    data = (
-        describe(splits)
-        if describe is not None
-        else {"characters": [len(p.characters) for p in splits], "alphabets": [p.alphabets for p in splits]}
-    )
-    data["batching"] = learner.resolved_batching
-    if test_tasks is None:
-        why = f"--split-fractions {shares(cfg)} gives the test split no characters"
-        return fit.Results(
-            results,
-            "accuracy",
-            f"no final test: {why} (results.json has test: {{}}); the model is in {opts.out / 'checkpoint.pt'}.",
-            {"data": data, "test_best": best_results, "test_skipped": why},
-        )
-    best_at = trainer.best.get("iteration", trainer.iterations)
-    lines = [
-        f"{cfg.ways}-way {cfg.shots}-shot test accuracy on {cfg.eval_tasks} tasks of {held_out} "
-        f"(last: iteration {trainer.iterations}; best validation: iteration {best_at}):"
-    ]
-    for key, r in results.items():
-        b = best_results[key]
-        lines.append(
-            f"  {r['steps']} steps: last {100 * r['accuracy']:.2f} % +- {100 * r['ci95']:.2f} %, "
-            f"best {100 * b['accuracy']:.2f} % +- {100 * b['ci95']:.2f} %"
-        )
-    return fit.Results(results, "accuracy", "\n".join(lines), {"data": data, "test_best": best_results})
+def final_test(fitted: fit.Fitted) -> fit.Results:
+    splits = fitted.data[0]
+    data = {"characters": [len(p.characters) for p in splits], "alphabets": [p.alphabets for p in splits]}
+    return fewshot.final_test(fitted, data, "held-out characters")
 
 
 EXPERIMENT = fit.Experiment(
@@ -311,7 +241,7 @@ EXPERIMENT = fit.Experiment(
     __doc__.split("\n\n")[0],
     validate_config,
     make_model,
-    train_tasks,
+    fewshot.train_tasks,
     final_test,
     resolve=resolve,
     load=load,

@@ -1,16 +1,8 @@
-"""learn2learn's MAML as the training engine of an experiment: the peer row of the results tables.
+"""learn2learn's MAML as the training engine of an experiment (``--engine learn2learn``): the tables' peer row.
 
-``--engine learn2learn`` trains with ``learn2learn.algorithms.MAML`` as its users write it (a
-``clone()`` per task, inner steps by ``autograd.grad(..., create_graph=True)`` and
-``learn2learn.algorithms.maml_update``, the query loss of the adapted clone), and everything
-else stays the experiment's: the network, its initialisation, the data split, the task
-sampler and seed, the meta-optimizer, validation, model selection and the final test, which
-adapts with this toolkit's engine. So the row's accuracy differs from ``--engine maml`` only
-by what the library computes.
-
-The step goes through ``maml_update`` with the gradient of the adapted parameters only (None
-for the rest), because ``MAML.adapt`` moves every parameter, and the reference keeps its
-batch-norm offsets out of the inner loop.
+Training runs ``learn2learn.algorithms.MAML`` as its users write it (a ``clone()`` per task, ``maml_update`` steps,
+with None for the parameters the inner loop leaves alone: ``MAML.adapt`` would move them all); all else, the final
+test included, stays the experiment's, so the row differs from ``--engine maml`` only by what the library computes.
 """
 
 from __future__ import annotations
@@ -22,6 +14,7 @@ import torch
 from torch import Tensor
 
 import maml
+from experiments.cli import flag
 
 __all__ = ["ENGINES", "Learn2LearnMAML", "unsupported"]
 
@@ -42,24 +35,16 @@ def unsupported(cfg: Any) -> str | None:
         ("compile", False),
     ):
         if getattr(cfg, key) not in (default, None):
-            flag = "--" + key.replace("_", "-")
             return (
                 f"--engine learn2learn runs learn2learn's MAML (plain SGD inner steps at a fixed rate, the last "
-                f"step's loss), so {flag} {getattr(cfg, key)} does not apply; drop it or use --engine maml"
+                f"step's loss), so {flag(key)} {getattr(cfg, key)} does not apply; drop it or use --engine maml"
             )
     return None
 
 
 class Learn2LearnMAML:
-    """A :class:`maml.MetaLearner` whose training passes run learn2learn's MAML.
-
-    ``run`` with gradients on computes the meta-loss with learn2learn, one task after another,
-    and returns the same :class:`maml.MetaOutput`; evaluation (no gradients) and every other
-    attribute (``parameters``, ``state_dict``, ``task_losses``, ...) are the engine's.
-
-    Args:
-        engine: the toolkit's learner over the same model, loss, rate, steps and adapt set.
-    """
+    """A :class:`maml.MetaLearner` (``engine``, over the same model, loss, rate, steps and adapt set) whose
+    training passes run learn2learn's MAML; evaluation (no gradients) and every other attribute are the engine's."""
 
     def __init__(self, engine: maml.MetaLearner) -> None:
         with warnings.catch_warnings():  # gym, which learn2learn imports, warns about itself

@@ -22,8 +22,7 @@ Panel = tuple[str, str, str, Sequence[tuple[str, str]]]
 
 
 def _pyplot() -> Any:
-    """matplotlib's pyplot on the Agg backend (files only: no display is needed), imported when a plot is drawn."""
-    import matplotlib
+    import matplotlib  # when a plot is drawn; Agg: files only, no display needed
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -32,6 +31,7 @@ def _pyplot() -> Any:
 
 
 def _save(fig: Any, path: Path) -> None:
+    fig.tight_layout()
     atomic_write(path, lambda p: fig.savefig(p, format="png", dpi=120))
     _pyplot().close(fig)
 
@@ -51,7 +51,6 @@ def learning_curves(out: Path, history: list[dict[str, float]], panels: Sequence
                 ax.plot(its, [r.get(key, float("nan")) for r in history], label=label)
         ax.set(xlabel="meta-iteration", ylabel=ylabel, yscale=yscale, title=title)
         ax.legend()
-    fig.tight_layout()
     _save(fig, out / "learning_curves.png")
 
 
@@ -72,7 +71,6 @@ def sine_fit(out: Path, model: nn.Module, learner: maml.MetaLearner, device: tor
         ax.plot(xs[0, :, 0], pred[:, 0].cpu(), style, label=f"MAML, {steps} step{'s' if steps != 1 else ''}")
     ax.set(xlabel="x", ylabel="y", title="one test task, K = 5")
     ax.legend(fontsize=8)
-    fig.tight_layout()
     _save(fig, out / "sine_fit.png")
 
 
@@ -85,8 +83,9 @@ def task_grid(
     steps = max(cfg.eval_steps)
     with torch.no_grad():
         pred = learner.run(batch, steps=steps).query_out[0].argmax(-1).cpu()
-    support_x, support_y = _viewable(batch.support_x[0]), batch.support_y[0].cpu()
-    query_x, query_y = _viewable(batch.query_x[0]), batch.query_y[0].cpu()
+    # (n, C, H, W) as imshow takes it: (n, H, W) greyscale, (n, H, W, 3) colour
+    support_x, query_x = (x[0].cpu().permute(0, 2, 3, 1).squeeze(-1) for x in (batch.support_x, batch.query_x))
+    support_y, query_y = batch.support_y[0].cpu(), batch.query_y[0].cpu()
     cols = max(cfg.shots, cfg.query) + 1
     fig, axes = plt.subplots(cfg.ways, cols, figsize=(cols * 0.8, cfg.ways * 0.9))
     axes = axes.reshape(cfg.ways, cols)
@@ -96,19 +95,10 @@ def task_grid(
         for j, i in enumerate((support_y == c).nonzero()[:, 0].tolist()):
             axes[c, j].imshow(support_x[i], cmap="gray_r")
             axes[c, j].set_title(f"support {c}", fontsize=5)
-        for j, i in enumerate((query_y == c).nonzero()[:, 0].tolist()[: cols - 1]):
-            if cfg.shots + j >= cols:
-                break
+        for j, i in enumerate((query_y == c).nonzero()[:, 0].tolist()[: cols - cfg.shots]):
             axes[c, cfg.shots + j].imshow(query_x[i], cmap="gray_r")
             axes[c, cfg.shots + j].set_title(
                 f"pred {int(pred[i])}", fontsize=5, color="green" if pred[i] == c else "red"
             )
     fig.suptitle(f"one test task after {steps} steps: support (left), query with predictions", fontsize=8)
-    fig.tight_layout()
     _save(fig, out / "task_grid.png")
-
-
-def _viewable(x: torch.Tensor) -> torch.Tensor:
-    """``(n, C, H, W)`` images as imshow takes them: ``(n, H, W)`` greyscale, ``(n, H, W, 3)`` colour."""
-    x = x.cpu()
-    return x[:, 0] if x.shape[1] == 1 else x.permute(0, 2, 3, 1)

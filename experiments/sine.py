@@ -28,16 +28,7 @@ from experiments.config import ExperimentConfig
 from experiments.memory import FLOAT_BYTES, Need
 from experiments.results import mean_ci95
 
-__all__ = [
-    "SineConfig",
-    "validate_config",
-    "build_model",
-    "evaluate",
-    "make_model",
-    "train_tasks",
-    "final_test",
-    "run",
-]
+__all__ = ["SineConfig", "validate_config", "build_model", "run"]
 
 # The learning curves' panels (experiments.plots): the losses, on a log scale.
 PANELS = [
@@ -71,11 +62,7 @@ def validate_config(cfg: SineConfig) -> None:
 
 
 def build_model(hidden: int, init: str = "paper") -> nn.Module:
-    """The paper's regressor: 1 -> hidden -> hidden -> 1 with ReLU.
-
-    ``init="paper"`` draws the weights as the reference implementation does (truncated normal,
-    std 0.01, biases 0); ``"torch"`` keeps PyTorch's default initialisation.
-    """
+    """The paper's regressor, 1 -> hidden -> hidden -> 1 with ReLU, initialised as ``--init`` says."""
     model = nn.Sequential(nn.Linear(1, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 1))
     if init == "paper":
         for layer in model[::2]:
@@ -133,8 +120,7 @@ def train_tasks(cfg: SineConfig, data: None, device: torch.device) -> fit.Tasks:
 def final_test(fitted: fit.Fitted) -> fit.Results:
     """The evaluation on fresh tasks, the plots, and the table."""
     cfg, opts, learner = fitted.cfg, fitted.opts, fitted.learner
-    # Test-time adaptation may take more steps than training did; a task whose inner loop
-    # diverges there is reported (as an infinite MSE and in diverged_tasks), not fatal.
+    # A task whose inner loop diverges at test time (more steps than in training) is reported, not fatal.
     learner.check_finite = False
     results = evaluate(learner, cfg, opts.device, seed=cfg.seed + 20_000)
     plots.learning_curves(opts.out, fitted.trainer.history, PANELS)
@@ -143,8 +129,8 @@ def final_test(fitted: fit.Fitted) -> fit.Results:
 
 
 def memory_needs(cfg: SineConfig, params: int | None) -> list[Need]:
-    """Lower bounds on what a sine run holds at one moment (:mod:`experiments.memory`); points are (x, y) pairs."""
-    f = FLOAT_BYTES
+    """Lower bounds on what a sine run holds at one moment (:mod:`experiments.memory`)."""
+    task = (cfg.shots + cfg.query) * 2 * FLOAT_BYTES  # a training task's (x, y) pairs
     return [
         Need(
             "the network's weights, meta-gradient, and one task's support gradient and fast weights",
@@ -154,17 +140,13 @@ def memory_needs(cfg: SineConfig, params: int | None) -> list[Need]:
         Need(
             "the training meta-batch's points and one task's first hidden layer",
             "--meta-batch, --shots, --query, --hidden",
-            (cfg.meta_batch * (cfg.shots + cfg.query) * 2 + max(cfg.shots, cfg.query) * cfg.hidden) * f,
+            cfg.meta_batch * task + max(cfg.shots, cfg.query) * cfg.hidden * FLOAT_BYTES,
         ),
-        Need(
-            "the validation tasks' points",
-            "--val-tasks, --shots, --query",
-            cfg.val_tasks * (cfg.shots + cfg.query) * 2 * f,
-        ),
+        Need("the validation tasks' points", "--val-tasks, --shots, --query", cfg.val_tasks * task),
         Need(
             "the test tasks' points",
             "--eval-tasks, --eval-shots, --eval-query",
-            cfg.eval_tasks * (max(cfg.eval_shots) + cfg.eval_query) * 2 * f,
+            cfg.eval_tasks * (max(cfg.eval_shots) + cfg.eval_query) * 2 * FLOAT_BYTES,
         ),
     ]
 

@@ -24,7 +24,7 @@ from torch import nn
 
 import maml
 from experiments import config, omniglot, recipes, sine
-from experiments.omniglot_data import load as load_omniglot
+from experiments.omniglot import load as load_omniglot
 from experiments.omniglot_net import build_model, meta_only
 from experiments.recipes import Schedule
 

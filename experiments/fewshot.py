@@ -1,0 +1,105 @@
+"""What the N-way K-shot image scripts (experiments.omniglot and .images) share: their training tasks and final test."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import maml
+import tasks
+from experiments import fit, plots
+from experiments.omniglot_net import accuracy
+from experiments.results import mean_ci95
+from experiments.rundir import BEST_FILE
+
+__all__ = ["train_tasks", "final_test"]
+
+PANELS = [
+    ("meta-loss", "cross-entropy", "linear", [("train/meta_loss", "train meta-loss")]),
+    (
+        "accuracy",
+        "accuracy",
+        "linear",
+        [("train/accuracy", "train query accuracy"), ("val/accuracy", "validation accuracy")],
+    ),
+]
+
+
+@torch.no_grad()
+def evaluate(
+    run: Callable[..., maml.MetaOutput], sampler: tasks.FewShotSampler, cfg: Any, device: torch.device
+) -> dict[str, Any]:
+    """Test accuracy on ``eval_tasks`` tasks (the same at each number of steps) with 95 % CIs (``run``: fitted.run)."""
+    g = torch.Generator().manual_seed(cfg.seed + 20_000)
+    chunks = [
+        sampler.sample(min(cfg.eval_chunk, cfg.eval_tasks - i), g, device=device)
+        for i in range(0, cfg.eval_tasks, cfg.eval_chunk)
+    ]
+    results = {}
+    for steps in cfg.eval_steps:
+        acc = torch.cat([accuracy(run(b, steps=steps).query_out, b.query_y) for b in chunks])
+        mean, ci = mean_ci95(acc)
+        results[f"{steps}step"] = {"accuracy": mean, "ci95": ci, "steps": steps, "tasks": acc.numel()}
+    return results
+
+
+def train_tasks(cfg: Any, data: Any, device: torch.device) -> fit.Tasks:
+    """Training tasks of the train split; ``val_tasks`` fixed tasks of the validation split, if any."""
+    _, (train, val, _) = data
+    g = torch.Generator().manual_seed(cfg.seed + 10_000)
+    val_batch = None if val is None else val.sample(cfg.val_tasks, g, device=device)
+
+    def val_metrics(out: maml.MetaOutput, batch: maml.TaskBatch) -> dict[str, float]:
+        acc, ci = mean_ci95(accuracy(out.query_out, batch.query_y))
+        return {"val/accuracy": acc, "val/accuracy_ci95": ci}
+
+    return fit.Tasks(
+        sample=lambda g: train.sample(cfg.meta_batch, g, device=device),
+        metrics=lambda out, batch: {"train/accuracy": float(accuracy(out.query_out, batch.query_y).mean())},
+        val_batch=val_batch,
+        val_metrics=val_metrics,
+        select=("val/accuracy", "max"),
+    )
+
+
+def final_test(fitted: fit.Fitted, data: dict[str, Any], held_out: str) -> fit.Results:
+    """The test accuracy of the last and of the best-validation parameters on the same tasks, and the plots.
+
+    ``data``: results.json's ``data`` entry; ``held_out``: what the test tasks are drawn from, for the summary.
+    """
+    cfg, opts, learner, trainer = fitted.cfg, fitted.opts, fitted.learner, fitted.trainer
+    test_tasks = fitted.data[1][2]
+    results = evaluate(fitted.run, test_tasks, cfg, opts.device) if test_tasks is not None else {}
+    plots.learning_curves(opts.out, trainer.history, PANELS)
+    if test_tasks is not None:
+        plots.task_grid(opts.out, learner, test_tasks, cfg, opts.device)
+    # Model selection: the best-validation parameters on the same test tasks (the last's results when they are the last).
+    best_results = results
+    if test_tasks is not None and trainer.best and trainer.best["iteration"] != trainer.iterations:
+        # map_location: a run trained on a GPU may be tested, resumed, on a machine without one
+        best = torch.load(opts.out / BEST_FILE, map_location=opts.device, weights_only=True)
+        learner.load_state_dict(best["learner"])
+        best_results = evaluate(fitted.run, test_tasks, cfg, opts.device)
+    data["batching"] = learner.resolved_batching
+    if test_tasks is None:  # Omniglot's --split-fractions with a test share of 0
+        why = f"--split-fractions {','.join(f'{f:g}' for f in cfg.split_fractions)} gives the test split no characters"
+        return fit.Results(
+            results,
+            "accuracy",
+            f"no final test: {why} (results.json has test: {{}}); the model is in {opts.out / 'checkpoint.pt'}.",
+            {"data": data, "test_best": best_results, "test_skipped": why},
+        )
+    best_at = trainer.best.get("iteration", trainer.iterations)
+    lines = [
+        f"{cfg.ways}-way {cfg.shots}-shot test accuracy on {cfg.eval_tasks} tasks of {held_out} "
+        f"(last: iteration {trainer.iterations}; best validation: iteration {best_at}):"
+    ]
+    for key, r in results.items():
+        b = best_results[key]
+        lines.append(
+            f"  {r['steps']} steps: last {100 * r['accuracy']:.2f} % +- {100 * r['ci95']:.2f} %, "
+            f"best {100 * b['accuracy']:.2f} % +- {100 * b['ci95']:.2f} %"
+        )
+    return fit.Results(results, "accuracy", "\n".join(lines), {"data": data, "test_best": best_results})
