@@ -104,11 +104,9 @@ def run_sweep(
                 trial.state = "finished" if code == 0 else "killed" if code < 0 or code in STOPPED else "failed"
                 trial.error = None if code == 0 else f"killed by signal {-code}" if code < 0 else f"exit code {code}"
                 trial.wall_time = time.monotonic() - started
-                logged = (
-                    f"{sweep.metric}={trial.metric:.6g}" if trial.metric is not None else f"no {sweep.metric} logged"
-                )
                 why = f" ({trial.error}; its output: {out / trial.name / 'output.log'})" if trial.error else ""
-                note(f"{trial.name} {trial.state}{why} in {trial.wall_time:.1f}s: {logged}")
+                got = f"no {sweep.metric} logged" if trial.metric is None else f"{sweep.metric}={trial.metric:.6g}"
+                note(f"{trial.name} {trial.state}{why} in {trial.wall_time:.1f}s: {got}")
                 if code == 0 and target is not None and trial.metric is not None:
                     if trial.metric >= target if sweep.goal == "maximize" else trial.metric <= target:
                         note(f"{trial.name} reached the target {sweep.metric}; starting no more trials")
@@ -290,10 +288,8 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None, stderr
             while trial := next_trial(sweep, trials, limit):
                 trial.state = "planned"  # the engine counts it as running
             later = "; the later trials depend on the results" if method == "bayes" else ""
-            print(
-                f"{sweep.name}: {method} search, {len(trials)} trial(s), metric {sweep.metric} ({sweep.goal}), seed {seed}{later}",
-                file=stdout,
-            )
+            plan = f"{method} search, {len(trials)} trial(s), metric {sweep.metric} ({sweep.goal}), seed {seed}{later}"
+            print(f"{sweep.name}: {plan}", file=stdout)
             for trial in trials:
                 print(trial.name, *(f"{key}={_show(value)}" for key, value in trial.params.items()), file=stdout)
             print("command:", *build_command(sweep, trials[0].params, Path("<out>") / trials[0].name), file=stdout)

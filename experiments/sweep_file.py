@@ -35,8 +35,8 @@ __all__ = [
     "load_sweep",
     "next_trial",
     "build_command",
-    "trial_env",
     "check_parameters",
+    "start_trial",
 ]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]  # finds a program named from the root; sweep.json's paths are relative
