@@ -1,15 +1,16 @@
-"""A W&B sweep file, read and checked offline, and its trials: the engine's next parameters, each trial's command.
+"""A W&B sweep file read and checked offline, and its trials: the engine's next parameters, each trial's command.
 
-The file is wandb's format (``method``, ``metric``, ``parameters``, ``command``, ``program``,
-``run_cap``); W&B's own search engine (the ``sweeps`` package) picks each trial's parameters,
-and a trial runs as W&B's own sweeps run it (see ``experiments.sweep``).
+The file is wandb's format (``method``, ``metric``, ``parameters``, ``command``, ``program``, ``run_cap``); W&B's
+own search engine (the ``sweeps`` package) picks each trial's parameters; a trial runs as ``wandb agent`` runs it.
 """
 
 from __future__ import annotations
 
-import difflib
+import ctypes
+import functools
 import os
 import re
+import signal
 import subprocess
 import sys
 import warnings
@@ -19,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from experiments.cli import UsageError
+from experiments.cli import UsageError, flag, suggest
 from experiments.config_file import DuplicateKey, UniqueKeys
 
 with warnings.catch_warnings():  # the engine's pydantic deprecation warnings
@@ -34,58 +35,13 @@ __all__ = [
     "load_sweep",
     "next_trial",
     "build_command",
-    "trial_env",
     "check_parameters",
+    "start_trial",
 ]
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-MACROS = ("${env}", "${interpreter}", "${program}", "${args}")  # wandb's default command; the only forms built
+REPO_ROOT = Path(__file__).resolve().parents[1]  # finds a program named from the root; sweep.json's paths are relative
+MACROS = ("${env}", "${interpreter}", "${program}", "${args}")  # wandb's default command; the only macros supported
 DONE = ("finished", "failed")  # trials that ran to their end: --resume keeps them
-
-
-def _line(text: str, keys: list[str]) -> str:
-    """`` line N`` of the key at ``keys`` (from the top) in the YAML ``text``; '' where it is not found."""
-    node = yaml.compose(text, Loader=yaml.SafeLoader)
-    line = None
-    for key in keys:
-        if not isinstance(node, yaml.MappingNode):
-            return ""
-        found = next(((k, v) for k, v in node.value if isinstance(k, yaml.ScalarNode) and k.value == key), None)
-        if found is None:
-            return ""
-        line, node = found[0].start_mark.line + 1, found[1]
-    return f", line {line}" if line is not None else ""
-
-
-def _check_flat(path: Path, text: str, config: dict[str, Any]) -> None:
-    """Raises UsageError for a parameter the trials' flags cannot carry: nested parameters, or a mapping as a value.
-
-    A trial's command passes each parameter as one ``--name=value`` flag: the engine drops a
-    parameter that holds ``parameters:`` of its own from every trial, and a mapping as a value
-    would reach the program as its Python repr.
-    """
-    parameters = config.get("parameters")
-    for name, spec in parameters.items() if isinstance(parameters, dict) else ():
-        if not isinstance(spec, dict):
-            continue  # the engine's schema says what a parameter must be
-        if "parameters" in spec:
-            raise UsageError(
-                f"{path}{_line(text, ['parameters', str(name), 'parameters'])}: the parameter {name!r} holds nested "
-                f"parameters, which the search would drop from every trial (each trial passes flat --name=value "
-                f"flags); give each flag its own entry under parameters."
-            )
-        if "value" in spec:
-            values = [spec["value"]]
-        else:
-            values = spec["values"] if isinstance(spec.get("values"), list) else []
-        nested = next((value for value in values if isinstance(value, dict)), None)
-        if nested is not None:
-            where = "value" if "value" in spec else "values"
-            raise UsageError(
-                f"{path}{_line(text, ['parameters', str(name), where])}: the parameter {name!r} has the mapping "
-                f"{nested!r} as a value, which a trial's --{name}=VALUE flag cannot carry; give it a number, a string "
-                f"or a bool (one parameter per flag)."
-            )
 
 
 @dataclass
@@ -123,13 +79,42 @@ class Trial:
     command: list[str] = field(default_factory=list)
 
 
-def load_sweep(path: Path) -> Sweep:
-    """Reads and checks a sweep file in wandb's format.
+def _check_flat(path: Path, text: str, config: dict[str, Any]) -> None:
+    """Refuses what one ``--name=value`` flag cannot carry: nested parameters (the engine drops them from every
+    trial) and a mapping as a value (the program would get its Python repr)."""
 
-    Raises:
-        UsageError: An unreadable or invalid file, no metric, a file the engine rejects, an
-            unsupported command macro or a missing program.
-    """
+    def line(*keys: str) -> str:  # ", line N" of the key at the path ``keys`` in the file
+        node, found = yaml.compose(text, Loader=yaml.SafeLoader), ""
+        for key in keys:
+            pairs = [(k, v) for k, v in node.value if k.value == key] if isinstance(node, yaml.MappingNode) else []
+            if not pairs:
+                return ""
+            found, node = f", line {pairs[0][0].start_mark.line + 1}", pairs[0][1]
+        return found
+
+    parameters = config.get("parameters")
+    for name, spec in parameters.items() if isinstance(parameters, dict) else ():
+        if not isinstance(spec, dict):
+            continue  # the engine's schema says what a parameter must be
+        if "parameters" in spec:
+            raise UsageError(
+                f"{path}{line('parameters', str(name), 'parameters')}: the parameter {name!r} holds nested "
+                f"parameters, which the search would drop from every trial (each trial passes flat --name=value "
+                f"flags); give each flag its own entry under parameters."
+            )
+        where = "value" if "value" in spec else "values"
+        values = [spec["value"]] if where == "value" else spec["values"] if isinstance(spec.get("values"), list) else []
+        if (nested := next((value for value in values if isinstance(value, dict)), None)) is not None:
+            raise UsageError(
+                f"{path}{line('parameters', str(name), where)}: the parameter {name!r} has the mapping "
+                f"{nested!r} as a value, which a trial's --{name}=VALUE flag cannot carry; give it a number, a string "
+                f"or a bool (one parameter per flag)."
+            )
+
+
+def load_sweep(path: Path) -> Sweep:
+    """Reads and checks a sweep file in wandb's format (``method``, ``metric``, ``parameters``, ``command``,
+    ``program``, ``run_cap``); a UsageError for anything the file, the engine or the runner cannot use."""
     try:
         text = path.read_text()
         config = yaml.load(text, Loader=UniqueKeys)
@@ -148,8 +133,7 @@ def load_sweep(path: Path) -> Sweep:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         engine_input = {key: value for key, value in config.items() if key != "run_cap"}  # not in the engine's schema
-        problems = sweeps.schema_violations_from_proposed_config(engine_input)
-        if problems:
+        if problems := sweeps.schema_violations_from_proposed_config(engine_input):
             raise UsageError(f"{path} is not a valid sweep config: {'; '.join(problems)}")
         engine = dict(sweeps.SweepConfig(engine_input))
         try:  # what the schema lets through, e.g. a grid over a continuous range
@@ -173,8 +157,7 @@ def load_sweep(path: Path) -> Sweep:
 def next_trial(sweep: Sweep, trials: list[Trial], limit: int | None) -> Trial | None:
     """The first pending trial, else a new one from the engine (appended); None at the limit or the grid's end.
 
-    The engine hears of every trial: ended ones with their state and score (bayes learns from
-    them), the others as running (a grid does not repeat them).
+    The engine hears of every trial: ended ones with their score (bayes learns), the others as running (no repeats).
     """
     if pending := [trial for trial in trials if trial.state == "pending"]:
         return pending[0]
@@ -191,13 +174,10 @@ def next_trial(sweep: Sweep, trials: list[Trial], limit: int | None) -> Trial | 
     ]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # scikit-learn's, fitting bayes search
-        run = sweeps.next_run(sweep.engine, runs)
-    if run is None:
-        return None
-    params = {
-        key: spec["value"].item() if hasattr(spec["value"], "item") else spec["value"]  # numpy scalars
-        for key, spec in run.config.items()
-    }
+        if (run := sweeps.next_run(sweep.engine, runs)) is None:
+            return None
+    values = {key: spec["value"] for key, spec in run.config.items()}
+    params = {key: value.item() if hasattr(value, "item") else value for key, value in values.items()}  # numpy's
     trials.append(Trial(len(trials) + 1, f"trial-{len(trials) + 1:03d}", params))
     return trials[-1]
 
@@ -213,45 +193,53 @@ def build_command(sweep: Sweep, params: dict[str, Any], trial_dir: Path) -> list
 def trial_env(sweep: Sweep, trial_dir: Path, threads: int | None) -> dict[str, str]:
     """A trial's environment: offline wandb with the sweep as group, this repository importable, its threads."""
     env = {key: value for key, value in os.environ.items() if key not in ("WANDB_SWEEP_ID", "WANDB_RUN_ID")}
-    path = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     env |= {
         "WANDB_MODE": "offline",
         "WANDB_RUN_GROUP": sweep.name,
         "WANDB_NAME": f"{sweep.name}-{trial_dir.name}",
         "WANDB_DIR": str(trial_dir),
-        "PYTHONPATH": path,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")])),
     }
     return env | ({"OMP_NUM_THREADS": str(threads)} if threads else {})
 
 
 def check_parameters(sweep: Sweep) -> None:
-    """Checks that a Python program's ``--help`` lists a flag for each parameter; others are not checked.
-
-    Raises:
-        UsageError: A parameter that is no flag of the program (every trial would fail on it), with close matches.
-    """
+    """Refuses a parameter that a Python program's ``--help`` lists no flag for (every trial would fail on it)."""
     source = sweep.program.read_text(errors="replace") if sweep.program and sweep.program.suffix == ".py" else ""
     if "${args}" not in sweep.command or not (sweep.ours or "argparse" in source):
-        return
+        return  # other programs are not checked
     command = build_command(sweep, {}, Path("<out>"))[:-4] + ["--help"]  # without --out <out> --wandb offline
     try:
-        shown = subprocess.run(
-            command,
-            env=trial_env(sweep, Path("help"), None),
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        env = trial_env(sweep, Path("help"), None)
+        shown = subprocess.run(command, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.SubprocessError):
         return
     flags = sorted(set(re.findall(r"(?<![\w-])--[A-Za-z0-9][\w-]*", shown.stdout))) if shown.returncode == 0 else []
     for name in sweep.config["parameters"] if flags else ():
-        if f"--{name}" not in flags and not (sweep.ours and f"--{name.replace('_', '-')}" in flags):
-            matches = difflib.get_close_matches(f"--{name}", flags, n=3, cutoff=0.5)
-            hint = f" (did you mean {', '.join(matches)}?)" if matches else ""
+        if f"--{name}" not in flags and not (sweep.ours and flag(name) in flags):
             raise UsageError(
-                f"{sweep.path}: the parameter {name!r} is not a flag of {sweep.config['program']}{hint}; "
-                f"every trial would fail on it. Rename it under parameters (the program's --help lists "
-                f"its flags)."
+                f"{sweep.path}: the parameter {name!r} is not a flag of {sweep.config['program']}"
+                f"{suggest(f'--{name}', flags)}; "
+                f"every trial would fail on it. Rename it under parameters (the program's --help lists its flags)."
             )
+
+
+def start_trial(sweep: Sweep, trial: Trial, out: Path, threads: int | None) -> subprocess.Popen[bytes]:
+    """Starts a trial's process, its output in ``output.log``; a cut trial's again with --resume or --overwrite."""
+    folder = out / trial.name
+    cut = ["--resume"] if (folder / "checkpoint.pt").exists() else ["--overwrite"] * (folder / "config.yaml").exists()
+    share = ["--threads", str(threads)] if threads and sweep.ours and "threads" not in trial.params else []
+    trial.command = build_command(sweep, trial.params, folder) + cut + share
+    trial.state, trial.exit_code, trial.error = "running", None, None
+    folder.mkdir(parents=True, exist_ok=True)
+    # SIGTERM to the trial when the runner dies, however (kill -9 too): no trial goes on writing into a resumed sweep
+    pdeathsig = functools.partial(ctypes.CDLL(None).prctl, 1, signal.SIGTERM) if sys.platform == "linux" else None
+    with open(folder / "output.log", "ab") as log:
+        return subprocess.Popen(
+            trial.command,
+            env=trial_env(sweep, folder, threads),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=pdeathsig,
+        )
