@@ -1,8 +1,7 @@
 """The experiment scripts (``python -m experiments.sine``, ``.omniglot``, ``.sweep``).
 
-Importing this package checks that ``maml`` and ``tasks`` are maml-toolkit's own: a researcher's ``tasks/`` folder
-earlier on ``sys.path`` would otherwise be imported and fail later with an unrelated ``AttributeError``. A shadowed
-package ends the program with one line on stderr and exit code 2.
+Importing this package checks that ``maml`` and ``tasks`` are maml-toolkit's own (a researcher's ``tasks/`` folder
+would otherwise fail later with an unrelated ``AttributeError``): a shadowed one is one line and exit code 2.
 """
 
 from __future__ import annotations

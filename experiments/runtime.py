@@ -68,9 +68,8 @@ class Terminated(KeyboardInterrupt):
 def catch_stop_signals(main: bool = True, patience: float | None = None) -> tuple[list[int], Callable[[], None]]:
     """Catches Ctrl-C and SIGTERM: returns the list they are recorded in, and the function that restores the handlers.
 
-    The first signal is recorded, for the training loop to stop after its iteration. A second one, or an iteration
-    still running ``patience`` s later (default :data:`STOP_PATIENCE_S`), raises :class:`KeyboardInterrupt`
-    (:class:`Terminated` for SIGTERM) at once: the run keeps its last checkpoint. ``main``: this process says so.
+    The loop stops after the iteration of the first signal. A second one, or ``patience`` s (:data:`STOP_PATIENCE_S`)
+    without the iteration ending, raises KeyboardInterrupt (:class:`Terminated` for SIGTERM) at once. ``main``: says so.
     """
     stop: list[int] = []
     wait = STOP_PATIENCE_S if patience is None else patience

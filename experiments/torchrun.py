@@ -74,10 +74,8 @@ def check_device(device: torch.device) -> None:
 def join_processes(device: torch.device) -> tuple[torch.device, int, int]:
     """Under ``torchrun``, joins its process group: this process's device, rank and world size (alone: ``(device, 0, 1)``).
 
-    gloo on CPU; NCCL on GPUs, each process on ``cuda:LOCAL_RANK``.
-
-    Raises:
-        UsageError: a device the backends cannot serve, one GPU for several processes, or fewer GPUs than processes.
+    gloo on CPU; NCCL on GPUs, each process on ``cuda:LOCAL_RANK``. UsageError for a device the backends cannot serve,
+    one GPU for several processes, or fewer GPUs than processes.
     """
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return device, 0, 1

@@ -1,7 +1,6 @@
 """wandb: the run's mode (``--wandb``, ``$WANDB_MODE``, or whether the user is logged in), starting and finishing it.
 
-Rank 0 alone logs to wandb, its files under ``--out``. A run never waits for wandb: without a server, a key or a
-network it logs offline, and says how to upload it later.
+Rank 0 alone logs, under ``--out``; without a server, a key or a network it logs offline, and says how to upload.
 """
 
 from __future__ import annotations
@@ -44,8 +43,8 @@ def wandb_mode(given: str | None) -> str:
 def default_wandb_mode() -> str:
     """$WANDB_MODE if set; online if the user is logged in; offline otherwise (never hangs without network).
 
-    Logged in: ``$WANDB_API_KEY`` is set, or the netrc file (``$NETRC``, else ``~/.netrc``), where ``wandb login``
-    writes, holds a key for the W&B server's host (``$WANDB_BASE_URL``, else https://api.wandb.ai).
+    Logged in: ``$WANDB_API_KEY``, or a key in the netrc file (``$NETRC``, else ``~/.netrc``: ``wandb login``'s) for
+    the host of ``$WANDB_BASE_URL`` (else https://api.wandb.ai).
     """
     mode = os.environ.get("WANDB_MODE")
     if mode in (*_MODES, *_OLD_NAMES):
