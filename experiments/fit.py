@@ -1,17 +1,11 @@
 """One run of an experiment script, from the command line to results.json: :func:`fit`.
 
-An experiment script says what is its own in an :class:`Experiment`: its config dataclass, its
-data, its network and loss (:class:`Model`), its training and validation tasks (:class:`Tasks`)
-and its final test (which returns :class:`Results`). :func:`fit` does the rest, in this order:
-parse the flags, check the folder (and the checkpoint to resume), read the data, write
-config.yaml, seed, build the meta-learner and its optimizer, start wandb, meta-train (a NaN/Inf
-ends the run with one line saying which loop diverged), run the script's test, write
-results.json and print the script's summary. :func:`main` turns a usage error into one line and
-exit code 2::
+A script gives its own parts in an :class:`Experiment` (config, data, :class:`Model`, :class:`Tasks`, and a test
+returning :class:`Results`); :func:`fit` does the rest, and :func:`main` turns how a run ends into one line and
+its exit code::
 
     def run(argv=None):
-        fit.fit(fit.Experiment("sine", SineConfig, "...", validate_config, model=make_model, tasks=train_tasks,
-                               test=final_test), argv)
+        fit.fit(fit.Experiment("sine", SineConfig, "...", check, model=..., tasks=..., test=...), argv)
 
     if __name__ == "__main__":
         fit.main(run)
@@ -25,6 +19,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -34,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 import maml
-from experiments import STARTING, peers, recipes, release_start_up_signals
+from experiments import STARTING, peers, recipes, release_start_up_signals, torchrun
 from experiments.cli import UsageError
 from experiments.config import parse_args
 from experiments.divergence import DivergenceWatch, stop_on_divergence
@@ -44,15 +39,6 @@ from experiments.results import finish
 from experiments.run_options import RunOptions
 from experiments.rundir import prepare_out, take_out
 from experiments.runtime import Terminated
-from experiments.torchrun import (
-    RankUsageError,
-    check_shards,
-    leave_with_launcher,
-    outwait_printer,
-    peer_lost,
-    prints_usage_errors,
-    process_rank,
-)
 from experiments.tracking import init_wandb
 from experiments.trainer import Trainer
 
@@ -129,13 +115,11 @@ class Experiment:
 def fit(experiment: Experiment, argv: Sequence[str] | None = None) -> None:
     """Runs ``experiment`` with the command line ``argv`` (default: ``sys.argv[1:]``), from parsing to results.json.
 
-    Under ``torchrun`` every process trains its share of each meta-batch; rank 0 alone writes
-    under ``--out``, logs, tests and writes the results.
+    Under ``torchrun`` every process trains its share of each meta-batch; rank 0 alone writes, logs and tests.
 
     Raises:
         UsageError: bad flags, config file, device, data or ``--out`` (nothing is written then).
-        SystemExit: 1 when training diverged (after one line on stderr); 130 or 143 when stopped by
-            a signal (after a checkpoint).
+        SystemExit: 1 when training diverged (after one line); 130 or 143 when stopped by a signal.
     """
     _STAGE[:] = ["start-up"]
     cfg, opts = parse_args(
@@ -143,7 +127,7 @@ def fit(experiment: Experiment, argv: Sequence[str] | None = None) -> None:
     )
     if experiment.resolve is not None:
         cfg = experiment.resolve(cfg)
-    check_shards(cfg.meta_batch, opts)
+    torchrun.check_shards(cfg.meta_batch, opts)
     if experiment.needs is not None:  # sizes whose tensors cannot fit: one line, before anything is written
         check_fits(experiment.needs(cfg, parameter_bytes(lambda: experiment.model(cfg).module)), opts.device)
     resumed = prepare_out(opts, cfg)  # before writing anything
@@ -193,9 +177,8 @@ def fit(experiment: Experiment, argv: Sequence[str] | None = None) -> None:
     name = experiment.run_name(cfg) if experiment.run_name is not None else experiment.name
     wandb_run = init_wandb(opts, cfg, name, resumed["wandb_id"] if resumed else None) if opts.main else None
     _STAGE[:] = ["training", str(opts.out)]
-    with stop_on_divergence(
-        opts.out, wandb_run, opts.main
-    ):  # a NaN/Inf: one line naming the loop and the flag, exit code 1
+    # A NaN/Inf: one line naming the loop and the flag, exit code 1.
+    with stop_on_divergence(opts.out, wandb_run, opts.main):
         trainer.run(opts, cfg, resumed, wandb_run)
     _STAGE[0] = "the final evaluation"
     if not opts.main:
@@ -210,60 +193,34 @@ _STAGE: list[str] = ["start-up"]  # where fit() is, for the line a stop prints: 
 
 
 def _terminated(signum: int, frame: Any) -> None:
-    """SIGTERM outside the training loop: unwinds as Ctrl-C does (atomic writes leave nothing half-written)."""
-    raise Terminated
+    raise Terminated  # SIGTERM outside the training loop unwinds as Ctrl-C does (atomic writes leave nothing half-done)
 
 
-def _leave_process_group_run(code: int) -> None:
-    """Ends a finished torchrun process now, skipping the interpreter's teardown.
-
-    Gloo's worker threads can still release tensors of the last collective after it completed;
-    one that does so while the interpreter tears down takes the GIL during finalization, and the
-    process dies of SIGABRT ("terminate called without an active exception") after a complete
-    run, and torchrun then kills the other ranks (seen in CI; pytorch/pytorch#179291 describes
-    the race). Nothing is left to do at this point: files are written atomically and closed, the
-    wandb run is finished, the folder lock is released.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    logging.shutdown()
-    os._exit(code)
-
-
-def _stopped_line() -> str:
-    """What a stop outside the training loop leaves, and the command that goes on from it."""
+def _ending_line(lost: str | None = None) -> str:
+    """What a stop (or the end of another process, ``lost`` naming gloo's reason) leaves, and what to run next."""
     stage, *out = _STAGE
     if stage == "start-up":
-        return STARTING
-    if stage == "training":  # a second Ctrl-C, or an iteration past the patience: the last checkpoint is whole
-        if not (Path(out[0]) / "checkpoint.pt").is_file():
-            return "stopped at once, before the first checkpoint: nothing to resume; run the same command again."
-        return f"stopped at once; the last checkpoint in {out[0]} is whole: the same command plus --resume goes on."
-    return (
-        f"stopped during the final evaluation; training is complete in {out[0]}: the same command plus --resume "
-        f"evaluates it."
-    )
-
-
-def _peer_lost_line(reason: str) -> str:
-    """What a process says when another process of its torchrun run ended during a collective, and what is left."""
-    stage, *out = _STAGE
-    if stage == "start-up":
+        if lost is None:
+            return STARTING
         left = "before training, nothing to resume: run the same command again (once what ended it is fixed)."
-    elif stage == "training" and (Path(out[0]) / "checkpoint.pt").is_file():
+    elif stage == "the final evaluation":
+        left = f"training is complete in {out[0]}: the same command plus --resume evaluates it."
+    elif (Path(out[0]) / "checkpoint.pt").is_file():  # a stop in training is at once: the last checkpoint is whole
         left = f"the last checkpoint in {out[0]} is whole: the same command plus --resume goes on."
-    elif stage == "training" and process_rank() == 0:
+    elif lost is None:
+        return "stopped at once, before the first checkpoint: nothing to resume; run the same command again."
+    elif torchrun.process_rank() == 0:
         left = "no checkpoint was written yet: run the same command again."
-    elif stage == "training":  # rank 0 writes the checkpoints, maybe on a disk this machine does not see
+    else:  # rank 0 writes the checkpoints, maybe on a disk this machine does not see
         left = (
             f"rank 0 keeps the checkpoints in {out[0]} on its machine: the same command plus --resume goes on from "
             f"the last one (without --resume if there is none)."
         )
-    else:
-        left = f"training is complete in {out[0]}: the same command plus --resume evaluates it."
+    if lost is None:
+        return f"stopped {'at once' if stage == 'training' else 'during ' + stage}; {left}"
     return (
-        f"error (rank {process_rank()}): another process of this torchrun run ended during a collective "
-        f"(gloo: {reason}); {left}"
+        f"error (rank {torchrun.process_rank()}): another process of this torchrun run ended during a collective "
+        f"(gloo: {lost}); {left}"
     )
 
 
@@ -275,45 +232,44 @@ def _leaving() -> None:
 
 
 def main(run: Callable[[Sequence[str] | None], None], argv: Sequence[str] | None = None) -> None:
-    """Runs an experiment's entry point, turning UsageError into a message and exit code 2.
+    """Runs an experiment's entry point: a UsageError is one line and exit code 2, a stop one line and 130 or 143.
 
-    Leaves the process group that ``parse_args`` joined under torchrun, however the run ends. A
-    collective that fails because another process ended (killed, crashed) is one line and exit
-    code 1; the death of torchrun's launcher stops this process as SIGTERM does.
+    Under torchrun it leaves the process group however the run ends: a collective that fails because another process
+    ended is one line and exit code 1; the death of torchrun's launcher stops this process as SIGTERM does.
     """
     together: int | None = None  # the exit code of an end that every rank reaches at the same point
     lost: str | None = None  # gloo's reason, when another process ended during a collective
-    # SIGTERM outside the training loop (which stops by its own handlers) unwinds as Ctrl-C does.
     main_thread = threading.current_thread() is threading.main_thread()
     if main_thread:
         release_start_up_signals()  # Ctrl-C raises KeyboardInterrupt from here on
     sigterm = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
     try:
         if main_thread and "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun's agent, its parent
-            leave_with_launcher()  # (its SIGTERM, if the launcher is gone already, raises Terminated here)
+            torchrun.leave_with_launcher()  # (its SIGTERM, if the launcher is gone already, raises Terminated here)
         run(argv)
         together = 0
-    except KeyboardInterrupt as e:  # Ctrl-C (or SIGTERM) outside the training loop, or a second one in it
-        lost = peer_lost(e)  # torchrun's SIGTERM, come while a failed collective's error unwound
+    except (KeyboardInterrupt, RuntimeError) as e:  # a stop outside the training loop (or a second one in it)
+        lost = torchrun.peer_lost(e)  # also torchrun's SIGTERM, come while a failed collective's error unwound
+        if lost is None and isinstance(e, RuntimeError):
+            raise
         if lost is None:
-            print(f"\n{_stopped_line()}", file=sys.stderr)
+            print(f"\n{_ending_line()}", file=sys.stderr)
             raise SystemExit(143 if isinstance(e, Terminated) else 130) from None
         _leaving()
     except UsageError as e:
-        # Under torchrun every process meets the same error alike, and one per machine says it
-        # (rank 0 on one machine); an error of one process's own (its GPU) is said by it, naming it.
-        if isinstance(e, RankUsageError):
-            print(f"error (rank {process_rank()}): {e}", file=sys.stderr)
-        elif prints_usage_errors():
+        # Under torchrun every process meets the same error alike, and the first of each machine says it (each
+        # machine's torchrun shows its own processes' output); an error of one process's own is said by it.
+        if isinstance(e, torchrun.RankUsageError):
+            print(f"error (rank {torchrun.process_rank()}): {e}", file=sys.stderr)
+        elif os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")) == "0":  # RANK: launchers other than torchrun
             print(f"error: {e}", file=sys.stderr)
-        else:
-            outwait_printer()  # torchrun would end the printing process if this one ended first
+        elif "TORCHELASTIC_RUN_ID" in os.environ and main_thread:
+            # torchrun ends every process once one exits with an error, maybe before the printer (still importing
+            # torch) printed it: this one waits for torchrun's SIGTERM (or Ctrl-C), 30 s at most.
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda signum, frame: sys.exit(2))
+            time.sleep(30.0)
         raise SystemExit(2) from None
-    except RuntimeError as e:
-        lost = peer_lost(e)
-        if lost is None:
-            raise
-        _leaving()
     except SystemExit as e:
         if e.code in (130, 143):  # the stop that every rank voted for after one iteration
             together = e.code
@@ -329,17 +285,22 @@ def main(run: Callable[[Sequence[str] | None], None], argv: Sequence[str] | None
                 try:
                     dist.barrier()
                 except RuntimeError as e:
-                    reason = peer_lost(e)
+                    reason = torchrun.peer_lost(e)
                     if reason is None:
                         raise
                     _leaving()
                     if not (together == 0 and dist.get_rank() == 0):  # rank 0 wrote the results: nothing is lost
                         lost = reason
             if lost is not None:
-                print(_peer_lost_line(lost), file=sys.stderr)
+                print(_ending_line(lost), file=sys.stderr)
             dist.destroy_process_group()
             if lost is not None or together is not None:
-                _leave_process_group_run(1 if lost is not None else together)
+                # Skip the interpreter's teardown: gloo's threads may still release a collective's tensors, and one
+                # that takes the GIL during finalization aborts a complete run (SIGABRT; pytorch/pytorch#179291).
+                sys.stdout.flush()
+                sys.stderr.flush()
+                logging.shutdown()
+                os._exit(1 if lost is not None else together)
     if lost is not None:  # (a collective's error comes from a process group: not reached)
-        print(_peer_lost_line(lost), file=sys.stderr)
+        print(_ending_line(lost), file=sys.stderr)
         raise SystemExit(1)

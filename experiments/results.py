@@ -38,10 +38,8 @@ def provenance() -> dict[str, Any]:
     """Package versions and the git commit of the code that ran."""
     versions = {"python": platform.python_version()}
     for pkg in ("maml-toolkit", "torch", "numpy", "wandb", "learn2learn", "higher"):
-        try:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             versions[pkg] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            pass
     root = Path(__file__).resolve().parent.parent
 
     def git(*args: str) -> str | None:
@@ -52,9 +50,12 @@ def provenance() -> dict[str, Any]:
         except (OSError, subprocess.SubprocessError):
             return None
 
+    cpu = None  # the processor's model name (Linux), else the platform's word for it
+    with contextlib.suppress(OSError):
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None)
     commit = git("rev-parse", "HEAD")
-    # Changed code, not changed results: a committed sweep resumed in place rewrites its own
-    # results/ files (sweep.json) while it runs, which says nothing about the code.
+    # Changed code, not results: a committed sweep resumed in place rewrites its results/ files (sweep.json).
     dirty = (
         bool(git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)results")) if commit else None
     )
@@ -63,19 +64,10 @@ def provenance() -> dict[str, Any]:
         "git_commit": commit,
         "git_dirty": dirty,
         "host": platform.node(),
-        "cpu": _cpu(),
+        "cpu": cpu or platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(),
         "date": time.strftime("%Y-%m-%d"),
     }
-
-
-def _cpu() -> str:
-    """The processor's model name (Linux), else the platform's word for it."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def finish(
@@ -86,7 +78,7 @@ def finish(
         run.summary[f"test/{metric}_{key}"] = r[metric]
         run.summary[f"test/{metric}_{key}_ci95"] = r["ci95"]
     config = dataclasses.asdict(cfg)
-    # No path of this machine in a result file: the data as a path relative to the working directory, and its fingerprint.
+    # No path of this machine in a result file: the data's path relative to the working directory, its fingerprint.
     data = {
         k: {"path": os.path.relpath(v), "fingerprint": trainer.data_files.get(k, {}).get("fingerprint")}
         for k in DATA_KEYS

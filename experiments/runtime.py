@@ -1,10 +1,8 @@
-"""Where a run computes: its CPU threads, its device, the C++ compiler, and how Ctrl-C and SIGTERM stop it.
-
-Several processes under ``torchrun``: :mod:`experiments.torchrun`.
-"""
+"""Where a run computes: its CPU threads, its device, the C++ compiler, and how Ctrl-C and SIGTERM stop it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -23,7 +21,7 @@ def set_threads(threads: int | None) -> None:
     """Sets this process's CPU threads (intra-op, and inter-op where PyTorch still allows it); None keeps PyTorch's.
 
     Raises:
-        UsageError: ``threads < 1``, or more threads than the CPUs this process may run on.
+        UsageError: ``threads < 1``, or more than the CPUs this process may run on (they would only wait on each other).
     """
     if threads is None:
         return
@@ -33,21 +31,15 @@ def set_threads(threads: int | None) -> None:
             f"({torch.get_num_threads()} on this machine)."
         )
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if threads > cpus:  # more threads than CPUs only wait on each other
+    if threads > cpus:
         raise UsageError(f"--threads {threads} is more than the {cpus} CPUs this process may run on; pass 1 to {cpus}.")
     torch.set_num_threads(threads)
-    try:
+    with contextlib.suppress(RuntimeError):  # settable once, before any inter-op work; a step uses the intra-op ones
         torch.set_num_interop_threads(threads)
-    except RuntimeError:  # settable once, before any inter-op work; the intra-op threads are what a step uses
-        pass
 
 
 def parse_device(name: str) -> torch.device:
-    """The device ``--device name`` names.
-
-    Raises:
-        UsageError: not a torch device, or CUDA on a machine without it.
-    """
+    """The device ``--device name`` names; UsageError if it is not a torch device, or none to train on here."""
     try:
         device = torch.device(name)
     except RuntimeError:
@@ -76,12 +68,8 @@ class Terminated(KeyboardInterrupt):
 def catch_stop_signals(main: bool = True, patience: float | None = None) -> tuple[list[int], Callable[[], None]]:
     """Catches Ctrl-C and SIGTERM: returns the list they are recorded in, and the function that restores the handlers.
 
-    The first signal is appended to the list, for the training loop to stop at the end of its
-    iteration. An iteration that does not end within ``patience`` seconds (default
-    :data:`STOP_PATIENCE_S`: a very long inner loop or validation) is interrupted, as is the
-    iteration at a second signal: :class:`KeyboardInterrupt` (:class:`Terminated` for SIGTERM)
-    is raised at once, and the last checkpoint is what the run keeps. ``main``: whether this
-    process prints the line that says so.
+    The loop stops after the iteration of the first signal. A second one, or ``patience`` s (:data:`STOP_PATIENCE_S`)
+    without the iteration ending, raises KeyboardInterrupt (:class:`Terminated` for SIGTERM) at once. ``main``: says so.
     """
     stop: list[int] = []
     wait = STOP_PATIENCE_S if patience is None else patience

@@ -1,12 +1,4 @@
-"""Several processes under ``torchrun``: joining them, sharing a meta-batch, and ending together.
-
-Every process runs the same script: :func:`join_processes` joins the process group and gives each
-process its device and rank, :func:`check_shards` checks that the meta-batch splits evenly among
-them, and :func:`broadcast` sends rank 0's objects to the others. How such a run ends when part of
-it goes away: :func:`leave_with_launcher` (torchrun's launcher died), :func:`peer_lost` (another
-process died during a collective), and which process prints a usage error
-(:func:`prints_usage_errors`, :class:`RankUsageError`).
-"""
+"""Several processes under ``torchrun``: joining them, sharing a meta-batch, and ending when part of the run goes away."""
 
 from __future__ import annotations
 
@@ -31,8 +23,6 @@ from experiments.runtime import Terminated
 __all__ = [
     "RankUsageError",
     "process_rank",
-    "prints_usage_errors",
-    "outwait_printer",
     "check_device",
     "join_processes",
     "check_shards",
@@ -42,18 +32,12 @@ __all__ = [
 ]
 
 _JOINED = threading.Event()  # set once join_processes has joined the process group (leave_with_launcher reads it)
-# The parent of this process as soon as it could be read: under torchrun, the launcher's agent
-# (unless it died before this module was imported; see leave_with_launcher).
-_PARENT_AT_IMPORT = os.getppid()
+_PARENT_AT_IMPORT = os.getppid()  # under torchrun, the launcher's agent (unless it died already)
 
 
 class RankUsageError(UsageError):
-    """A usage error that this process alone meets under torchrun (the GPU its LOCAL_RANK names): it prints it, naming its rank.
-
-    Any other UsageError is one that every process of a machine meets alike (the same flags,
-    files, environment and devices), which one process per machine prints
-    (:func:`prints_usage_errors`); this one would be lost if its process stayed silent.
-    """
+    """A usage error that this process alone meets under torchrun (its GPU): it prints it, where one process per
+    machine prints the errors that all meet alike."""
 
 
 def process_rank() -> int:
@@ -61,39 +45,6 @@ def process_rank() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
     return int(os.environ.get("RANK", "0"))
-
-
-def prints_usage_errors() -> bool:
-    """Whether this process prints the usage errors that every process meets alike: the first of each machine.
-
-    One process per machine, not rank 0 alone: each machine's torchrun shows only its own
-    processes' output, and a machine may meet an error that rank 0's does not (a --config or
-    --data path missing there). With one machine (``--standalone``) that is rank 0 alone.
-    """
-    local = os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))  # LOCAL_RANK: torchrun's; RANK: other launchers
-    return local == "0"
-
-
-PRINTER_PATIENCE_S = 30.0  # how long a process that leaves a usage error to another to print waits for it
-
-
-def outwait_printer() -> None:
-    """Waits for torchrun to end this process (SIGTERM, or Ctrl-C), for :data:`PRINTER_PATIENCE_S` at most; then SystemExit(2).
-
-    For a process that leaves a usage error to the one that prints it (:func:`prints_usage_errors`).
-    torchrun ends every other process as soon as one exits with an error: if this one exited
-    first, the process that prints the error could be ended before it printed it (on a busy
-    machine it may still be importing torch). Under any other launcher, returns at once.
-    """
-    if "TORCHELASTIC_RUN_ID" not in os.environ or threading.current_thread() is not threading.main_thread():
-        return
-
-    def leave(signum: int, frame: Any) -> None:
-        raise SystemExit(2)
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, leave)
-    time.sleep(PRINTER_PATIENCE_S)
 
 
 def check_device(device: torch.device) -> None:
@@ -121,22 +72,24 @@ def check_device(device: torch.device) -> None:
 
 
 def join_processes(device: torch.device) -> tuple[torch.device, int, int]:
-    """Under ``torchrun``, joins its process group; returns this process's device, rank and world size.
+    """Under ``torchrun``, joins its process group: this process's device, rank and world size (alone: ``(device, 0, 1)``).
 
-    torchrun (or any launcher of ``init_method="env://"``) sets RANK, WORLD_SIZE, LOCAL_RANK,
-    MASTER_ADDR and MASTER_PORT; without them this is the only process: ``(device, 0, 1)``.
-    The backend is gloo on CPU and NCCL on GPUs, each process on the GPU ``cuda:LOCAL_RANK``.
-
-    Raises:
-        UsageError: a device that the backends cannot serve, a GPU index that several
-            processes of this machine would share, or fewer GPUs than processes.
+    gloo on CPU; NCCL on GPUs, each process on ``cuda:LOCAL_RANK``. UsageError for a device the backends cannot serve,
+    one GPU for several processes, or fewer GPUs than processes.
     """
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return device, 0, 1
     if not dist.is_available():
         raise UsageError("this PyTorch build has no torch.distributed; run the script without torchrun.")
-    if _store_gone():
-        raise Terminated  # as the SIGTERM that the launcher's death would have sent
+    # Nothing listens where the launcher's agent kept the run's store (it opens it before starting the processes):
+    # the agent died, maybe before leave_with_launcher could see it, and joining would wait 30 minutes in C++.
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # (a rank 0 of another launcher opens it)
+        try:
+            socket.create_connection((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])), timeout=10).close()
+        except ConnectionRefusedError:
+            raise Terminated from None  # as the SIGTERM that the launcher's death would have sent
+        except (OSError, KeyError, ValueError):  # unreachable for now, or no address: joining says what is wrong
+            pass
     if device.type == "cuda":
         local_rank, local_size = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         if device.index is not None and local_size > 1:
@@ -165,29 +118,8 @@ def join_processes(device: torch.device) -> tuple[torch.device, int, int]:
     return device, dist.get_rank(), dist.get_world_size()
 
 
-def _store_gone() -> bool:
-    """Whether nothing listens where torchrun's agent keeps the run's store (MASTER_ADDR:MASTER_PORT): the agent died.
-
-    The agent opens its store before it starts the processes, so a refused connection means it
-    has ended, maybe before :func:`leave_with_launcher` could see it. Joining would wait for the
-    store up to the group's 30-minute timeout, inside C++ where no signal handler runs.
-    """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # (a rank 0 of another launcher opens it)
-        return False
-    try:
-        with socket.create_connection((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])), timeout=10):
-            return False
-    except ConnectionRefusedError:
-        return True
-    except (OSError, KeyError, ValueError):  # unreachable for now, or no address: joining says what is wrong
-        return False
-
-
 def check_shards(meta_batch: int, opts: RunOptions) -> None:
-    """Raises UsageError when the meta-batch cannot be split into equal shares, one per process (``maml.shard_size``).
-
-    Checked at start-up rather than at the first step.
-    """
+    """Raises UsageError, at start-up, when the meta-batch cannot be split into equal shares (``maml.shard_size``)."""
     try:
         maml.shard_size(meta_batch, opts.world_size)
     except ValueError as error:
@@ -203,20 +135,15 @@ def broadcast(value: Any, opts: RunOptions) -> Any:
     return box[0]
 
 
-# What gloo's TCP transport says when its connection to another process broke: that process
-# ended (killed, crashed, out of memory) or its machine went away. A timeout is not among them:
-# a process that hangs has not been seen to end.
+# What gloo's TCP transport says when another process ended or its machine went away (a timeout: it may only hang).
 _GLOO_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket unexpectedly closed")
 
 
 def peer_lost(error: BaseException) -> str | None:
     """gloo's reason (e.g. "Connection reset by peer") when ``error`` is a collective's failure because another process ended.
 
-    torch 2.15 raises gloo's failure as a :class:`RuntimeError` (:class:`torch.distributed.DistBackendError`
-    is one too) whose message names gloo's source file, the peer's address and the socket error:
-    ``[.../gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:16774: Connection reset by peer. ...``.
-    The errors ``error`` was raised while handling count too: torchrun's SIGTERM to the survivors
-    can interrupt the unwinding of the collective's error. Any other error: None.
+    The errors ``error`` was raised while handling count too: torchrun's SIGTERM can interrupt the unwinding of the
+    collective's error (a RuntimeError naming gloo's source file and the socket error). Any other error: None.
     """
     seen: set[int] = set()
     current: BaseException | None = error
@@ -238,28 +165,12 @@ LAUNCHER_GRACE_S = 5.0  # how long a process whose launcher died may take to sto
 def leave_with_launcher() -> None:
     """Makes the death of this process's parent, torchrun's agent, stop it as ``kill`` (SIGTERM) does.
 
-    torchrun starts each process in a session of its own, so a launcher killed by SIGKILL (or
-    the out-of-memory killer) passes nothing on: its processes would train on, holding ``--out``,
-    with nobody to see their output. On Linux the kernel sends SIGTERM to a process whose
-    parent dies once it asks for it (``prctl(PR_SET_PDEATHSIG)``); the process then stops after
-    its iteration, with a checkpoint, and exits 143, as after ``kill``. The kernel sends it when
-    the thread that started the process ends: torchrun's agent starts its processes from its
-    main thread, which lives as long as the agent. Elsewhere (macOS, the BSDs) a daemon thread
-    compares the parent's pid with the first one every second (an orphan gets another parent)
-    and sends the SIGTERM; Windows gives orphans no other parent, so nothing is done there.
-
-    The parent may have died before the request; the kernel then sends nothing. The parent
-    read when this module was imported tells: if it is no longer the parent, this process
-    sends itself the SIGTERM. A parent pid of 1 proves nothing by itself: in a container
-    torchrun is often PID 1. A launcher that died before that read (while the interpreter
-    imported torch: seconds on a busy machine) goes unseen here; :func:`join_processes` then
-    finds its store gone, on the machine that held it.
-
-    Python runs a signal handler between bytecodes only, and a process that is joining the
-    process group waits inside TCPStore's connect for the store that the launcher held (up to
-    the group's 30-minute timeout). So the same thread, seeing the launcher gone and the group
-    still not joined :data:`LAUNCHER_GRACE_S` later, ends the process itself: nothing is
-    written before the group exists. Call it after installing the SIGTERM handler.
+    torchrun starts each process in a session of its own: a launcher killed by SIGKILL passes nothing on, and its
+    processes would train on, holding ``--out``. On Linux the kernel sends SIGTERM (``prctl(PR_SET_PDEATHSIG)``);
+    elsewhere a thread polls the parent's pid. A parent that died before the request (the kernel sends nothing then)
+    is seen by the pid read at import (not by a pid of 1: in a container, torchrun is often PID 1). The thread also
+    ends a process still joining the group (inside C++, where no signal handler runs) :data:`LAUNCHER_GRACE_S` later.
+    Call it after installing the SIGTERM handler.
     """
     linux = sys.platform.startswith("linux")
     if linux:

@@ -1,7 +1,6 @@
 """wandb: the run's mode (``--wandb``, ``$WANDB_MODE``, or whether the user is logged in), starting and finishing it.
 
-Rank 0 alone logs to wandb; its files go under ``--out``. A run never waits for wandb: without a
-server, a key or a network it logs offline, and says how to upload it later.
+Rank 0 alone logs, under ``--out``; without a server, a key or a network it logs offline, and says how to upload.
 """
 
 from __future__ import annotations
@@ -19,30 +18,24 @@ from typing import Any
 from experiments.cli import UsageError
 from experiments.run_options import RunOptions
 
-__all__ = ["WANDB_MODES", "wandb_mode", "default_wandb_mode", "init_wandb", "finish_wandb"]
+__all__ = ["wandb_mode", "default_wandb_mode", "init_wandb", "finish_wandb"]
 
-WANDB_MODES = ("offline", "online", "disabled")  # --wandb's choices
-# What $WANDB_MODE may also say, as wandb accepts: old names, and "shared" (several processes logging
-# to one run online; a script's run is logged by one process, so online).
+_MODES = ("offline", "online", "disabled")  # --wandb's choices
+# $WANDB_MODE's other values that wandb accepts ("shared": several processes log one run; a script's run is one).
 _OLD_NAMES = {"dryrun": "offline", "run": "online", "shared": "online"}
 
 
 def wandb_mode(given: str | None) -> str:
     """The run's wandb mode: ``--wandb`` (``given``), else :func:`default_wandb_mode`.
 
-    An empty ``$WANDB_MODE`` counts as unset, and is removed from the environment: wandb itself
-    refuses it, whatever mode it is given.
-
-    Raises:
-        UsageError: ``$WANDB_MODE`` holds a value that is not a mode (wandb would refuse it too).
+    An empty ``$WANDB_MODE`` counts as unset, and is removed (wandb refuses it); UsageError for one that is no mode.
     """
     value = os.environ.get("WANDB_MODE")
     if value == "":
         del os.environ["WANDB_MODE"]
-    elif value is not None and value not in (*WANDB_MODES, *_OLD_NAMES):
+    elif value is not None and value not in (*_MODES, *_OLD_NAMES):
         raise UsageError(
-            f"WANDB_MODE {value!r} is not one of {', '.join((*WANDB_MODES, *_OLD_NAMES))}; set it to one "
-            f"of them, or unset it."
+            f"WANDB_MODE {value!r} is not one of {', '.join((*_MODES, *_OLD_NAMES))}; set it to one of them, or unset it."
         )
     return given or default_wandb_mode()
 
@@ -50,12 +43,11 @@ def wandb_mode(given: str | None) -> str:
 def default_wandb_mode() -> str:
     """$WANDB_MODE if set; online if the user is logged in; offline otherwise (never hangs without network).
 
-    Logged in: ``$WANDB_API_KEY`` is set, or the netrc file (``$NETRC``, else ``~/.netrc``) holds a
-    key for the host of the W&B server (``$WANDB_BASE_URL``, else https://api.wandb.ai), where
-    ``wandb login`` writes it.
+    Logged in: ``$WANDB_API_KEY``, or a key in the netrc file (``$NETRC``, else ``~/.netrc``: ``wandb login``'s) for
+    the host of ``$WANDB_BASE_URL`` (else https://api.wandb.ai).
     """
     mode = os.environ.get("WANDB_MODE")
-    if mode in (*WANDB_MODES, *_OLD_NAMES):
+    if mode in (*_MODES, *_OLD_NAMES):
         return _OLD_NAMES.get(mode, mode)  # type: ignore[arg-type]
     if os.environ.get("WANDB_API_KEY"):
         return "online"
@@ -71,10 +63,8 @@ def default_wandb_mode() -> str:
 def init_wandb(opts: RunOptions, cfg: Any, name: str, run_id: str | None) -> Any:
     """Starts (or resumes) the wandb run, its files under ``--out``; never blocks without a network.
 
-    A long run does not die at its start for its logging backend: ``--wandb online`` with no
-    server to reach (a TCP connection tried for at most 5 s), no API key, or a server that
-    refuses the key logs offline instead, with a warning that gives the ``wandb sync`` command
-    that uploads the run later.
+    ``--wandb online`` with no server to reach (one TCP connection, at most 5 s), no API key, or a server that
+    refuses the key logs offline instead, with a warning that gives the ``wandb sync`` command for later.
     """
     import wandb
 
@@ -92,7 +82,15 @@ def init_wandb(opts: RunOptions, cfg: Any, name: str, run_id: str | None) -> Any
     if opts.wandb != "online":
         return start(mode=opts.wandb)
     url = wandb.setup().settings.base_url
-    problem, login = _unreachable(url), False
+    parts = urllib.parse.urlsplit(url)
+    problem, login = None, False
+    proxies = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+    if not any(os.environ.get(v) for v in proxies):  # behind a proxy, the proxy connects: leave it to wandb
+        try:
+            address = (parts.hostname, parts.port or (443 if parts.scheme == "https" else 80))
+            socket.create_connection(address, timeout=5).close()
+        except OSError as e:  # e.g. Connection refused, timed out
+            problem = f"cannot reach the W&B server at {url} ({e.strerror or e})"
     if problem is None:
         try:
             return start(mode="online")
@@ -116,26 +114,9 @@ def init_wandb(opts: RunOptions, cfg: Any, name: str, run_id: str | None) -> Any
     return run
 
 
-def _unreachable(url: str) -> str | None:
-    """Why nothing answers at ``url`` (one TCP connection, at most 5 s); None if something does, or a proxy decides."""
-    if any(
-        os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
-    ):
-        return None  # the proxy connects, not this machine: leave it to wandb
-    parts = urllib.parse.urlsplit(url)
-    try:
-        socket.create_connection(
-            (parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)), timeout=5
-        ).close()
-    except OSError as e:
-        return f"cannot reach the W&B server at {url} ({e.strerror or e})"  # e.g. Connection refused, timed out
-    return None
-
-
 def finish_wandb(run: Any, exit_code: int | None = None) -> None:
     """Finishes the wandb run (marked failed for an ``exit_code`` other than 0 and None)."""
     import wandb
 
     run.finish(exit_code=exit_code)
-    # finish() can return before the offline .wandb file is complete; teardown waits for it.
-    wandb.teardown()
+    wandb.teardown()  # finish() can return before the offline .wandb file is complete; teardown waits for it
