@@ -13,6 +13,8 @@ PACKAGES = ("maml", "tasks", "experiments")  # what the wheel installs
 # Who may import whom: the engine stands alone, the task distributions on the engine, the scripts on both.
 ALLOWED = {"maml": {"maml"}, "tasks": {"maml", "tasks"}, "experiments": {"maml", "tasks", "experiments"}}
 LONGEST_SCRIPT_MODULE = 350  # lines
+# The installed scripts' lines in all: a bound that only ever goes down (the goal is 3,500).
+SCRIPT_PACKAGE_LINES = 4_600
 
 
 def module_name(path: Path) -> str:
@@ -99,3 +101,8 @@ def test_the_circle_finder_finds_one():
 def test_no_script_module_is_longer_than_its_bound(path: Path):
     lines = len(path.read_text().splitlines())
     assert lines <= LONGEST_SCRIPT_MODULE, f"{path.name}: {lines} lines; split what it holds by idea"
+
+
+def test_the_script_package_stays_within_its_line_budget():
+    lines = sum(len(path.read_text().splitlines()) for path in (ROOT / "experiments").rglob("*.py"))
+    assert lines <= SCRIPT_PACKAGE_LINES, f"experiments/: {lines} lines, above {SCRIPT_PACKAGE_LINES}; make room first"
