@@ -62,26 +62,32 @@ def _shadowing(name: str, home: Path) -> str | None:
     found = found.resolve()
     if found.parent == home:
         return None
-    for owner in importlib.metadata.distributions(path=[str(found.parent)]):  # the registry has maml and tasks
-        dist = owner.metadata["Name"]
-        # Another copy of ours, or metadata naming nothing to uninstall: the path-based message covers both.
-        if not dist or dist.lower().replace("_", "-") == "maml-toolkit":
-            continue
-        tops = set((owner.read_text("top_level.txt") or "").split())
-        tops.update(Path(f.parts[0]).stem for f in owner.files or [] if f.parts)
-        if name in tops:
-            where = f"installed by the distribution {dist} {owner.version}"
-            fix = f"Uninstall it (pip uninstall {dist}), or give maml-toolkit an environment of its own."
-            break
+    owner = _installed_by(name, found.parent)
+    if owner is not None:  # the registry has distributions named maml and tasks
+        where = f"installed by the distribution {owner.metadata['Name']} {owner.version}"
+        fix = f"Uninstall it (pip uninstall {owner.metadata['Name']}), or give maml-toolkit an environment of its own."
+    elif found.parent == Path.cwd().resolve():
+        where, fix = "in the working directory", f"Rename that {kind}, or run from another directory."
     else:
-        if found.parent == Path.cwd().resolve():
-            where, fix = "in the working directory", f"Rename that {kind}, or run from another directory."
-        else:
-            where, fix = "on sys.path", f"Rename that {kind}, or take {found.parent} off sys.path (PYTHONPATH)."
+        where, fix = "on sys.path", f"Rename that {kind}, or take {found.parent} off sys.path (PYTHONPATH)."
     return (
         f"error: `import {name}` finds {found}, a {kind} {where} that shadows maml-toolkit's "
         f"{name} package ({home / name}). {fix}"
     )
+
+
+def _installed_by(name: str, folder: Path) -> importlib.metadata.Distribution | None:
+    """The distribution installed in the ``sys.path`` entry ``folder`` that provides the top-level ``name``, if any."""
+    for dist in importlib.metadata.distributions(path=[str(folder)]):
+        owner = dist.metadata["Name"]
+        # Another copy of ours, or metadata naming nothing to uninstall: the path-based message covers both.
+        if not owner or owner.lower().replace("_", "-") == "maml-toolkit":
+            continue
+        tops = set((dist.read_text("top_level.txt") or "").split())
+        tops.update(Path(f.parts[0]).stem for f in dist.files or [] if f.parts)
+        if name in tops:
+            return dist
+    return None
 
 
 def _check_siblings() -> None:

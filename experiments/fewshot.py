@@ -64,10 +64,11 @@ def train_tasks(cfg: Any, data: Any, device: torch.device) -> fit.Tasks:
     )
 
 
-def final_test(fitted: fit.Fitted, data: dict[str, Any], held_out: str) -> fit.Results:
+def final_test(fitted: fit.Fitted, data: dict[str, Any], held_out: str, untested: str = "") -> fit.Results:
     """The test accuracy of the last and of the best-validation parameters on the same tasks, and the plots.
 
-    ``data``: results.json's ``data`` entry; ``held_out``: what the test tasks are drawn from, for the summary.
+    ``data``: results.json's ``data`` entry; ``held_out``: what the test tasks are drawn from, for the summary;
+    ``untested``: why there is no test split, where the script allows none.
     """
     cfg, opts, learner, trainer = fitted.cfg, fitted.opts, fitted.learner, fitted.trainer
     test_tasks = fitted.data[1][2]
@@ -83,13 +84,12 @@ def final_test(fitted: fit.Fitted, data: dict[str, Any], held_out: str) -> fit.R
         learner.load_state_dict(best["learner"])
         best_results = evaluate(fitted.run, test_tasks, cfg, opts.device)
     data["batching"] = learner.resolved_batching
-    if test_tasks is None:  # Omniglot's --split-fractions with a test share of 0
-        why = f"--split-fractions {','.join(f'{f:g}' for f in cfg.split_fractions)} gives the test split no characters"
+    if test_tasks is None:
         return fit.Results(
             results,
             "accuracy",
-            f"no final test: {why} (results.json has test: {{}}); the model is in {opts.out / 'checkpoint.pt'}.",
-            {"data": data, "test_best": best_results, "test_skipped": why},
+            f"no final test: {untested} (results.json has test: {{}}); the model is in {opts.out / 'checkpoint.pt'}.",
+            {"data": data, "test_best": best_results, "test_skipped": untested},
         )
     best_at = trainer.best.get("iteration", trainer.iterations)
     lines = [

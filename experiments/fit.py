@@ -19,7 +19,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -231,6 +230,15 @@ def _leaving() -> None:
             signal.signal(sig, signal.SIG_IGN)
 
 
+def _exit_skipping_teardown(code: int) -> None:
+    """Ends a torchrun process now: gloo's threads may still release a collective's tensors, and one that takes the
+    GIL during the interpreter's teardown aborts a complete run (SIGABRT; pytorch/pytorch#179291)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
+
+
 def main(run: Callable[[Sequence[str] | None], None], argv: Sequence[str] | None = None) -> None:
     """Runs an experiment's entry point: a UsageError is one line and exit code 2, a stop one line and 130 or 143.
 
@@ -248,28 +256,26 @@ def main(run: Callable[[Sequence[str] | None], None], argv: Sequence[str] | None
             torchrun.leave_with_launcher()  # (its SIGTERM, if the launcher is gone already, raises Terminated here)
         run(argv)
         together = 0
-    except (KeyboardInterrupt, RuntimeError) as e:  # a stop outside the training loop (or a second one in it)
-        lost = torchrun.peer_lost(e)  # also torchrun's SIGTERM, come while a failed collective's error unwound
-        if lost is None and isinstance(e, RuntimeError):
-            raise
+    except KeyboardInterrupt as e:  # Ctrl-C (or SIGTERM) outside the training loop, or a second one in it
+        lost = torchrun.peer_lost(e)  # torchrun's SIGTERM, come while a failed collective's error unwound
         if lost is None:
             print(f"\n{_ending_line()}", file=sys.stderr)
             raise SystemExit(143 if isinstance(e, Terminated) else 130) from None
         _leaving()
     except UsageError as e:
-        # Under torchrun every process meets the same error alike, and the first of each machine says it (each
-        # machine's torchrun shows its own processes' output); an error of one process's own is said by it.
+        # Under torchrun one process per machine says an error that all meet alike; one of its own, the process.
         if isinstance(e, torchrun.RankUsageError):
             print(f"error (rank {torchrun.process_rank()}): {e}", file=sys.stderr)
-        elif os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")) == "0":  # RANK: launchers other than torchrun
+        elif torchrun.prints_usage_errors():
             print(f"error: {e}", file=sys.stderr)
-        elif "TORCHELASTIC_RUN_ID" in os.environ and main_thread:
-            # torchrun ends every process once one exits with an error, maybe before the printer (still importing
-            # torch) printed it: this one waits for torchrun's SIGTERM (or Ctrl-C), 30 s at most.
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, lambda signum, frame: sys.exit(2))
-            time.sleep(30.0)
+        else:
+            torchrun.outwait_printer()
         raise SystemExit(2) from None
+    except RuntimeError as e:
+        lost = torchrun.peer_lost(e)
+        if lost is None:
+            raise
+        _leaving()
     except SystemExit as e:
         if e.code in (130, 143):  # the stop that every rank voted for after one iteration
             together = e.code
@@ -295,12 +301,7 @@ def main(run: Callable[[Sequence[str] | None], None], argv: Sequence[str] | None
                 print(_ending_line(lost), file=sys.stderr)
             dist.destroy_process_group()
             if lost is not None or together is not None:
-                # Skip the interpreter's teardown: gloo's threads may still release a collective's tensors, and one
-                # that takes the GIL during finalization aborts a complete run (SIGABRT; pytorch/pytorch#179291).
-                sys.stdout.flush()
-                sys.stderr.flush()
-                logging.shutdown()
-                os._exit(1 if lost is not None else together)
+                _exit_skipping_teardown(1 if lost is not None else together)
     if lost is not None:  # (a collective's error comes from a process group: not reached)
         print(_ending_line(lost), file=sys.stderr)
         raise SystemExit(1)

@@ -232,7 +232,8 @@ def make_model(cfg: OmniglotConfig) -> fit.Model:
 def final_test(fitted: fit.Fitted) -> fit.Results:
     splits = fitted.data[0]
     data = {"characters": [len(p.characters) for p in splits], "alphabets": [p.alphabets for p in splits]}
-    return fewshot.final_test(fitted, data, "held-out characters")
+    untested = f"--split-fractions {shares(fitted.cfg)} gives the test split no characters"
+    return fewshot.final_test(fitted, data, "held-out characters", untested)
 
 
 EXPERIMENT = fit.Experiment(

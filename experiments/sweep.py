@@ -50,7 +50,7 @@ from experiments.sweep_file import (
     start_trial,
 )
 
-__all__ = ["load_sweep", "best_metric", "format_table", "summarize", "main"]
+__all__ = ["load_sweep", "best_metric", "format_table", "summarize", "dry_run", "main"]
 
 STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM)  # our scripts' exit codes when stopped with a checkpoint
 SAME_TRIALS = ("method", "parameters", "command", "program")  # what --resume needs unchanged (a grid may add values)
@@ -250,6 +250,20 @@ def summarize(out: Path) -> tuple[dict[str, Any], str]:
     return {"groups": list(groups.values())}, caption + "\n".join(lines) + "\n"
 
 
+def dry_run(sweep: Sweep, limit: int | None, seed: int, stdout: TextIO) -> None:
+    """Prints the trials the sweep would run (for bayes only the first is sure) and the first one's command."""
+    trials: list[Trial] = []
+    while trial := next_trial(sweep, trials, limit):
+        trial.state = "planned"  # the engine counts it as running
+    method = sweep.config["method"]
+    later = "; the later trials depend on the results" if method == "bayes" else ""
+    plan = f"{method} search, {len(trials)} trial(s), metric {sweep.metric} ({sweep.goal}), seed {seed}{later}"
+    print(f"{sweep.name}: {plan}", file=stdout)
+    for trial in trials:
+        print(trial.name, *(f"{key}={_show(value)}" for key, value in trial.params.items()), file=stdout)
+    print("command:", *build_command(sweep, trials[0].params, Path("<out>") / trials[0].name), file=stdout)
+
+
 def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
     """Runs the command line (see the module docstring) and returns the exit code."""
     stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
@@ -284,15 +298,8 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None, stderr
         seed = next(s for s in (args.seed, recorded, random.SystemRandom().randrange(2**31)) if s is not None)
         random.seed(seed + len(trials))  # the engine's random source (numpy's for bayes); fresh draws on --resume
         np.random.seed((seed + len(trials)) % 2**32)
-        if out is None:  # --dry-run: for bayes only the first trial is sure
-            while trial := next_trial(sweep, trials, limit):
-                trial.state = "planned"  # the engine counts it as running
-            later = "; the later trials depend on the results" if method == "bayes" else ""
-            plan = f"{method} search, {len(trials)} trial(s), metric {sweep.metric} ({sweep.goal}), seed {seed}{later}"
-            print(f"{sweep.name}: {plan}", file=stdout)
-            for trial in trials:
-                print(trial.name, *(f"{key}={_show(value)}" for key, value in trial.params.items()), file=stdout)
-            print("command:", *build_command(sweep, trials[0].params, Path("<out>") / trials[0].name), file=stdout)
+        if out is None:
+            dry_run(sweep, limit, seed, stdout)
             return 0
         print(f"[sweep] {sweep.name}: {method} search, seed {seed}, in {out}", file=stderr, flush=True)
         try:

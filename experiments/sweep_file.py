@@ -42,6 +42,7 @@ __all__ = [
 REPO_ROOT = Path(__file__).resolve().parents[1]  # finds a program named from the root; sweep.json's paths are relative
 MACROS = ("${env}", "${interpreter}", "${program}", "${args}")  # wandb's default command; the only macros supported
 DONE = ("finished", "failed")  # trials that ran to their end: --resume keeps them
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 @dataclass
@@ -233,7 +234,8 @@ def start_trial(sweep: Sweep, trial: Trial, out: Path, threads: int | None) -> s
     trial.state, trial.exit_code, trial.error = "running", None, None
     folder.mkdir(parents=True, exist_ok=True)
     # SIGTERM to the trial when the runner dies, however (kill -9 too): no trial goes on writing into a resumed sweep
-    pdeathsig = functools.partial(ctypes.CDLL(None).prctl, 1, signal.SIGTERM) if sys.platform == "linux" else None
+    linux = sys.platform == "linux"
+    pdeathsig = functools.partial(ctypes.CDLL(None).prctl, _PR_SET_PDEATHSIG, signal.SIGTERM) if linux else None
     with open(folder / "output.log", "ab") as log:
         return subprocess.Popen(
             trial.command,

@@ -23,6 +23,8 @@ from experiments.runtime import Terminated
 __all__ = [
     "RankUsageError",
     "process_rank",
+    "prints_usage_errors",
+    "outwait_printer",
     "check_device",
     "join_processes",
     "check_shards",
@@ -45,6 +47,23 @@ def process_rank() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
     return int(os.environ.get("RANK", "0"))
+
+
+def prints_usage_errors() -> bool:
+    """Whether this process prints the usage errors every process meets alike: the first of each machine, as each
+    machine's torchrun shows its own processes' output (RANK: launchers other than torchrun)."""
+    return os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")) == "0"
+
+
+def outwait_printer() -> None:
+    """Under torchrun, waits 30 s at most for its SIGTERM (or Ctrl-C), then SystemExit(2): for a process that leaves a
+    usage error to another, which torchrun would end, maybe before it printed (still importing torch), if this one
+    exited first."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: sys.exit(2))
+    time.sleep(30.0)
 
 
 def check_device(device: torch.device) -> None:
