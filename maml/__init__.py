@@ -10,6 +10,7 @@ from . import nn
 from ._src.batch import TaskBatch
 from ._src.curvature import MetaCurvature
 from ._src.distributed import all_reduce_grads, all_reduce_mean, shard, shard_size
+from ._src.functional import call
 from ._src.implicit import Implicit
 from ._src.learner import MetaLearner
 from ._src.loop import MetaOutput
@@ -38,6 +39,7 @@ __all__ = [
     "UNROLLED_MODES",
     "UpdateRule",
     "all_reduce_grads",
+    "call",
     "nn",
     "all_reduce_mean",
     "shard",

@@ -110,6 +110,14 @@ class TaskForward:
         self._call = Reparametrized(model)
         self._chosen: dict[torch.device, str] = {}
 
+    def stale(self) -> bool:
+        """Whether the model's structure changed since this pass mapped it (:meth:`Reparametrized.stale`)."""
+        return self._call.stale()
+
+    def refresh(self) -> None:
+        """Maps the model anew, as it is now."""
+        self._call.refresh()
+
     def resolve(self, device: torch.device) -> str:
         """The batching used for tensors on ``device``: ``"vmap"`` or ``"loop"``."""
         if self.batching != "auto":

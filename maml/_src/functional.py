@@ -24,7 +24,9 @@ from typing import Any
 from torch import Tensor, nn
 from torch.func import functional_call
 
-__all__ = ["Reparametrized"]
+from .checks import close_matches
+
+__all__ = ["Reparametrized", "call"]
 
 
 class Reparametrized:
@@ -37,17 +39,15 @@ class Reparametrized:
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
-        canonical: dict[int, str] = {}  # id of a tensor -> the name it has in named_parameters()/named_buffers()
-        for name, t in (*module.named_parameters(), *module.named_buffers()):
-            canonical.setdefault(id(t), name)
-        seen: set[tuple[int, str]] = set()
-        self._aliases: dict[str, str] = {}  # one name per (module, attribute) -> its tensor's canonical name
-        for prefix, sub in module.named_modules(remove_duplicate=False):
-            for attr, t in (*sub.named_parameters(recurse=False), *sub.named_buffers(recurse=False)):
-                if (id(sub), attr) in seen:
-                    continue
-                seen.add((id(sub), attr))
-                self._aliases[f"{prefix}.{attr}" if prefix else attr] = canonical[id(t)]
+        self._aliases = _aliases(module)
+
+    def stale(self) -> bool:
+        """Whether the module's structure changed since the map was built (weights tied or untied, a module added)."""
+        return _aliases(self.module) != self._aliases
+
+    def refresh(self) -> None:
+        """Builds the map anew from the module as it is now."""
+        self._aliases = _aliases(self.module)
 
     def __call__(
         self, tensors: Mapping[str, Tensor], args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
@@ -63,3 +63,50 @@ class Reparametrized:
         # Not strict: strict wants every alias of a twice-registered attribute, which is what breaks the
         # restore. Every (module, attribute) pair is in `swapped`, so none falls back to the module's own.
         return functional_call(self.module, swapped, args, kwargs, tie_weights=False, strict=False)
+
+
+def call(model: nn.Module, params: Mapping[str, Tensor], *args: Any, **kwargs: Any) -> Any:
+    """``model(*args, **kwargs)`` at ``params``: how to use fast weights, e.g. ``maml.call(model, fast, x)``.
+
+    ``torch.func.functional_call(model, fast, x)`` does the same on most models, but on a model
+    that uses a module at two places (``nn.Sequential(lin, nn.Tanh(), lin)``) it replaces the
+    model's ``nn.Parameter`` by a plain tensor (pytorch/pytorch#164759), and training then stops
+    without a word: ``.grad`` stays ``None``. This call swaps each tensor once and leaves the
+    model as it was, on any model the learner takes.
+
+    Args:
+        model: the network.
+        params: tensors keyed by ``named_parameters()`` / ``named_buffers()`` names, e.g. what
+            ``MetaLearner.adapt`` returns (or one task's slice of ``MetaOutput.fast``); a name
+            left out takes the model's own tensor.
+        args, kwargs: the model's inputs, e.g. ``x`` ``(n, *x_shape)``.
+
+    Returns:
+        What ``model`` returns; differentiable with respect to ``params``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+    if not isinstance(params, Mapping):
+        raise TypeError(f"params must be a dict name -> Tensor (e.g. what learner.adapt returns), got {params!r}.")
+    own = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    unknown = [k for k in params if k not in own]
+    if unknown:
+        hints = "; ".join(f"{k!r}{close_matches(k, own)}" for k in unknown)
+        raise ValueError(f"params has keys that are not parameters or buffers of the model: {hints}.")
+    return Reparametrized(model)({**own, **params}, args, kwargs)
+
+
+def _aliases(module: nn.Module) -> dict[str, str]:
+    """One name per ``(module, attribute)`` pair of ``module`` -> the canonical name of its tensor."""
+    canonical: dict[int, str] = {}  # id of a tensor -> the name it has in named_parameters()/named_buffers()
+    for name, t in (*module.named_parameters(), *module.named_buffers()):
+        canonical.setdefault(id(t), name)
+    seen: set[tuple[int, str]] = set()
+    aliases: dict[str, str] = {}
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for attr, t in (*sub.named_parameters(recurse=False), *sub.named_buffers(recurse=False)):
+            if (id(sub), attr) in seen:
+                continue
+            seen.add((id(sub), attr))
+            aliases[f"{prefix}.{attr}" if prefix else attr] = canonical[id(t)]
+    return aliases

@@ -32,12 +32,62 @@ from .state import load_state, move, save_state
 
 __all__ = ["MetaLearner", "MetaOutput"]
 
+# MetaLearner's construction arguments, as options.check_arguments takes them.
+_ARGUMENTS = (
+    "model",
+    "loss_fn",
+    "inner_lr",
+    "steps",
+    "mode",
+    "batching",
+    "chunk_size",
+    "learn_inner_lr",
+    "checkpoint_every",
+    "checkpoint_hvp",
+    "compile",
+    "adapt",
+    "inner_optimizer",
+    "inner_optimizer_options",
+    "implicit",
+)
+_LIVE = ["mode", "checkpoint_hvp"]  # settable properties with checks of their own (beside the _Option ones)
+_WAYS = {  # what to do instead of setting a read-only name
+    "adapt": "the adapted parameters (learner.adapted) are fixed at construction: build a new MetaLearner(..., adapt=...)",
+    "adapted": "build a new MetaLearner(..., adapt=...)",
+    "inner_lrs": "set learner.inner_lr, or the learnable rates in learner.rate_parameters",
+    "resolved_batching": "set learner.batching",
+}
+
+
+class _Option:
+    """A construction option of :class:`MetaLearner` that a live learner takes: reading gives the value in use,
+    setting reconfigures the learner as construction would (``MetaLearner._configure``)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, learner: MetaLearner | None, owner: type | None = None) -> Any:
+        return self if learner is None else learner._options[self.name]
+
+    def __set__(self, learner: MetaLearner, value: Any) -> None:
+        learner._configure(**{self.name: value})
+
+
+class _Fixed(_Option):
+    """A construction option fixed for the learner's life: reading gives it, setting raises naming the way."""
+
+    def __init__(self, way: str) -> None:
+        self.way = way
+
+    def __set__(self, learner: MetaLearner, value: Any) -> None:
+        raise AttributeError(f"MetaLearner.{self.name} is fixed at construction; {self.way}.")
+
 
 class MetaLearner:
     """MAML (Finn et al., 2017) and its family over any ``nn.Module``, with exact meta-gradients.
 
     The inner loop takes ``steps`` steps of an update rule on each task's support loss,
-    starting from the model's current parameters, through ``torch.func.functional_call``; the
+    starting from the model's current parameters, through :func:`maml.call`; the
     model's own parameters are never modified. The meta-loss is the mean query loss at the
     fast weights.
 
@@ -125,51 +175,63 @@ class MetaLearner:
         inner_optimizer_options: Mapping[str, Any] | None = None,
         implicit: Implicit | None = None,
     ) -> None:
-        rule, adapted = options.check_arguments(
-            model,
-            loss_fn,
-            inner_lr,
-            steps,
+        self._options: dict[str, Any] = {}  # the construction arguments, as _Option reads them back
+        self._mode = mode
+        self._checkpoint_hvp: str = "reverse_over_reverse"
+        self._example_shape: torch.Size | None = None  # of the inputs of earlier calls, to tell a batch from a task
+        self._configure(
+            model=model,
+            loss_fn=loss_fn,
+            inner_lr=inner_lr,
+            steps=steps,
             mode=mode,
             batching=batching,
             chunk_size=chunk_size,
             learn_inner_lr=learn_inner_lr,
             checkpoint_every=checkpoint_every,
             checkpoint_hvp=checkpoint_hvp,
+            check_finite=check_finite,
             compile=compile,
             adapt=adapt,
             inner_optimizer=inner_optimizer,
             inner_optimizer_options=inner_optimizer_options,
             implicit=implicit,
         )
-        self.compile = compile
-        self.model = model
-        self.loss_fn = loss_fn
-        self.inner_lr = float(inner_lr)
-        self.steps = steps
-        self._mode = mode
-        self.batching = batching
-        self.chunk_size = chunk_size
-        self.learn_inner_lr = learn_inner_lr
-        self.inner_optimizer = inner_optimizer
-        self.rule = rule
-        self.implicit = implicit or Implicit()
-        self.checkpoint_every = checkpoint_every
-        self._checkpoint_hvp: str = checkpoint_hvp or "reverse_over_reverse"
-        self.check_finite = check_finite
-        self._compiled: dict[str, Any] = {}  # each mode's compiled step (modes.compiled_path)
-        self._example_shape: torch.Size | None = None  # of the inputs of earlier calls, to tell a batch from a task
-        self._names = {name for name, _ in model.named_parameters()}
-        self._adapted = adapted
-        self._integer_inputs = any(isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for m in model.modules())
-        forward = TaskForward(model, loss_fn, options.forward_batching(batching, chunk_size, mode), chunk_size)
-        self._forward = forward
-        self._probe = Probe(model, forward)
-        self._rates = rates = InnerRates(learn_inner_lr, self.inner_lr, tuple(adapted))
-        self._loop = InnerLoop(forward, BoundRule(rule), rates, self._check)
-        initial = rates.init(dict(model.named_parameters()), steps)
-        self.rate_parameters: dict[str, nn.Parameter] = {k: nn.Parameter(v) for k, v in initial.items()}
+        self._checkpoint_hvp = checkpoint_hvp or "reverse_over_reverse"
+        initial = self._rates.init(dict(model.named_parameters()), steps)
+        self._options["rate_parameters"] = {k: nn.Parameter(v) for k, v in initial.items()}
         checks.warn_weight_norm(model, mode)
+
+    # Construction options read back as the learner uses them. Those that may be set on a live learner
+    # (_Option) rebuild what depends on them as construction would; the others (_Fixed) refuse, naming the way.
+    loss_fn = _Option()
+    inner_lr = _Option()
+    steps = _Option()
+    batching = _Option()
+    chunk_size = _Option()
+    checkpoint_every = _Option()
+    check_finite = _Option()
+    compile = _Option()
+    implicit = _Option()
+    model = _Fixed("build a new MetaLearner around the other model")
+    learn_inner_lr = _Fixed("build a new MetaLearner(..., learn_inner_lr=...); its rates are learner.rate_parameters")
+    inner_optimizer = _Fixed("build a new MetaLearner(..., inner_optimizer=...)")
+    rule = _Fixed("build a new MetaLearner(..., inner_optimizer=...)")
+    rate_parameters = _Fixed(
+        "set the rates in place (learner.rate_parameters[name].data.fill_(0.1)) or with load_state_dict"
+    )
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Private names as usual; a public one only through its setter, so that nothing set is silently ignored."""
+        attribute = getattr(type(self), name, None)
+        if name.startswith("_") or (hasattr(attribute, "__set__") and getattr(attribute, "fset", True) is not None):
+            object.__setattr__(self, name, value)
+            return
+        settable = ", ".join([k for k, v in vars(MetaLearner).items() if type(v) is _Option] + _LIVE)
+        if attribute is None:
+            raise AttributeError(f"MetaLearner has no option {name!r}; a live learner takes {settable}.")
+        what = "a method" if callable(attribute) else "read-only"
+        raise AttributeError(f"MetaLearner.{name} is {what}; {_WAYS.get(name, 'a live learner takes ' + settable)}.")
 
     # ------------------------------------------------------------------ public API
 
@@ -219,12 +281,14 @@ class MetaLearner:
 
     @property
     def adapted(self) -> tuple[str, ...]:
-        """The names of the parameters the inner loop updates."""
+        """The names of the parameters the inner loop updates (of the model as it is now)."""
+        self._follow_model()
         return tuple(self._adapted)
 
     @property
     def inner_lrs(self) -> dict[str, float | Tensor]:
         """The inner rate of every adapted parameter: a float, or its learnable tensor (``(steps,)`` per step)."""
+        self._follow_model()
         return self._rates.reported(self.rate_parameters)
 
     def meta_loss(self, batch: TaskBatch, step_weights: Tensor | None = None) -> Tensor:
@@ -344,6 +408,7 @@ class MetaLearner:
         Returns:
             ``(T,)`` losses and ``(T, n, ...)`` outputs, differentiable when grad mode is on.
         """
+        self._follow_model()
         checks.no_running_stats(self.model)
         consts = constants(self.model, dict(self.model.named_parameters()), fast)
         one = {k: v[0] for k, v in fast.items()}
@@ -364,7 +429,8 @@ class MetaLearner:
 
         Returns:
             Every parameter of the model, name -> tensor, the adapted ones replaced by their
-            fast weights; use them with ``torch.func.functional_call(model, fast, x)``.
+            fast weights; use them with :func:`maml.call` (``maml.call(model, fast, x)``), not
+            ``torch.func.functional_call``, which breaks a model that uses a module twice.
             Differentiable with respect to the initial parameters when grad mode is on (not with
             ``mode="implicit"``, which adapts on the proximal problem for values only, as it trains).
         """
@@ -398,13 +464,87 @@ class MetaLearner:
         return self
 
     def __repr__(self) -> str:
+        loss = getattr(self.loss_fn, "__qualname__", None) or type(self.loss_fn).__name__
+        extra = "".join(
+            f", {k}={self._options[k]!r}"
+            for k in ("chunk_size", "checkpoint_every", "compile", "implicit")
+            if self._options[k]
+        )
         return (
-            f"MetaLearner({type(self.model).__name__}, inner_lr={self.inner_lr}, steps={self.steps}, "
+            f"MetaLearner({type(self.model).__name__}, {loss}, inner_lr={self.inner_lr}, steps={self.steps}, "
             f"mode={self._mode!r}, batching={self.batching!r}, learn_inner_lr={self.learn_inner_lr!r}, "
-            f"inner_optimizer={self.inner_optimizer!r})"
+            f"inner_optimizer={self.inner_optimizer!r}{extra})"
         )
 
     # ------------------------------------------------------------------ internals
+
+    def _configure(self, **changes: Any) -> None:
+        """Checks the options with ``changes`` as construction does, then rebuilds what depends on them.
+
+        Construction and every option set on a live learner come here, so a learner reconfigured
+        computes what one built with the new options computes. The forward pass (with what
+        ``"auto"`` chose) and the compiled steps are rebuilt only when what they are built from
+        changes: setting ``check_finite`` keeps both.
+        """
+        built = "rate_parameters" in self._options
+        opts = {**self._options, **changes}
+        if built and "inner_lr" in changes and opts["learn_inner_lr"]:
+            raise AttributeError(
+                f"MetaLearner.inner_lr is the initial value of the learnable rates (learn_inner_lr="
+                f"{opts['learn_inner_lr']!r}); set the rates themselves, learner.rate_parameters (learner.inner_lrs "
+                f"shows each parameter's), or build a new MetaLearner."
+            )
+        if built and "steps" in changes and opts["learn_inner_lr"] == "per_layer_per_step":
+            raise AttributeError(
+                f"MetaLearner.steps is fixed with learn_inner_lr='per_layer_per_step', whose rates are one per each "
+                f"of its {self.steps} steps; pass steps= to run() or adapt() for one call (later steps take the "
+                f"last rate), or build a new MetaLearner."
+            )
+        if "check_finite" in changes and not isinstance(opts["check_finite"], bool):
+            raise TypeError(f"check_finite must be True or False, got {opts['check_finite']!r}.")
+        rule, adapted = options.check_arguments(**{k: opts[k] for k in _ARGUMENTS})
+        if built:  # a mode set since construction must go with the new options too
+            modes.check_mode(self._mode, compile=opts["compile"], learned=options.learned(opts["learn_inner_lr"], rule))
+            rule = self.rule  # fixed: a module rule's tensors are meta-parameters
+        model = opts["model"]
+        self._options = {**opts, "inner_lr": float(opts["inner_lr"]), "rule": rule}
+        self._names = {name for name, _ in model.named_parameters()}
+        self._adapted = adapted
+        self._integer_inputs = any(isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for m in model.modules())
+        forward = (opts["loss_fn"], options.forward_batching(opts["batching"], opts["chunk_size"], opts["mode"]))
+        rates = InnerRates(opts["learn_inner_lr"], float(opts["inner_lr"]), tuple(adapted))
+        if built and (forward, opts["chunk_size"], rates) == (self._built_from, self._forward.chunk_size, self._rates):
+            return
+        if not built or (forward, opts["chunk_size"]) != (self._built_from, self._forward.chunk_size):
+            self._forward = TaskForward(model, *forward, opts["chunk_size"])
+        self._built_from = forward
+        self._probe = Probe(model, self._forward)
+        self._rates = rates
+        self._loop = InnerLoop(self._forward, BoundRule(rule), rates, self._check)
+        self._compiled: dict[str, Any] = {}  # each mode's compiled step (modes.compiled_path)
+
+    def _follow_model(self) -> None:
+        """Follows the model as it is now: weights tied or untied, or a module registered twice, since the last call.
+
+        Such a change alters which parameters exist, so the learner is reconfigured as if built
+        now (one walk of the model per call finds it); learnable rates kept per parameter cannot
+        follow a change of the adapted parameters, and say so.
+        """
+        if not self._forward.stale():
+            return
+        adapted = checks.adapt_set(self._options["adapt"], self.model)
+        if adapted != self._adapted and self.learn_inner_lr not in (None, "scalar"):
+            added = [k for k in adapted if k not in self._adapted] or ["none"]
+            gone = [k for k in self._adapted if k not in adapted] or ["none"]
+            raise ValueError(
+                f"the model's parameters changed since the learner was built (adapted: added {', '.join(added)}, "
+                f"gone {', '.join(gone)}), and its learnable rates (learn_inner_lr={self.learn_inner_lr!r}) are "
+                f"one per adapted parameter: build a new MetaLearner on the model as it is."
+            )
+        self._forward.refresh()
+        self._configure()
+        self._probe = Probe(self.model, self._forward)  # a new structure is checked anew
+        self._compiled = {}
 
     def _call(
         self, params: Params, consts: Params, batch: TaskBatch, steps: int, step_weights: Tensor | None
@@ -416,7 +556,7 @@ class MetaLearner:
             chunk=modes.tasks_per_chunk(self.chunk_size, self.resolved_batching, batch.num_tasks),
             checkpoint_every=self.checkpoint_every,
             checkpoint_hvp=self._checkpoint_hvp,
-            implicit=self.implicit,
+            implicit=self.implicit or Implicit(),
         )
 
     def _rate_values(self) -> Params:
@@ -435,6 +575,7 @@ class MetaLearner:
         Returns the adapted parameters and the constants (:func:`split.split`), and the call's steps.
         """
         checks.grad_mode_possible(method)
+        self._follow_model()
         steps = self.steps if steps is None else steps
         checks.integer("steps", steps, 0)
         adapted, consts = split(self.model, self._adapted, params, self._rate_values(), self._integer_inputs, *inputs)

@@ -213,7 +213,6 @@ class BoundRule:
         self.rule = rule
         self.linear: bool = bool(getattr(rule, "linear", False))
         self._module = Reparametrized(_Update(rule)) if rule_tensors(rule) else None
-        self._buffers = {RULE_PREFIX + k: b for k, b in rule.named_buffers()} if isinstance(rule, nn.Module) else {}
         empty = _checked_state(rule, "init", rule.init({}), {})
         self._make = getattr(type(empty), "_make", tuple)
         self._checked: set[int] = set()  # the inner steps whose first update was checked
@@ -230,7 +229,9 @@ class BoundRule:
             out = self.rule.update(grads, state, params, step, rates)
         else:
             own = {k: v for k, v in values.items() if k.startswith(RULE_PREFIX)}
-            out = self._module({**self._buffers, **own}, (grads, state, params, step, rates))
+            # The buffers as they are now: a constant reassigned between calls (rule.temp = ...) takes effect.
+            buffers = {RULE_PREFIX + k: b for k, b in self.rule.named_buffers()}
+            out = self._module({**buffers, **own}, (grads, state, params, step, rates))
         if torch.compiler.is_compiling():
             # Checked at every trace, which is once per compilation: reading the set would make dynamo guard
             # on its contents, and the first call's add would recompile the step at the second call.

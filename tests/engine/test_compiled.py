@@ -26,13 +26,13 @@ def pair(
     lr = 0.3 if case.startswith("conv") else 0.1
     eager = maml.MetaLearner(model, loss_fn, inner_lr=lr, steps=steps, mode=mode, **kw)
     compiled = maml.MetaLearner(model, loss_fn, inner_lr=lr, steps=steps, mode=mode, compile=True, **kw)
-    if eager.rate_parameters:  # one set of rates for both, each rate its own value
+    if eager.rate_parameters:  # equal rates in both, each rate its own value
         with torch.no_grad():
             for rate in eager.rate_parameters.values():
                 rate.mul_(
                     1 + 0.5 * torch.rand(rate.shape, generator=torch.Generator().manual_seed(3), dtype=rate.dtype)
                 )
-        compiled.rate_parameters = eager.rate_parameters
+        compiled.load_state_dict(eager.state_dict())
     return eager, compiled, batch
 
 
