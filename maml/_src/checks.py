@@ -425,6 +425,24 @@ def learner_state(
             f"state has no 'rule' entry, but this learner's rule {rule_name} is a module "
             f"with a state of its own; load a state_dict saved by a learner with the same rule."
         )
+    chosen = state.get("batching", {})  # what batching="auto" chose, by device: {"cpu": "vmap"}
+    if not isinstance(chosen, Mapping):
+        raise ValueError(
+            f"state['batching'] must map devices to 'vmap' or 'loop', e.g. {{'cpu': 'vmap'}}, got {chosen!r}."
+        )
+    for device, batching in chosen.items():
+        try:
+            torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(
+                f"state['batching'] names the device {device!r}, which torch does not know; it maps devices such "
+                f"as 'cpu' or 'cuda:0' to 'vmap' or 'loop': load a state_dict a learner saved."
+            ) from None
+        if batching not in ("vmap", "loop"):
+            raise ValueError(
+                f"state['batching'][{device!r}] is {batching!r}; it must be 'vmap' or 'loop' (what batching='auto' "
+                f"chose): load a state_dict a learner saved."
+            )
     hint = {"inner_lrs": "the same learn_inner_lr and steps", "model": "the same model", "rule": "the same rule"}
     parts = [("model", model_state), ("inner_lrs", rates)]
     parts += [("rule", rule.state_dict())] if rule is not None else []

@@ -2,10 +2,14 @@
 
 The meta-loss is the mean over tasks, so each chunk's meta-loss, weighted by its share of the
 tasks, backpropagated alone, leaves the same sum in ``.grad``; only one chunk's graph is alive.
+Inputs on a graph of their own (features of a trainable encoder) are shared by every chunk, so
+the chunks backpropagate into detached copies, and the copies' summed gradient goes through the
+inputs' graph once, at the end.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -44,9 +48,13 @@ def backward_in_chunks(
     tasks = batch.num_tasks
     checks.integer("chunk", chunk, 1, optional=True)
     size = default(tasks) if chunk is None else chunk
+    fields = [f.name for f in dataclasses.fields(batch)]
+    on_graph = [k for k in fields if getattr(batch, k).requires_grad] if torch.is_grad_enabled() else []
+    cut = {k: getattr(batch, k).detach().requires_grad_() for k in on_graph}
+    whole = dataclasses.replace(batch, **cut) if cut else batch
     total, outputs = None, []
     for lo in range(0, tasks, size):
-        part = batch[lo : lo + size]
+        part = whole[lo : lo + size]
         out = run(part)
         loss = out.loss * (part.num_tasks / tasks)
         if not torch.is_grad_enabled():
@@ -56,4 +64,7 @@ def backward_in_chunks(
         if return_output:
             outputs.append(out)
     assert total is not None
+    reached = [k for k in on_graph if cut[k].grad is not None]
+    if reached:  # the inputs' own graph, once, with every chunk's gradient summed
+        torch.autograd.backward([getattr(batch, k) for k in reached], [cut[k].grad for k in reached])
     return MetaOutput.joined(outputs, total) if return_output else total

@@ -96,7 +96,13 @@ class MetaCurvature(nn.Module):
                     f"MetaCurvature has no curvature for the parameter {k!r}; build it from the model the "
                     f"learner adapts (it knows {', '.join(self.names)})."
                 )
-            new[k] = p - rates[k] * self.curvatures[self._index[k]](grads[k])
+            curvature = self.curvatures[self._index[k]]
+            if tuple(p.shape[1:]) != curvature.shape:
+                raise ValueError(
+                    f"MetaCurvature's curvature of {k!r} was built for shape {curvature.shape}, but the learner "
+                    f"adapts it with shape {tuple(p.shape[1:])}; build it from the model the learner adapts."
+                )
+            new[k] = p - rates[k] * curvature(grads[k])
         return new, ()
 
     def extra_repr(self) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Literal
 
 import torch
@@ -74,6 +74,24 @@ def time_batchings(
     return seconds
 
 
+@contextlib.contextmanager
+def unfused_layers() -> Iterator[None]:
+    """Runs ``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer`` on their composite (differentiable) path.
+
+    In eval mode they take a fused "fast path" (``aten::_transformer_encoder_layer_fwd``,
+    ``aten::_native_multi_head_attention``) that has no derivative, when no input requires grad
+    as they see it: under ``vmap`` the per-task weights look so to them, and the meta-gradient
+    then fails. The composite path computes the same function with derivatives. The switch is
+    process-wide (``torch.backends.mha``), so it is restored on exit.
+    """
+    enabled = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(enabled)
+
+
 def exact_attention() -> contextlib.AbstractContextManager[object]:
     """Runs attention on the math kernel, whose double backward exists, for steps differentiated twice.
 
@@ -84,9 +102,15 @@ def exact_attention() -> contextlib.AbstractContextManager[object]:
     inner step. Entering the context costs about 11 microseconds, so callers enter it once per
     inner loop or replayed segment, not per step.
     """
+    stack = contextlib.ExitStack()
+    stack.enter_context(unfused_layers())
     if sdpa_kernel is None:
-        return torch.backends.cuda.sdp_kernel(enable_flash=False, enable_math=True, enable_mem_efficient=False)
-    return sdpa_kernel(SDPBackend.MATH)
+        stack.enter_context(
+            torch.backends.cuda.sdp_kernel(enable_flash=False, enable_math=True, enable_mem_efficient=False)
+        )
+    else:
+        stack.enter_context(sdpa_kernel(SDPBackend.MATH))
+    return stack
 
 
 class TaskForward:
@@ -172,6 +196,12 @@ class TaskForward:
         """One task: ``x (n, *x_shape)``, ``y (n, *y_shape)`` -> loss ``()``, output ``(n, ...)``."""
         kwargs = {"step": step} if self.takes_step else None
         out = self._call({**fast, **consts}, (x,), kwargs)
+        if not isinstance(out, Tensor):  # MetaOutput stacks the outputs of the tasks: one tensor each
+            raise TypeError(
+                f"the model returned a {type(out).__name__}; the learner needs one tensor, the output loss_fn "
+                f"scores: return it alone, or wrap the model (e.g. nn.Sequential(model, Pick()) with a module "
+                f"whose forward returns out[0])."
+            )
         loss = self.loss_fn(out, y)
         if not isinstance(loss, Tensor) or loss.ndim != 0:
             got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else type(loss).__name__

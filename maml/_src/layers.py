@@ -36,6 +36,10 @@ class StepBatchNorm2d(nn.Module):
         for name, value in (("num_features", num_features), ("steps", steps)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"StepBatchNorm2d: {name}={value!r} must be an int >= 1.")
+        if (
+            isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0
+        ):  # not NaN, not a negative variance
+            raise ValueError(f"StepBatchNorm2d: eps={eps!r} must be a number > 0 (e.g. the default 1e-5).")
         self.num_features, self.steps, self.eps = num_features, steps, eps
         self.weight = nn.Parameter(torch.ones(steps, num_features))
         self.bias = nn.Parameter(torch.zeros(steps, num_features))

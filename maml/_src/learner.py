@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from . import checks, modes, options
 from .batch import TaskBatch
 from .chunked import backward_in_chunks
-from .forward import LossFn, Params, TaskForward, check_finite
+from .forward import LossFn, Params, TaskForward, check_finite, unfused_layers
 from .implicit import Implicit
 from .loop import InnerLoop, MetaOutput, Problem
 from .options import Batching, CheckpointHvp, InnerOptimizer, LearnInnerLr, Mode
@@ -90,6 +90,12 @@ class MetaLearner:
     starting from the model's current parameters, through :func:`maml.call`; the
     model's own parameters are never modified. The meta-loss is the mean query loss at the
     fast weights.
+
+    Options set on a live learner (``learner.inner_lr = 0.5``) act as in a learner built with
+    them: ``loss_fn``, ``inner_lr`` (a fixed rate), ``steps``, ``mode``, ``batching``,
+    ``chunk_size``, ``checkpoint_every``, ``checkpoint_hvp``, ``check_finite``, ``compile`` and
+    ``implicit``; the others are fixed and refuse to be set, naming the way. The model is read as
+    it is at each call: weights tied or untied since construction are followed.
 
     Args:
         model: any network of ordinary layers. Parameters with ``requires_grad=False`` are
@@ -413,7 +419,8 @@ class MetaLearner:
         consts = constants(self.model, dict(self.model.named_parameters()), fast)
         one = {k: v[0] for k, v in fast.items()}
         self._probe(one, consts, TaskBatch(x, y, x, y), batching=self.batching, mode=self._mode)
-        return self._forward(fast, consts, x, y)
+        with unfused_layers():
+            return self._forward(fast, consts, x, y)
 
     def adapt(
         self, support_x: Tensor, support_y: Tensor, params: Params | None = None, steps: int | None = None
@@ -582,4 +589,8 @@ class MetaLearner:
         checks.examples(inputs[0].shape[1], inputs[1].shape[1] if len(inputs) > 1 else None, steps)
         if params is None:  # the model's own: frozen since the learner was built?
             checks.still_trainable(adapted)
+        elif (
+            torch.is_grad_enabled()
+        ):  # given constants (detached): the inner loop differentiates from them all the same
+            adapted = {k: v if v.requires_grad else v.detach().requires_grad_() for k, v in adapted.items()}
         return adapted, consts, steps

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from . import checkpointed, checks, compiled, eager, implicit, reptile
 from .batch import TaskBatch
-from .forward import Params, exact_attention
+from .forward import Params, exact_attention, unfused_layers
 from .implicit import Implicit
 from .loop import MetaOutput, Problem
 
@@ -220,9 +220,10 @@ def check_differentiable(mode: str, compile: bool, batch: TaskBatch, consts: Par
 
 
 def attention(mode: str) -> contextlib.AbstractContextManager[object]:
-    """The math attention kernel where the inner steps are differentiated twice (``twice`` modes, grad on)."""
+    """The math attention kernel where the inner steps are differentiated twice (``twice`` modes, grad on); else
+    attention layers without their fused path, which has no derivative at all (:func:`forward.unfused_layers`)."""
     exact = torch.is_grad_enabled() and TABLE[mode].twice
-    return exact_attention() if exact else contextlib.nullcontext()
+    return exact_attention() if exact else unfused_layers()
 
 
 def tasks_per_chunk(chunk_size: int | None, batching: str, tasks: int) -> int:

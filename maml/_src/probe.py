@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .batch import TaskBatch
-from .forward import Params, TaskForward
+from .forward import Params, TaskForward, unfused_layers
 from .model_check import check_model
 
 __all__ = ["Probe"]
@@ -33,6 +33,7 @@ class Probe:
         self.forward = forward
         self._checked: set[Any] = set()  # (device, each module's training flag)
 
+    @unfused_layers()  # its passes are differentiated: no fused attention layers (forward.unfused_layers)
     def __call__(self, params: Params, consts: Params, batch: TaskBatch, *, batching: str, mode: str) -> None:
         """Checks the model on ``batch``'s first task if its configuration is new, then lets ``"auto"`` choose.
 

@@ -313,3 +313,41 @@ def test_step_weights_that_require_grad_are_refused_where_they_would_get_none():
     weights = torch.tensor([0.5, 0.5], requires_grad=True)
     with pytest.raises(ValueError, match="step_weights require grad, but with compile=True"):
         meta.meta_loss(maml.TaskBatch(X, Y, X, Y), step_weights=weights)
+
+
+# ---------------------------------------------------------------- rules, layers, state
+
+
+def test_meta_curvature_of_another_model_is_named():
+    model, batch, loss_fn = make("mlp")
+    other = nn.Sequential(nn.Linear(5, 7)).double()  # the same names as the mlp's first layer, other shapes
+    rule = maml.MetaCurvature(model)
+    rule.curvatures[0] = maml.MetaCurvature(other).curvatures[0]
+    learner = maml.MetaLearner(model, loss_fn, 0.1, inner_optimizer=rule)
+    with raises(
+        ValueError, "MetaCurvature's curvature of '0.weight' was built for shape (7, 5), but the learner adapts"
+    ):
+        learner.meta_loss(batch)
+
+
+@pytest.mark.parametrize(
+    "batching, message",
+    [
+        ({"cpux": "vmap"}, "state['batching'] names the device 'cpux', which torch does not know"),
+        ({"cpu": "bogus"}, "state['batching']['cpu'] is 'bogus'; it must be 'vmap' or 'loop'"),
+        (["cpu"], "state['batching'] must map devices to 'vmap' or 'loop'"),
+    ],
+)
+def test_a_state_naming_an_unknown_batching_loads_nothing(mlp, batching, message):
+    model, batch, loss_fn = mlp
+    learner = maml.MetaLearner(model, loss_fn, 0.1)
+    state = {**learner.state_dict(), "batching": batching}
+    with raises(ValueError, message):
+        learner.load_state_dict(state)
+    assert learner.resolved_batching == "vmap"
+
+
+@pytest.mark.parametrize("eps", [-1.0, 0.0, float("nan"), "1e-5", True])
+def test_step_batch_norm_refuses_an_eps_not_above_zero(eps):
+    with raises(ValueError, f"StepBatchNorm2d: eps={eps!r} must be a number > 0"):
+        maml.nn.StepBatchNorm2d(4, 3, eps=eps)

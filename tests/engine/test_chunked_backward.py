@@ -67,3 +67,24 @@ def test_the_output_of_a_chunked_backward_is_that_of_one_run(mode):
     for k in whole.fast:
         torch.testing.assert_close(joined.fast[k], whole.fast[k].detach(), rtol=1e-12, atol=1e-14)
         assert not joined.fast[k].requires_grad
+
+
+@pytest.mark.parametrize("mode", ["second_order", "first_order"])
+def test_backward_by_chunks_reaches_a_trainable_encoder_once(mode):
+    """Inputs from an encoder are shared by every chunk: its gradient is the one-pass gradient."""
+    model, batch, loss_fn = make("mlp")
+    torch.manual_seed(0)
+    encoder = nn.Linear(batch.support_x.shape[-1], batch.support_x.shape[-1]).double()
+    learner = maml.MetaLearner(model, loss_fn, inner_lr=0.1, steps=2, mode=mode)
+    grads = []
+    for chunk in (None, 1, 2):
+        encoder.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+        encoded = maml.TaskBatch(encoder(batch.support_x), batch.support_y, encoder(batch.query_x), batch.query_y)
+        if chunk is None:
+            learner.meta_loss(encoded).backward()
+        else:
+            learner.backward(encoded, chunk=chunk)
+        grads.append(torch.cat([p.grad.flatten() for p in [*encoder.parameters(), *model.parameters()]]))
+    for got in grads[1:]:
+        torch.testing.assert_close(got, grads[0], rtol=0, atol=1e-13)

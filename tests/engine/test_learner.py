@@ -282,3 +282,15 @@ def test_a_meta_curvature_left_behind_by_model_to_is_named():
         learner.meta_loss(batch)
     learner.to(torch.float64)
     learner.meta_loss(batch).backward()
+
+
+@pytest.mark.parametrize("mode", ["second_order", "first_order", "checkpointed", "reptile", "implicit"])
+def test_run_from_detached_parameters_adapts_as_from_the_model(mode):
+    """Given constants, the inner loop differentiates from them all the same; no gradient reaches the model."""
+    model, batch, loss_fn = make("mlp")
+    learner = maml.MetaLearner(model, loss_fn, inner_lr=0.1, steps=2, mode=mode)
+    expected = learner.run(batch)
+    got = learner.run(batch, params={k: v.detach() for k, v in model.named_parameters()})
+    torch.testing.assert_close(got.loss.detach(), expected.loss.detach(), rtol=0, atol=0)
+    for k in expected.fast:
+        torch.testing.assert_close(got.fast[k].detach(), expected.fast[k].detach(), rtol=0, atol=0)

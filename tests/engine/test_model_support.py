@@ -463,3 +463,48 @@ def test_a_module_used_twice_adapts_alike_in_training_and_evaluation():
         assert_close(evaluated[k], trained[k].detach())
         assert_close(one[k].detach(), trained[k][0].detach())
     assert isinstance(lin.weight, nn.Parameter) and model[2].weight is lin.weight
+
+
+class EvalEncoder(nn.Module):
+    """An eval-mode transformer layer with a head: PyTorch's fused fast path has no derivative."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.layer(x.unsqueeze(0)).squeeze(0))
+
+
+@pytest.mark.parametrize("mode", ["second_order", "first_order", "checkpointed"])
+@pytest.mark.parametrize("batching", ["auto", "vmap"])
+def test_eval_mode_attention_layers_under_vmap_equal_the_loop(mode, batching):
+    model = built(EvalEncoder).eval()
+    batch = batch_of((4,))
+    grads = {}
+    for b in (batching, "loop"):
+        learner = maml.MetaLearner(model, F.mse_loss, inner_lr=0.1, steps=2, mode=mode, batching=b)
+        grads[b] = flat_grad(learner, batch)
+    torch.testing.assert_close(grads[batching], grads["loop"], rtol=0, atol=1e-12)
+    assert torch.backends.mha.get_fastpath_enabled()  # the process-wide switch is restored
+
+
+class Pair(nn.Module):
+    def __init__(self, out: str) -> None:
+        super().__init__()
+        self.lin, self.out = nn.Linear(4, 1), out
+
+    def forward(self, x: Tensor) -> object:
+        y = self.lin(x)
+        return (y, y.sum()) if self.out == "tuple" else {"y": y}
+
+
+@pytest.mark.parametrize("out", ["tuple", "dict"])
+@pytest.mark.parametrize("batching", ["vmap", "loop"])
+def test_a_model_returning_several_outputs_is_refused_in_one_line(out, batching):
+    model = built(Pair, out)
+    learner = maml.MetaLearner(model, lambda o, y: F.mse_loss(o[0] if out == "tuple" else o["y"], y), 0.1)
+    learner.batching = batching
+    with raises(TypeError, f"the model returned a {out}; the learner needs one tensor, the output loss_fn scores"):
+        learner.meta_loss(batch_of((4,)))
