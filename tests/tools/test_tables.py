@@ -377,3 +377,19 @@ def test_a_run_from_a_tree_with_uncommitted_changes_is_refused_by_every_table():
     with pytest.raises(tables.TableError, match="'python -m experiments.sine' ran in a tree with uncommitted changes"):
         tables.provenance([{**run, "git_dirty": False}, run])
     assert "0000000000" in tables.provenance([{**run, "git_dirty": False}])
+
+
+@pytest.mark.parametrize(
+    ("fence", "inside", "end"),
+    [("```", "", "```"), ("~~~", "```\n", "~~~"), ("````markdown", "```\n", "````")],
+    ids=["backticks", "tildes around backticks", "four backticks around three"],
+)
+def test_markers_in_a_fenced_code_block_are_text(tmp_path, monkeypatch, fence, inside, end):
+    """A page that shows the marker syntax in a code block: nothing is rendered into it, nor is a misspelt marker
+    there an error; the blocks outside it are rendered (the second copy: a fence indented in a list item)."""
+    monkeypatch.setitem(tables.RENDERERS, "demo", lambda: "fresh\n")
+    shown = f"{fence}\n<!-- table: demo -->\nold\n<!-- /table -->\n<!-- Table: misspelt -->\n{inside}{end}\n"
+    page = tmp_path / "README.md"
+    page.write_text(f"# x\n{shown}<!-- table: demo -->\nold\n<!-- /table -->\n- a list item:\n  {shown}")
+    assert tables.main(["--page", str(page)], root=tmp_path) == 0
+    assert page.read_text() == f"# x\n{shown}<!-- table: demo -->\nfresh\n<!-- /table -->\n- a list item:\n  {shown}"
