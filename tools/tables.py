@@ -99,18 +99,43 @@ def _distinct(values: Iterable[Any]) -> str:
 def provenance(runs: Sequence[dict[str, Any]]) -> str:
     """Device, processor, threads, dates and commits of ``runs``, as one sentence.
 
+    A run's ``git_commit`` and ``git_dirty`` are the code at its end; ``git_history``, the code at its start and at
+    each resume. Results written before runs kept that history (the committed ones, the benchmarks') have only the
+    end's: they are shown, and the sentence says that their commit was taken at their end.
+
     Raises:
-        TableError: a run from a tree with uncommitted changes, whose commit does not reproduce it.
+        TableError: a run whose commit does not reproduce it: one that records no commit, or that started, was
+            resumed or ended in a tree with uncommitted changes, or at another commit than it ended at.
     """
-    dirty = [run.get("command", run.get("experiment", "a run")) for run in runs if run.get("git_dirty")]
-    if dirty:
-        raise TableError(f"{dirty[0]!r} ran in a tree with uncommitted changes: run it again from a committed tree")
+    for run in runs:
+        name = run.get("command", run.get("experiment", "a run"))
+        if not run.get("git_commit"):
+            raise TableError(
+                f"{name!r} records no git commit (git failed, or it ran outside a checkout): run it again in one"
+            )
+        for record in [*run.get("git_history", []), run]:  # its start, its resumes, its end
+            when = {"start": "started", "resume": "was resumed"}.get(record.get("at"), "ran")
+            if record.get("git_dirty") is not False:
+                raise TableError(
+                    f"{name!r} {when} in a tree with uncommitted changes: run it again from a committed tree"
+                )
+            if record.get("git_commit") != run["git_commit"]:
+                raise TableError(
+                    f"{name!r} {when} at commit {str(record.get('git_commit'))[:10]} and ended at "
+                    f"{run['git_commit'][:10]}: run it again at one commit"
+                )
     dates = [run.get("date") or _commit_date(run.get("git_commit")) for run in runs]
     cpus = _distinct(run.get("gpu") or run.get("cpu") for run in runs)
     threads = _distinct(run.get("threads") for run in runs)
     commits = _distinct((run.get("git_commit") or "")[:10] for run in runs)
     device = _distinct(run["device"] for run in runs)
     threads = f", {threads} thread{'s' * (threads != '1')} a run" if threads != "-" else ""
+    # Results that predate the start's record: their commit is the end's, and the sentence says no more.
+    late = sum("git_history" not in run for run in runs)
+    if late == len(runs):
+        commits += f" (taken at {'the run' if late == 1 else 'each run'}'s end; its start was not recorded)"
+    elif late:
+        commits += f" (taken at the end for {late} of the {len(runs)} runs, whose start was not recorded)"
     return (
         f"device {device}"
         + (f" ({cpus})" if cpus != "-" else "")
