@@ -81,7 +81,7 @@ def _check_out(opts: RunOptions, cfg: Any) -> dict[str, Any] | None:
     _check_writable(out)
     if out.is_dir():
         lock_folder(out)  # before reading it: a run still writing there would change what the checks see
-    unstarted = _unstarted(out, cfg)
+    unstarted, taken = _unstarted(out, cfg), [f for f in RUN_FILES if (out / f).exists()]
     if opts.resume:
         path = out / "checkpoint.pt"
         if not path.is_file() and unstarted:
@@ -91,10 +91,9 @@ def _check_out(opts: RunOptions, cfg: Any) -> dict[str, Any] | None:
             )
             return None
         if not path.is_file():
-            held = [f for f in RUN_FILES if (out / f).exists()]
-            if held:  # a run of another config that ended before its first checkpoint: nothing to resume
+            if taken:  # a run of another config that ended before its first checkpoint: nothing to resume
                 raise UsageError(
-                    f"--resume: no checkpoint at {path}, so nothing to resume: the run there ({', '.join(held)}) "
+                    f"--resume: no checkpoint at {path}, so nothing to resume: the run there ({', '.join(taken)}) "
                     f"wrote none; pass --overwrite instead of --resume to start it anew, or another --out."
                 )
             raise UsageError(f"--resume: no checkpoint at {path}; start the run without --resume.")
@@ -139,7 +138,6 @@ def _check_out(opts: RunOptions, cfg: Any) -> dict[str, Any] | None:
                 file=sys.stderr,
             )
         return state
-    taken = [f for f in RUN_FILES if (out / f).exists()]
     if taken and not opts.overwrite and unstarted:
         print(f"--out {out} holds this run, ended before its first checkpoint: starting it again", file=sys.stderr)
         return None
