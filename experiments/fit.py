@@ -36,7 +36,7 @@ from experiments.lock import unlock_folders
 from experiments.memory import Need, check_fits, parameter_bytes
 from experiments.results import finish
 from experiments.run_options import RunOptions
-from experiments.rundir import prepare_out, take_out
+from experiments.rundir import prepare_out, source, take_out
 from experiments.runtime import Terminated
 from experiments.tracking import init_wandb
 from experiments.trainer import Trainer
@@ -129,7 +129,9 @@ def fit(experiment: Experiment, argv: Sequence[str] | None = None) -> None:
     torchrun.check_shards(cfg.meta_batch, opts)
     if experiment.needs is not None:  # sizes whose tensors cannot fit: one line, before anything is written
         check_fits(experiment.needs(cfg, parameter_bytes(lambda: experiment.model(cfg).module)), opts.device)
-    resumed = prepare_out(opts, cfg)  # before writing anything
+    resumed = prepare_out(opts, cfg)  # before writing anything; a resume's code is checked against its start's
+    # The code is recorded as the run starts: one changed and reverted before its end would pass for clean there.
+    began = resumed["git_history"] if resumed else [{"at": "start", "iteration": 0, **source()}] if opts.main else []
     data = experiment.load(cfg) if experiment.load is not None else None
     if opts.main:
         take_out(opts, cfg)  # clears an --overwrite'n run's files, then writes config.yaml
@@ -172,6 +174,7 @@ def fit(experiment: Experiment, argv: Sequence[str] | None = None) -> None:
         schedule=recipes.Schedule.of(cfg),
         backward_chunk=cfg.backward_chunk,
         clip_value=cfg.clip_meta_grad,
+        git_history=began,
     )
     name = experiment.run_name(cfg) if experiment.run_name is not None else experiment.name
     wandb_run = init_wandb(opts, cfg, name, resumed["wandb_id"] if resumed else None) if opts.main else None

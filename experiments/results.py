@@ -9,7 +9,6 @@ import json
 import math
 import os
 import platform
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ from torch import Tensor
 
 from experiments.files import atomic_write
 from experiments.run_options import RunOptions
-from experiments.rundir import DATA_KEYS
+from experiments.rundir import DATA_KEYS, source
 from experiments.tracking import finish_wandb
 from experiments.trainer import Trainer
 
@@ -35,34 +34,18 @@ def mean_ci95(values: Tensor) -> tuple[float, float]:
 
 
 def provenance() -> dict[str, Any]:
-    """Package versions and the git commit of the code that ran."""
+    """Package versions, the machine, and the code that runs now (:func:`~experiments.rundir.source`)."""
     versions = {"python": platform.python_version()}
     for pkg in ("maml-toolkit", "torch", "numpy", "wandb", "learn2learn", "higher"):
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             versions[pkg] = importlib.metadata.version(pkg)
-    root = Path(__file__).resolve().parent.parent
-
-    def git(*args: str) -> str | None:
-        try:
-            return subprocess.run(
-                ["git", *args], cwd=root, capture_output=True, text=True, timeout=10, check=True
-            ).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return None
-
     cpu = None  # the processor's model name (Linux), else the platform's word for it
     with contextlib.suppress(OSError):
         lines = Path("/proc/cpuinfo").read_text().splitlines()
         cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None)
-    commit = git("rev-parse", "HEAD")
-    # Changed code, not results: a committed sweep resumed in place rewrites its results/ files (sweep.json).
-    dirty = (
-        bool(git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)results")) if commit else None
-    )
     return {
         "versions": versions,
-        "git_commit": commit,
-        "git_dirty": dirty,
+        **source(),
         "host": platform.node(),
         "cpu": cpu or platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(),
@@ -97,6 +80,7 @@ def finish(
         "train_seconds": round(trainer.train_seconds, 1),
         "device": str(opts.device),
         "processes": opts.world_size,
+        "git_history": trainer.git_history,  # the code at the start and at each resume; at the end: provenance()
         **provenance(),
     }
     atomic_write(opts.out / "results.json", lambda p: p.write_text(json.dumps(results, indent=2) + "\n"))

@@ -1,20 +1,22 @@
 """The run's folder (``--out``): the checks before anything is written, resuming, and making it the run's.
 
 :func:`prepare_out` checks the device and the folder and, with ``--resume``, the checkpoint's
-config against this run's (the data by its files, wherever they now are); :func:`take_out`
-then clears an ``--overwrite``'n run's files and writes ``config.yaml``.
+config against this run's (the data by its files, wherever they now are) and its code (:func:`source`)
+against this one; :func:`take_out` then clears an ``--overwrite``'n run's files and writes ``config.yaml``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import io
 import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -31,7 +33,7 @@ from experiments.run_options import RunOptions
 from experiments.torchrun import broadcast, check_device
 
 __all__ = ["BEST_FILE", "RUN_FILES", "METRICS_FILE", "PLOTS", "RESUMABLE", "DATA_KEYS", "prepare_out", "take_out"]
-__all__ += ["fingerprint", "data_identity", "write_state"]
+__all__ += ["fingerprint", "data_identity", "write_state", "source"]
 
 BEST_FILE = "best.pt"  # the meta-parameters of the best validation so far (Trainer.select)
 RUN_FILES = ("config.yaml", "checkpoint.pt", BEST_FILE, "results.json")
@@ -45,6 +47,7 @@ RESUMABLE = ("iterations", "log_every", "val_every", "checkpoint_every")
 DATA_KEYS = ("data",)
 _TEMPORARY = re.compile(r"\..+\.tmp(\d+)")  # atomic_write's temporary files, .NAME.tmpPID
 _WANDB_FILES = re.compile(r"(offline-)?run-\d{8}_\d{6}-\w+|latest-run|debug(-internal)?\.log")  # under --out/wandb
+CODE = Path(__file__).resolve().parents[1]  # the checkout whose commit a run records (source())
 
 
 def prepare_out(opts: RunOptions, cfg: Any) -> dict[str, Any] | None:
@@ -56,8 +59,8 @@ def prepare_out(opts: RunOptions, cfg: Any) -> dict[str, Any] | None:
     Raises:
         UsageError: the device is not available; ``--out`` is a file, sits under a file or
             cannot be written; it holds another run (without ``--resume``/``--overwrite``); or
-            the checkpoint to resume is missing, unreadable, or from a config that differs in
-            more than :data:`RESUMABLE`.
+            the checkpoint to resume is missing, unreadable, from a config that differs in
+            more than :data:`RESUMABLE`, or begun with other code (:func:`source`) than this.
     """
     check_device(opts.device)
     outcome: dict[str, Any] | UsageError | None = None
@@ -81,7 +84,7 @@ def _check_out(opts: RunOptions, cfg: Any) -> dict[str, Any] | None:
     _check_writable(out)
     if out.is_dir():
         lock_folder(out)  # before reading it: a run still writing there would change what the checks see
-    unstarted = _unstarted(out, cfg)
+    unstarted, taken = _unstarted(out, cfg), [f for f in RUN_FILES if (out / f).exists()]
     if opts.resume:
         path = out / "checkpoint.pt"
         if not path.is_file() and unstarted:
@@ -91,10 +94,9 @@ def _check_out(opts: RunOptions, cfg: Any) -> dict[str, Any] | None:
             )
             return None
         if not path.is_file():
-            held = [f for f in RUN_FILES if (out / f).exists()]
-            if held:  # a run of another config that ended before its first checkpoint: nothing to resume
+            if taken:  # a run of another config that ended before its first checkpoint: nothing to resume
                 raise UsageError(
-                    f"--resume: no checkpoint at {path}, so nothing to resume: the run there ({', '.join(held)}) "
+                    f"--resume: no checkpoint at {path}, so nothing to resume: the run there ({', '.join(taken)}) "
                     f"wrote none; pass --overwrite instead of --resume to start it anew, or another --out."
                 )
             raise UsageError(f"--resume: no checkpoint at {path}; start the run without --resume.")
@@ -131,6 +133,19 @@ def _check_out(opts: RunOptions, cfg: Any) -> dict[str, Any] | None:
                 f"--resume: the config differs from the run in {out}: {', '.join(diff)}. Resume with the same "
                 f"flags (only {allowed} may change), or --config {out / 'config.yaml'}."
             )
+        # The code too: a run resumed with other code than it began with would mix two codes' results under one.
+        now, began = source(), state.get("git_history", [{}])[0]
+        if any(began.get(k, "unrecorded") != v for k, v in now.items()):
+            was, this = (
+                f"commit {(r.get('git_commit') or 'unknown')[:10]}"
+                + (f" with uncommitted changes {r['git_changes']}" if r.get("git_dirty") else "")
+                for r in (began, now)
+            )
+            raise UsageError(
+                f"--resume: the run in {out} began with the code of {was}, and this is {this}: resume with the code "
+                f"it began with, or pass --overwrite to start it anew."
+            )
+        state["git_history"].append({"at": "resume", "iteration": state["iteration"], **now})
         edited = _edited_keys(out / "config.yaml", saved)
         if edited:
             print(
@@ -139,7 +154,6 @@ def _check_out(opts: RunOptions, cfg: Any) -> dict[str, Any] | None:
                 file=sys.stderr,
             )
         return state
-    taken = [f for f in RUN_FILES if (out / f).exists()]
     if taken and not opts.overwrite and unstarted:
         print(f"--out {out} holds this run, ended before its first checkpoint: starting it again", file=sys.stderr)
         return None
@@ -155,6 +169,20 @@ def _check_out(opts: RunOptions, cfg: Any) -> dict[str, Any] | None:
             f"--overwrite to replace it, or another --out."
         )
     return None
+
+
+def source() -> dict[str, Any]:
+    """The code that runs: :data:`CODE`'s commit, whether its tracked files differ from it, and a digest of the
+    differences, by which a resume knows the same changes (None each where git fails: not a checkout)."""
+    git = functools.partial(subprocess.run, cwd=CODE, capture_output=True, timeout=10, check=True)
+    try:
+        commit = git(["git", "rev-parse", "HEAD"]).stdout.decode().strip()
+        # Changed code, not results: a committed sweep resumed in place rewrites its results/ files (sweep.json).
+        changes = git(["git", "diff", "--binary", "--no-ext-diff", "HEAD", "--", ".", ":(exclude)results"]).stdout
+    except (OSError, subprocess.SubprocessError):
+        commit, changes = None, None
+    digest = hashlib.sha256(changes).hexdigest()[:16] if changes else None
+    return {"git_commit": commit, "git_dirty": None if changes is None else bool(changes), "git_changes": digest}
 
 
 def config_text(cfg: Any) -> str:

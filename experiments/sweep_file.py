@@ -27,17 +27,8 @@ with warnings.catch_warnings():  # the engine's pydantic deprecation warnings
     warnings.simplefilter("ignore")
     import sweeps
 
-__all__ = [
-    "REPO_ROOT",
-    "DONE",
-    "Sweep",
-    "Trial",
-    "load_sweep",
-    "next_trial",
-    "build_command",
-    "check_parameters",
-    "start_trial",
-]
+__all__ = ["REPO_ROOT", "DONE", "Sweep", "Trial"]
+__all__ += ["load_sweep", "next_trial", "build_command", "check_parameters", "start_trial"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]  # finds a program named from the root; sweep.json's paths are relative
 MACROS = ("${env}", "${interpreter}", "${program}", "${args}")  # wandb's default command; the only macros supported

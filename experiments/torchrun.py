@@ -20,18 +20,8 @@ from experiments.cli import UsageError
 from experiments.run_options import RunOptions
 from experiments.runtime import Terminated
 
-__all__ = [
-    "RankUsageError",
-    "process_rank",
-    "prints_usage_errors",
-    "outwait_printer",
-    "check_device",
-    "join_processes",
-    "check_shards",
-    "broadcast",
-    "peer_lost",
-    "leave_with_launcher",
-]
+__all__ = ["RankUsageError", "process_rank", "prints_usage_errors", "outwait_printer", "check_device"]
+__all__ += ["join_processes", "check_shards", "broadcast", "peer_lost", "leave_with_launcher"]
 
 _JOINED = threading.Event()  # set once join_processes has joined the process group (leave_with_launcher reads it)
 _PARENT_AT_IMPORT = os.getppid()  # under torchrun, the launcher's agent (unless it died already)

@@ -72,6 +72,8 @@ class Trainer:
     final_val: dict[str, float] = dataclasses.field(default_factory=dict)  # validation at the last iteration
     _began: float = dataclasses.field(default=0.0, repr=False)
     data_files: dict[str, dict[str, str | None]] = dataclasses.field(default_factory=dict, repr=False)
+    # The code at the run's start and at each resume (rundir.source), kept from the start: a resume checks it.
+    git_history: list[dict[str, Any]] = dataclasses.field(default_factory=list, repr=False)
 
     def state(self, iteration: int, generator: torch.Generator, cfg: Any, wandb_id: str | None) -> dict[str, Any]:
         return {
@@ -87,6 +89,7 @@ class Trainer:
             "train_seconds": self.train_seconds + time.perf_counter() - self._began,
             "wandb_id": wandb_id,
             "data": self.data_files,
+            "git_history": self.git_history,
             "best": self.best,
         }
 

@@ -13,7 +13,7 @@ they come from.
 Every line of a page that looks like a marker (``<!--`` and ``table``, in any case or spacing) must
 be exactly one of the two, alone on its line, with blocks opened and closed in turn and a known
 ``NAME``; otherwise nothing is rendered or written, so that a damaged marker cannot swallow the text
-up to the next block's end.
+up to the next block's end. In a fenced code block (a page showing the syntax) a marker is text.
 
 Exit codes: 0, 1 for ``--check`` on a stale page, 2 for a missing file, a damaged marker or an unknown
 block (one line, naming the page and its line); on 2 no page is written.
@@ -45,6 +45,7 @@ BLOCK = re.compile(r"(<!-- table: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /tab
 OPEN = re.compile(r"<!-- table: (?P<name>[\w-]+) -->")  # a block's first line, exactly (BLOCK's opening)
 CLOSE = "<!-- /table -->"  # a block's last line, exactly
 LIKE_MARKER = re.compile(r"<!--.*table", re.I)  # a line meant as a marker, however misspelt or spaced
+FENCE = re.compile(r"\s*(?P<fence>`{3,}|~{3,})")  # a code fence's line: the markers in a fenced block are text
 MEANT = re.compile(r"<!--\s*(?P<close>/)?\s*table\s*(?::\s*(?P<name>\w+(?:-\w+)*))?", re.I)  # what it meant
 STEPS = ("1step", "5step", "10step")  # the test columns: the reference trains with 1 step and tests with up to 10
 
@@ -98,18 +99,43 @@ def _distinct(values: Iterable[Any]) -> str:
 def provenance(runs: Sequence[dict[str, Any]]) -> str:
     """Device, processor, threads, dates and commits of ``runs``, as one sentence.
 
+    A run's ``git_commit`` and ``git_dirty`` are the code at its end; ``git_history``, the code at its start and at
+    each resume. Results written before runs kept that history (the committed ones, the benchmarks') have only the
+    end's: they are shown, and the sentence says that their commit was taken at their end.
+
     Raises:
-        TableError: a run from a tree with uncommitted changes, whose commit does not reproduce it.
+        TableError: a run whose commit does not reproduce it: one that records no commit, or that started, was
+            resumed or ended in a tree with uncommitted changes, or at another commit than it ended at.
     """
-    dirty = [run.get("command", run.get("experiment", "a run")) for run in runs if run.get("git_dirty")]
-    if dirty:
-        raise TableError(f"{dirty[0]!r} ran in a tree with uncommitted changes: run it again from a committed tree")
+    for run in runs:
+        name = run.get("command", run.get("experiment", "a run"))
+        if not run.get("git_commit"):
+            raise TableError(
+                f"{name!r} records no git commit (git failed, or it ran outside a checkout): run it again in one"
+            )
+        for record in [*run.get("git_history", []), run]:  # its start, its resumes, its end
+            when = {"start": "started", "resume": "was resumed"}.get(record.get("at"), "ran")
+            if record.get("git_dirty") is not False:
+                raise TableError(
+                    f"{name!r} {when} in a tree with uncommitted changes: run it again from a committed tree"
+                )
+            if record.get("git_commit") != run["git_commit"]:
+                raise TableError(
+                    f"{name!r} {when} at commit {str(record.get('git_commit'))[:10]} and ended at "
+                    f"{run['git_commit'][:10]}: run it again at one commit"
+                )
     dates = [run.get("date") or _commit_date(run.get("git_commit")) for run in runs]
     cpus = _distinct(run.get("gpu") or run.get("cpu") for run in runs)
     threads = _distinct(run.get("threads") for run in runs)
     commits = _distinct((run.get("git_commit") or "")[:10] for run in runs)
     device = _distinct(run["device"] for run in runs)
     threads = f", {threads} thread{'s' * (threads != '1')} a run" if threads != "-" else ""
+    # Results that predate the start's record: their commit is the end's, and the sentence says no more.
+    late = sum("git_history" not in run for run in runs)
+    if late == len(runs):
+        commits += f" (taken at {'the run' if late == 1 else 'each run'}'s end; its start was not recorded)"
+    elif late:
+        commits += f" (taken at the end for {late} of the {len(runs)} runs, whose start was not recorded)"
     return (
         f"device {device}"
         + (f" ({cpus})" if cpus != "-" else "")
@@ -653,16 +679,27 @@ def _marker_fix(line: str) -> str:
     return _opening(name) if name in RENDERERS else f"{_opening()} (known names: {', '.join(RENDERERS)})"
 
 
-def validate(text: str, page: str = "README.md") -> None:
-    """Raises :class:`TableError` (naming ``page`` and the line) unless ``text``'s table markers are sound.
+def validate(text: str, page: str = "README.md") -> list[tuple[int, int, str]]:
+    """The table blocks of ``text``: the 0-based line numbers of each one's markers, and its name.
 
-    Sound: every line that looks like a marker is exactly ``<!-- table: NAME -->`` (``NAME`` a key
-    of :data:`RENDERERS`) or ``<!-- /table -->``, and they alternate, opening first and closing last.
-    BLOCK's non-greedy match would otherwise run from a block whose end marker is lost or misspelt
-    to the next block's end, and the rewrite would delete everything in between.
+    Raises :class:`TableError` (naming ``page`` and the line) unless ``text``'s table markers are sound: every line
+    outside a fenced code block that looks like a marker is exactly ``<!-- table: NAME -->`` (``NAME`` a key of
+    :data:`RENDERERS`) or ``<!-- /table -->``, and they alternate, opening first and closing last. A rewrite from a
+    block whose end marker is lost or misspelt to the next block's end would delete everything in between. Inside a
+    fenced block (a page showing the syntax) a marker is text, and no table is rendered there.
     """
+    blocks: list[tuple[int, int, str]] = []
     opened: tuple[int, str] | None = None  # the line number and name of the block open at this line
+    fence = ""  # the fence of the code block this line is in ("" outside one)
     for number, line in enumerate(text.split("\n"), 1):  # "\n" alone: BLOCK's and an editor's lines
+        found = FENCE.match(line)
+        if fence:  # in a fenced block: its closing fence is of its character, as long or longer, and nothing else
+            closes = found and found["fence"][0] == fence[0] and len(found["fence"]) >= len(fence)
+            fence = "" if closes and not line[found.end() :].strip() else fence
+            continue
+        if found:
+            fence = found["fence"]
+            continue
         if not LIKE_MARKER.search(line):
             continue
         where = f"{page}:{number}"
@@ -672,6 +709,7 @@ def validate(text: str, page: str = "README.md") -> None:
                     f"{where}: `{CLOSE}` ends no table block: delete it, or write {_opening()} "
                     f"alone on a line where its table starts"
                 )
+            blocks.append((opened[0] - 1, number - 1, opened[1]))
             opened = None
             continue
         start = OPEN.fullmatch(line)
@@ -696,12 +734,17 @@ def validate(text: str, page: str = "README.md") -> None:
             f"{page}:{opened[0]}: the table block {opened[1]!r} has no end: write `{CLOSE}` alone on the line "
             f"after its table"
         )
+    return blocks
 
 
 def render(text: str, page: str = "README.md") -> str:
     """``text`` (of ``page``) with every table block rendered anew, once :func:`validate` finds its markers sound."""
-    validate(text, page)
-    return BLOCK.sub(lambda m: m.group(1) + RENDERERS[m.group("name")]() + m.group(4), text)
+    lines, pieces, done = text.split("\n"), [], 0
+    for opening, closing, name in validate(text, page):
+        # The markers and the table as one piece: the table's last newline puts the end marker on a line of its own.
+        pieces += [*lines[done:opening], f"{lines[opening]}\n{RENDERERS[name]()}{lines[closing]}"]
+        done = closing + 1
+    return "\n".join([*pieces, *lines[done:]])
 
 
 def pages(root: Path = REPO) -> list[Path]:

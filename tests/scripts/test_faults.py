@@ -1,7 +1,7 @@
 """The experiment scripts under faults and bad input: an interrupted --overwrite, an --out
 that cannot be written, a missing device, a full disk, an unreachable wandb server, SIGKILL, data
-that moved, a run lengthened or shortened on --resume, runs shorter than a log window, progress
-without a terminal, and --threads.
+that moved, a run lengthened or shortened on --resume, code changed under a run, runs shorter than
+a log window, progress without a terminal, and --threads.
 
 Most runs happen in this process (a tiny sine config: a second or two each); the ones that need a
 process of their own (SIGKILL, wandb's per-process settings) are subprocesses.
@@ -29,11 +29,12 @@ import pytest
 import torch
 from helpers import REPO, TINY, checkpoint, env, omniglot_root, one_error, run_sine, script
 
-from experiments import omniglot, sine
+from experiments import omniglot, rundir, sine
 from experiments.config import parse_args
 from experiments.fit import main
 from experiments.rundir import prepare_out
 from experiments.trainer import Trainer
+from tools import tables
 
 TIMING = ("train/step_time_ms",)  # the only logged values that differ between equal runs
 NO_PID = 4194305  # above Linux's largest pid_max (2**22): no process can hold it
@@ -463,6 +464,98 @@ def test_a_run_lengthened_on_resume_equals_the_longer_run_bit_for_bit(capsys, tm
         f"Resume with the same flags (only --iterations, --log-every, --val-every and --checkpoint-every "
         f"may change), or --config {short / 'config.yaml'}."
     )
+
+
+# ---------------------------------------------------------------------------- code changed under a run
+
+
+def git(repo: Path, *args: str) -> str:
+    """``git args`` in ``repo``: its output, stripped."""
+    command = ["git", "-c", "user.name=test", "-c", "user.email=test@example.com", *args]
+    return subprocess.run(command, cwd=repo, capture_output=True, text=True, check=True).stdout.strip()
+
+
+@pytest.fixture
+def code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A git checkout that stands for the code a run records (``rundir.CODE``), at its first commit: the test
+    commits and changes it as a user changes the repository under a run."""
+    repo = tmp_path / "code"
+    repo.mkdir()
+    git(repo, "init", "-q")
+    (repo / "rules.py").write_text("STEP = 1.0\n")
+    git(repo, "add", "rules.py")
+    git(repo, "commit", "-q", "-m", "the code a run starts with")
+    monkeypatch.setattr(rundir, "CODE", repo)
+    return repo
+
+
+CADENCE = ["--log-every", "2", "--val-every", "2", "--checkpoint-every", "2"]
+
+
+def test_a_resume_with_other_code_than_the_run_began_with_is_one_line_and_exit_2(capsys, tmp_path, code):
+    out, first = tmp_path / "run", git(code, "rev-parse", "HEAD")
+    run_sine(capsys, [*CADENCE, "--iterations", "4", "--out", str(out)])
+    began = {"at": "start", "iteration": 0, "git_commit": first, "git_dirty": False, "git_changes": None}
+    assert json.loads((out / "results.json").read_text())["git_history"] == [began]
+
+    (code / "rules.py").write_text("STEP = 50.0\n")
+    git(code, "commit", "-q", "-am", "another commit")
+    line = one_error(run_sine(capsys, [*CADENCE, "--iterations", "6", "--out", str(out), "--resume"], code=2))
+    assert line == (
+        f"error: --resume: the run in {out} began with the code of commit {first[:10]}, and this is commit "
+        f"{git(code, 'rev-parse', 'HEAD')[:10]}: resume with the code it began with, or pass --overwrite to start it "
+        f"anew."
+    )
+    git(code, "checkout", "-q", first)
+    (code / "rules.py").write_text("STEP = 50.0\n")  # the commit it began at, with uncommitted changes
+    changes = rundir.source()["git_changes"]
+    line = one_error(run_sine(capsys, [*CADENCE, "--iterations", "6", "--out", str(out), "--resume"], code=2))
+    assert line.endswith(
+        f"and this is commit {first[:10]} with uncommitted changes {changes}: resume with the code "
+        f"it began with, or pass --overwrite to start it anew."
+    )
+    assert checkpoint(out)["iteration"] == 4  # nothing trained, nothing written
+
+    git(code, "checkout", "-q", "--", "rules.py")  # the code it began with: it resumes, and results.json says so
+    run_sine(capsys, [*CADENCE, "--iterations", "6", "--out", str(out), "--resume"])
+    results = json.loads((out / "results.json").read_text())
+    assert results["git_history"] == [began, {**began, "at": "resume", "iteration": 4}]
+    assert (results["git_commit"], results["git_dirty"]) == (first, False)
+
+
+def test_a_run_started_with_uncommitted_changes_resumes_with_those_changes_only(capsys, tmp_path, code):
+    out = tmp_path / "run"
+    (code / "rules.py").write_text("STEP = 50.0\n")
+    run_sine(capsys, [*CADENCE, "--iterations", "2", "--out", str(out)])
+    (code / "rules.py").write_text("STEP = 2.0\n")
+    line = one_error(run_sine(capsys, [*CADENCE, "--iterations", "4", "--out", str(out), "--resume"], code=2))
+    assert "began with the code of commit" in line and "with uncommitted changes" in line
+    (code / "rules.py").write_text("STEP = 50.0\n")  # the very changes it began with: the same code
+    run_sine(capsys, [*CADENCE, "--iterations", "4", "--out", str(out), "--resume"])
+    start, resume = json.loads((out / "results.json").read_text())["git_history"]
+    assert start["git_dirty"] and resume["git_changes"] == start["git_changes"] is not None
+
+
+@pytest.mark.parametrize("change", ["reverted before its end", "committed before its end"])
+def test_a_run_whose_code_changed_before_its_end_is_refused_by_the_tables(capsys, tmp_path, code, monkeypatch, change):
+    """The inner step scaled x50 as the run starts, and the change reverted (or committed) before it ends: results.json
+    records both, and the tables refuse the run, which they rendered as a clean run of the last commit."""
+    out, first = tmp_path / "run", git(code, "rev-parse", "HEAD")
+    (code / "rules.py").write_text("STEP = 50.0\n")
+    undo = ["checkout", "-q", "--", "rules.py"] if change.startswith("reverted") else ["commit", "-qam", "x50"]
+    train = Trainer.run
+
+    def change_the_code(self: Trainer, *args: Any) -> None:
+        train(self, *args)
+        git(code, *undo)
+
+    monkeypatch.setattr(Trainer, "run", change_the_code)
+    run_sine(capsys, ["--iterations", "2", "--out", str(out)])
+    results = json.loads((out / "results.json").read_text())
+    assert results["git_dirty"] is False and results["git_history"][0]["git_dirty"] is True
+    assert (results["git_commit"] == first) == change.startswith("reverted")
+    with pytest.raises(tables.TableError, match="^'sine' started in a tree with uncommitted changes: run it again"):
+        tables.provenance([results])
 
 
 # ---------------------------------------------------------------------------- short runs, progress, threads

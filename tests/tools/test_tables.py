@@ -377,3 +377,61 @@ def test_a_run_from_a_tree_with_uncommitted_changes_is_refused_by_every_table():
     with pytest.raises(tables.TableError, match="'python -m experiments.sine' ran in a tree with uncommitted changes"):
         tables.provenance([{**run, "git_dirty": False}, run])
     assert "0000000000" in tables.provenance([{**run, "git_dirty": False}])
+
+
+START = {"at": "start", "iteration": 0, "git_commit": "b" * 40, "git_dirty": False, "git_changes": None}
+
+
+@pytest.mark.parametrize(
+    ("history", "refusal"),
+    [
+        ([{**START, "git_dirty": True, "git_changes": "0123"}], "started in a tree with uncommitted changes"),
+        ([{**START, "git_commit": "a" * 40}], "started at commit aaaaaaaaaa and ended at bbbbbbbbbb"),
+        (
+            [START, {**START, "at": "resume", "iteration": 4, "git_commit": "a" * 40}],
+            "was resumed at commit aaaaaaaaaa and ended at bbbbbbbbbb",
+        ),
+    ],
+    ids=["started dirty, ended clean", "started at A, ended at B", "resumed at A, ended at B"],
+)
+def test_a_run_whose_code_at_start_or_resume_is_not_its_end_is_refused(history, refusal):
+    run = {"command": "python -m experiments.sine", "device": "cpu", "git_commit": "b" * 40, "git_dirty": False}
+    with pytest.raises(tables.TableError, match=f"^'python -m experiments.sine' {refusal}: run it again"):
+        tables.provenance([{**run, "git_history": history}])
+    # One commit from start to end: only the commit, which is the start's as well.
+    assert tables.provenance([{**run, "git_history": [START]}]).endswith("; commit bbbbbbbbbb")
+
+
+@pytest.mark.parametrize("commit", [{"git_commit": None, "git_dirty": None}, {}], ids=["None", "missing"])
+def test_a_run_without_a_commit_is_refused(commit):
+    run = {"command": "python -m experiments.sine", "device": "cpu", **commit}
+    with pytest.raises(tables.TableError, match="^'python -m experiments.sine' records no git commit"):
+        tables.provenance([run])
+
+
+def test_results_from_before_the_start_was_recorded_say_their_commit_is_the_ends():
+    run = {"command": "python -m experiments.sine", "device": "cpu", "date": "2026-11-24", "git_commit": "b" * 40}
+    run["git_dirty"] = False
+    assert tables.provenance([run]).endswith("; commit bbbbbbbbbb (taken at the run's end; its start was not recorded)")
+    assert tables.provenance([run, run]).endswith("(taken at each run's end; its start was not recorded)")
+    assert tables.provenance([run, {**run, "git_history": [START]}]).endswith(
+        "; commit bbbbbbbbbb (taken at the end for 1 of the 2 runs, whose start was not recorded)"
+    )
+    with pytest.raises(tables.TableError, match="ran in a tree with uncommitted changes"):
+        tables.provenance([{**run, "git_dirty": True}])
+
+
+@pytest.mark.parametrize(
+    ("fence", "inside", "end"),
+    [("```", "", "```"), ("~~~", "```\n", "~~~"), ("````markdown", "```\n", "````")],
+    ids=["backticks", "tildes around backticks", "four backticks around three"],
+)
+def test_markers_in_a_fenced_code_block_are_text(tmp_path, monkeypatch, fence, inside, end):
+    """A page that shows the marker syntax in a code block: nothing is rendered into it, nor is a misspelt marker
+    there an error; the blocks outside it are rendered (the second copy: a fence indented in a list item)."""
+    monkeypatch.setitem(tables.RENDERERS, "demo", lambda: "fresh\n")
+    shown = f"{fence}\n<!-- table: demo -->\nold\n<!-- /table -->\n<!-- Table: misspelt -->\n{inside}{end}\n"
+    page = tmp_path / "README.md"
+    page.write_text(f"# x\n{shown}<!-- table: demo -->\nold\n<!-- /table -->\n- a list item:\n  {shown}")
+    assert tables.main(["--page", str(page)], root=tmp_path) == 0
+    assert page.read_text() == f"# x\n{shown}<!-- table: demo -->\nfresh\n<!-- /table -->\n- a list item:\n  {shown}"
