@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import pickle
+import struct
 from collections.abc import Callable
 from pathlib import Path
 
@@ -205,3 +206,25 @@ def test_the_root_comes_from_the_data_sets_variable(tmp_path: Path, monkeypatch:
     folder_writer(32)(tmp_path, SMALL, per_class=1)
     monkeypatch.setenv("CIFARFS_DIR", str(tmp_path))
     assert tasks.CIFARFS(split="validation", class_counts=SMALL).num_classes == SMALL[1]
+
+
+class _Huge:
+    """Pickles as ``numpy.ndarray((2**40,))``: names the unpickler allows, building a terabyte."""
+
+    def __reduce__(self):
+        return (np.ndarray, ((2**40,),))
+
+
+def test_a_pickle_claiming_more_than_it_holds_is_one_line_naming_it(tmp_path: Path) -> None:
+    """12 bytes whose BINBYTES8 opcode claims 2**62 bytes: refused before anything is allocated."""
+    path = tmp_path / "FC100_train.pickle"
+    path.write_bytes(pickle.PROTO + b"\x04" + pickle.BINBYTES8 + struct.pack("<Q", 2**62) + b"abc" + pickle.STOP)
+    with pytest.raises(ValueError) as info:
+        tasks.FC100(tmp_path, class_counts=SMALL)
+    message = str(info.value)
+    assert "\n" not in message and str(path) in message and "asks for 4,611,686,018,427,387,904 more bytes" in message
+    # Allowed names alone can still describe more than the machine holds: one line too, not numpy's traceback.
+    path.write_bytes(pickle.dumps({"data": _Huge()}, protocol=2))
+    with pytest.raises(ValueError, match=r"FC100_train.pickle: what it describes needs more memory") as info:
+        tasks.FC100(tmp_path, class_counts=SMALL)
+    assert "\n" not in str(info.value)
