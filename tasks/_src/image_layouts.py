@@ -108,7 +108,7 @@ def _read_ren_mini(root: Path, split: str, side: int, help: str) -> Decoded:
 
 
 def _read_ren_tiered(root: Path, split: str, side: int, help: str) -> Decoded:
-    """Ren et al.'s ``<split>_images_png.pkl`` (PNG bytes per image) and ``<split>_labels.pkl``."""
+    """Ren et al.'s ``<split>_images_png.pkl`` (a PNG file per image, as arrays or bytes) and ``<split>_labels.pkl``."""
     image_path, label_path = root / f"{split}_images_png.pkl", root / f"{split}_labels.pkl"
     blobs = files.read_pickle(image_path, help)
     if not isinstance(blobs, (list, tuple, np.ndarray)):
@@ -120,14 +120,39 @@ def _read_ren_tiered(root: Path, split: str, side: int, help: str) -> Decoded:
             f"{label_path} holds {raw.shape[0]} labels for the {len(blobs)} images of {image_path}; {help}"
         )
     names = payload.get("label_specific_str") if isinstance(payload, dict) else None
+    # Each image's bytes are taken when it is decoded, not all at once: tieredImageNet's train split
+    # holds 11 GB of PNG files.
     images = files.decode_all(
-        [(f"{i} of {image_path}", lambda b=b: np.asarray(b, dtype=np.uint8).tobytes()) for i, b in enumerate(blobs)],
-        side,
-        help,
+        [(f"{i} of {image_path}", _png(blob, i, image_path, help)) for i, blob in enumerate(blobs)], side, help
     )
     by_label = {i: str(n) for i, n in enumerate(names)} if isinstance(names, (list, tuple)) else None
     labels, classes = files.relabel(raw, by_label)
     return images, labels, classes
+
+
+def _png(blob: object, index: int, path: Path, help: str) -> Callable[[], bytes]:
+    """The reader of one image of Ren's tieredImageNet pickle: the bytes of its encoded file.
+
+    Ren's released pickles hold each PNG as a uint8 array (``cv2.imencode``'s output); pickles
+    written again from Python hold it as ``bytes``, and Python 2 ones as a ``str``, which is read
+    as latin-1 and so encodes back to the same bytes.
+    """
+    if isinstance(blob, (bytes, bytearray)):
+        return lambda: bytes(blob)
+    if isinstance(blob, str):
+        return lambda: blob.encode("latin-1")
+    if isinstance(blob, np.ndarray) and blob.dtype == np.uint8:
+        return blob.tobytes
+    if (
+        isinstance(blob, np.ndarray)
+        and blob.dtype.kind in "iu"
+        and (blob.size == 0 or 0 <= blob.min() <= blob.max() < 256)
+    ):
+        return blob.astype(np.uint8).tobytes  # byte values held in a wider integer type
+    what = f"an array of {blob.dtype}" if isinstance(blob, np.ndarray) else f"a {type(blob).__name__}"
+    raise ValueError(
+        f"{path}: image {index} is {what}, not an encoded image (PNG bytes, or an array of their byte values); {help}"
+    )
 
 
 def _read_metaoptnet_tiered(root: Path, split: str, side: int, help: str) -> Decoded:

@@ -228,3 +228,40 @@ def test_a_pickle_claiming_more_than_it_holds_is_one_line_naming_it(tmp_path: Pa
     with pytest.raises(ValueError, match=r"FC100_train.pickle: what it describes needs more memory") as info:
         tasks.FC100(tmp_path, class_counts=SMALL)
     assert "\n" not in str(info.value)
+
+
+def _python2_list_of_str(blobs: list[bytes]) -> bytes:
+    """The pickle Python 2 writes for a list of ``str`` (BINSTRING opcodes), which Python 3 reads as latin-1 text."""
+    items = b"".join(pickle.BINSTRING + struct.pack("<i", len(b)) + b for b in blobs)
+    return pickle.PROTO + b"\x02" + pickle.EMPTY_LIST + pickle.MARK + items + pickle.APPENDS + pickle.STOP
+
+
+@pytest.mark.parametrize("form", ["bytes", "bytes-protocol-2", "python-2-str"])
+def test_tiered_pickles_holding_each_png_as_bytes_read_as_the_arrays_do(tmp_path: Path, form: str) -> None:
+    """Ren's released files hold uint8 arrays; pickles written again hold ``bytes`` (the docstring's "PNG bytes")."""
+    write_ren_tiered(tmp_path, SMALL)
+    arrays = tasks.TieredImageNet.splits(tmp_path, class_counts=SMALL, cache=False)
+    for split in SPLITS:
+        path = tmp_path / f"{split}_images_png.pkl"
+        with open(path, "rb") as f:
+            blobs = [a.tobytes() for a in pickle.load(f)]
+        if form == "python-2-str":
+            path.write_bytes(_python2_list_of_str(blobs))
+        else:
+            path.write_bytes(pickle.dumps(blobs, protocol=2 if form == "bytes-protocol-2" else 4))
+    again = tasks.TieredImageNet.splits(tmp_path, class_counts=SMALL, cache=False)
+    for a, b in zip(arrays, again):
+        assert torch.equal(a.images, b.images) and torch.equal(a.labels, b.labels) and a.classes == b.classes
+
+
+def test_a_tiered_image_neither_bytes_nor_uint8_is_one_line_naming_the_file(tmp_path: Path) -> None:
+    write_ren_tiered(tmp_path, SMALL)
+    path = tmp_path / "train_images_png.pkl"
+    with open(path, "rb") as f:
+        blobs = pickle.load(f)
+    for bad, said in ((blobs[3].astype(np.float64), "image 3 is an array of float64"), (b"not a png", "image 3")):
+        path.write_bytes(pickle.dumps([*blobs[:3], bad, *blobs[4:]]))
+        with pytest.raises(ValueError) as info:
+            tasks.TieredImageNet(tmp_path, "train", class_counts=SMALL, cache=False)
+        message = str(info.value)
+        assert "\n" not in message and str(path) in message and said in message
