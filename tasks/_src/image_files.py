@@ -213,18 +213,34 @@ def read_folders(split: Path, side: int, help: str) -> Decoded:
     return images, np.array([c for c, _ in files], dtype=np.int64), [f.name for f in folders]
 
 
-def read_csv_split(csv_path: Path, images: Path, side: int, help: str) -> Decoded:
-    """Ravi and Larochelle's ``<split>.csv`` (``filename,label`` with a header) of files in ``images/``."""
+def csv_rows(csv_path: Path, help: str) -> list[tuple[str, str]]:
+    """The ``(filename, label)`` rows of Ravi and Larochelle's ``<split>.csv``, each image once."""
     try:
         with open(csv_path, newline="") as f:
             rows = list(csv.reader(f))
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"cannot read {csv_path} ({exc}); {help}") from None
-    body = [r for r in rows[1:] if r]
-    if not rows or [c.strip() for c in rows[0][:2]] != ["filename", "label"] or any(len(r) < 2 for r in body):
+    body = [(line, r) for line, r in enumerate(rows[1:], start=2) if r]
+    if not rows or [c.strip() for c in rows[0][:2]] != ["filename", "label"] or any(len(r) < 2 for _, r in body):
         raise ValueError(f"{csv_path} is not a 'filename,label' table with that header; {help}")
     if not body:
         raise ValueError(f"{csv_path} lists no image; {help}")
+    # An image listed twice could be the support and the query image of one task.
+    first: dict[str, tuple[int, str]] = {}
+    for line, (name, label, *_) in body:
+        if name in first:
+            seen, before = first[name]
+            classes = f"class {label}" if before == label else f"classes {before} and {label}"
+            raise ValueError(
+                f"{csv_path} lists {name} twice, in rows {seen} and {line} ({classes}); an image is listed once; {help}"
+            )
+        first[name] = (line, label)
+    return [(r[0], r[1]) for _, r in body]
+
+
+def read_csv_split(csv_path: Path, images: Path, side: int, help: str) -> Decoded:
+    """Ravi and Larochelle's ``<split>.csv`` (``filename,label`` with a header) of files in ``images/``."""
+    body = csv_rows(csv_path, help)
     missing = [r[0] for r in body if not (images / r[0]).is_file()]
     if missing:
         raise ValueError(f"{csv_path} lists {len(missing)} images missing from {images} (first: {missing[0]}); {help}")

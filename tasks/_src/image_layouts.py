@@ -99,12 +99,44 @@ def _read_ren_mini(root: Path, split: str, side: int, help: str) -> Decoded:
     labels = np.full(images.shape[0], -1, dtype=np.int64)
     classes = sorted(class_dict, key=str)
     for c, name in enumerate(classes):
-        index = np.asarray(class_dict[name], dtype=np.int64).reshape(-1)
+        index = _indices(class_dict[name], f"{path}: class_dict[{name!r}]", help)
         if index.size and (index.min() < 0 or index.max() >= images.shape[0]):
             raise ValueError(f"{path}: class_dict[{name!r}] indexes past its {images.shape[0]} images; {help}")
+        # An image listed twice could be the support and the query image of one task; in two classes,
+        # the later class took it without a word.
+        values, counts = np.unique(index, return_counts=True)
+        if (counts > 1).any():
+            raise ValueError(
+                f"{path}: class_dict[{name!r}] lists image {int(values[counts > 1][0])} twice; an image is listed "
+                f"once; {help}"
+            )
+        taken = labels[index] >= 0
+        if taken.any():
+            i = int(index[taken][0])
+            raise ValueError(
+                f"{path}: image {i} is in class_dict[{classes[labels[i]]!r}] and in class_dict[{name!r}]; an image "
+                f"belongs to one class; {help}"
+            )
         labels[index] = c
     keep = labels >= 0  # an image in no class is not in the split
     return images[keep], labels[keep], [str(c) for c in classes]
+
+
+def _indices(value: object, where: str, help: str) -> np.ndarray:
+    """``value`` as a 1-D int64 array of image indices; a boolean mask or non-integer numbers are refused.
+
+    Casting would read a mask of 12 images as the indices 0 and 1, and 3.6 as image 3.
+    """
+    try:
+        array = np.asarray(value)
+    except ValueError:  # ragged nesting
+        array = np.asarray(value, dtype=object)
+    if array.dtype == np.bool_:
+        raise ValueError(f"{where} is a boolean mask of {array.size} entries, not a list of image indices; {help}")
+    if array.size and array.dtype.kind not in "iu":
+        odd = next((v for v in array.reshape(-1).tolist() if not isinstance(v, int) or isinstance(v, bool)), None)
+        raise ValueError(f"{where} holds {array.dtype} values such as {odd!r}, not integer image indices; {help}")
+    return array.astype(np.int64).reshape(-1)
 
 
 def _read_ren_tiered(root: Path, split: str, side: int, help: str) -> Decoded:

@@ -265,3 +265,50 @@ def test_a_tiered_image_neither_bytes_nor_uint8_is_one_line_naming_the_file(tmp_
             tasks.TieredImageNet(tmp_path, "train", class_counts=SMALL, cache=False)
         message = str(info.value)
         assert "\n" not in message and str(path) in message and said in message
+
+
+def test_a_csv_row_listed_twice_is_one_line_naming_the_file_the_image_and_the_class(tmp_path: Path) -> None:
+    write_csv(tmp_path, SMALL)
+    path = tmp_path / "train.csv"
+    rows = path.read_text().splitlines()
+    path.write_text("\n".join([*rows, rows[1]]) + "\n")  # the first image again, as a copy-paste leaves it
+    name, label = rows[1].split(",")
+    with pytest.raises(ValueError) as info:
+        tasks.MiniImageNet(tmp_path, "train", class_counts=SMALL)
+    message = str(info.value)
+    assert (
+        "\n" not in message and f"{path} lists {name} twice, in rows 2 and {len(rows) + 1} (class {label})" in message
+    )
+
+
+def _ren_class_dict_case(case: str, class_dict: dict[str, list[int]], images: int) -> str:
+    """Damages the class_dict of Ren's pickle as ``case`` says; the message expected."""
+    first, second = sorted(class_dict)[:2]
+    if case == "in-two-classes":
+        class_dict[second] = [*class_dict[second], class_dict[first][0]]
+        return f"image {class_dict[first][0]} is in class_dict['{first}'] and in class_dict['{second}']"
+    if case == "twice-in-a-class":
+        class_dict[second] = [*class_dict[second], class_dict[second][0]]
+        return f"class_dict['{second}'] lists image {class_dict[second][0]} twice"
+    if case == "float-indices":
+        class_dict[second] = [i + 0.6 for i in class_dict[second]]
+        return f"class_dict['{second}'] holds float64 values such as {class_dict[second][0]}"
+    mask = [i in class_dict[second] for i in range(images)]  # "boolean-mask"
+    class_dict[second] = mask
+    return f"class_dict['{second}'] is a boolean mask of {images} entries"
+
+
+@pytest.mark.parametrize("case", ["in-two-classes", "twice-in-a-class", "float-indices", "boolean-mask"])
+def test_ren_class_dict_indices_are_each_image_once_and_integers(tmp_path: Path, case: str) -> None:
+    """Read as they were, the later class took a shared image, 3.6 was image 3 and a mask of 12 was images 0 and 1."""
+    write_ren_mini(tmp_path, SMALL)
+    path = tmp_path / "mini-imagenet-cache-train.pkl"
+    with open(path, "rb") as f:
+        payload = pickle.load(f)
+    said = _ren_class_dict_case(case, payload["class_dict"], len(payload["image_data"]))
+    with open(path, "wb") as f:
+        pickle.dump(payload, f)
+    with pytest.raises(ValueError) as info:
+        tasks.MiniImageNet(tmp_path, "train", class_counts=SMALL)
+    message = str(info.value)
+    assert "\n" not in message and f"{path}: " in message and said in message, message
