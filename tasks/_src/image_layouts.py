@@ -27,6 +27,9 @@ class Layout:
     origin: str  # who publishes (or uses) it
     files: Callable[[Path, str], list[Path]]  # (root, split) -> the files (or folders) read for that split
     read: Callable[[Path, str, int, str], Decoded]  # (root, split, side, help) -> images, labels, classes
+    # (root) -> why the layout's files are there without their data, else None: the CSVs of a folder that
+    # cbfinn/maml's proc_images.py has emptied, when another layout may hold the images.
+    hollow: Callable[[Path], str | None] = lambda root: None
 
     def describe(self, root: Path) -> str:
         """The files of this layout, for an error message: ``train.csv, val.csv, test.csv and images/``."""
@@ -60,6 +63,20 @@ def _read_folders(root: Path, split: str, side: int, help: str) -> Decoded:
 
 def _read_csv(root: Path, split: str, side: int, help: str) -> Decoded:
     return files.read_csv_split(root / f"{split}.csv", root / "images", side, help)
+
+
+def _csv_without_images(root: Path) -> str | None:
+    """Why the CSV layout's ``images/`` holds no image, else ``None``.
+
+    cbfinn/maml's ``proc_images.py`` moves every image from ``images/`` into ``train|val|test/<wnid>/``
+    and leaves the CSVs and an empty ``images/``; a copy-based conversion may remove ``images/``.
+    """
+    images = root / "images"
+    if not images.is_dir():
+        return f"{images} does not exist"
+    if any(p.suffix.lower() in files.IMAGE_SUFFIXES for p in images.iterdir()):
+        return None
+    return f"{images} holds no image"
 
 
 def _checked(images: np.ndarray, raw_labels: object, path: Path, help: str) -> np.ndarray:
@@ -237,7 +254,11 @@ MINI_IMAGENET = DataSpec(
             _read_metaoptnet(lambda r, s: r / _METAOPT_MINI[s]),
         ),
         Layout(
-            "ravi-csv", "Ravi and Larochelle, LibFewShot, FEAT", lambda r, s: [r / f"{s}.csv", r / "images"], _read_csv
+            "ravi-csv",
+            "Ravi and Larochelle, LibFewShot, FEAT",
+            lambda r, s: [r / f"{s}.csv", r / "images"],
+            _read_csv,
+            _csv_without_images,
         ),
         FOLDERS,
     ),
@@ -310,9 +331,15 @@ def detect(spec: DataSpec, root: Path, split: str) -> Layout:
     if not root.is_dir():
         what = "does not exist" if not root.exists() else "is a file, not the folder holding the data"
         raise FileNotFoundError(f"{spec.name} folder {root} {what}; {spec.help()}")
+    hollow: tuple[Layout, Path, str] | None = None
     for layout in spec.layouts:
         present = _present(layout, root)
         if not present:
+            continue
+        why = layout.hollow(root)
+        if why is not None:
+            # The images may have been moved into another layout's files (proc_images.py's class folders).
+            hollow = hollow or (layout, present[0], why)
             continue
         missing = [p for p in layout.files(root, split) if not p.exists()]
         if missing:
@@ -321,5 +348,14 @@ def detect(spec: DataSpec, root: Path, split: str) -> Layout:
                 f"(the {split} split); {spec.help()}"
             )
         return layout
+    if hollow is not None:
+        layout, found, why = hollow
+        others = ", ".join(other.name for other in spec.layouts if other is not layout)
+        raise ValueError(
+            f"{root} holds {found.name} of the {layout.name} layout, but {why}, and the files of no other layout "
+            f"({others}) are there: cbfinn/maml's proc_images.py moves the images into train/, val/ and test/, a "
+            f"folder per class, which are read as the folders layout; put the images back or point at the folder "
+            f"holding them. {spec.help()}"
+        )
     expected = "; ".join(layout.describe(root) for layout in spec.layouts)
     raise ValueError(f"{root} holds none of the {spec.name} layouts, expected one of: {expected}. {spec.help()}")

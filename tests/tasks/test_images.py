@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import os
 import pickle
 import struct
 from collections.abc import Callable
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import SPLITS, folder_writer, image_bytes, split_data, write_ren_mini
+from PIL import Image
 
 import tasks
 
@@ -312,3 +314,54 @@ def test_ren_class_dict_indices_are_each_image_once_and_integers(tmp_path: Path,
         tasks.MiniImageNet(tmp_path, "train", class_counts=SMALL)
     message = str(info.value)
     assert "\n" not in message and f"{path}: " in message and said in message, message
+
+
+def proc_images(root: Path) -> None:
+    """What cbfinn/maml's ``data/miniImagenet/proc_images.py`` does to a folder of Ravi's CSVs and ``images/``.
+
+    Every image is resized to 84x84 with Lanczos and saved over itself (JPEG again, by its name), then moved
+    (``mv``, so keeping its times) from ``images/`` into ``<split>/<label>/``; the CSVs and an empty ``images/``
+    stay.
+    """
+    for image_file in (root / "images").glob("*"):
+        with Image.open(image_file) as im:
+            im.resize((84, 84), resample=Image.LANCZOS).save(image_file)
+    for split in SPLITS:
+        (root / split).mkdir()
+        with open(root / f"{split}.csv") as f:
+            for name, label in list(csv.reader(f))[1:]:
+                (root / split / label).mkdir(exist_ok=True)
+                os.rename(root / "images" / name, root / split / label / name)
+
+
+@pytest.mark.parametrize("images", ["left-empty", "removed"])
+def test_cbfinns_proc_images_output_is_read_as_the_folders_layout(tmp_path: Path, images: str) -> None:
+    """The folder the MAML repository trains on: CSVs beside an empty (or, after a copying script, no) ``images/``."""
+    write_csv(tmp_path, SMALL)
+    proc_images(tmp_path)
+    assert not list((tmp_path / "images").iterdir()) and (tmp_path / "train.csv").is_file()
+    if images == "removed":
+        (tmp_path / "images").rmdir()
+    splits = tasks.MiniImageNet.splits(tmp_path, class_counts=SMALL, cache=False)
+    for split, part, count in zip(SPLITS, splits, SMALL):
+        assert part.layout == "folders" and part.num_classes == count and len(part) == 2 * count
+        _, labels = split_data(SMALL, split, 84, 2)
+        assert part.classes == [f"n{c:08d}" for c in np.unique(labels)]
+        # The pixels are the resized files' own: moved, not decoded again.
+        first = sorted((tmp_path / split / part.classes[0]).iterdir())[0]
+        with Image.open(first) as im:
+            assert torch.equal(part.images[0], torch.from_numpy(np.array(im.convert("RGB"))).permute(2, 0, 1))
+
+
+def test_csvs_beside_an_empty_images_folder_and_no_class_folders_say_what_was_found(tmp_path: Path) -> None:
+    write_csv(tmp_path, SMALL)
+    for image in (tmp_path / "images").iterdir():
+        image.unlink()
+    with pytest.raises(ValueError) as info:
+        tasks.MiniImageNet(tmp_path, "train", class_counts=SMALL)
+    message = str(info.value)
+    assert (
+        "\n" not in message
+        and f"holds train.csv of the ravi-csv layout, but {tmp_path / 'images'} holds no image" in message
+    )
+    assert "proc_images.py moves the images into train/, val/ and test/" in message and "docs/data.md" in message
