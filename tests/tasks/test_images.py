@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import os
 import pickle
+import shutil
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -46,11 +47,11 @@ def write_csv(root: Path, counts: tuple[int, ...], per_class: int = 2) -> None:
 def write_ren_tiered(root: Path, counts: tuple[int, ...], per_class: int = 2) -> None:
     for split in SPLITS:
         images, labels = split_data(counts, split, 84, per_class)
-        labels = labels - labels.min()  # Ren's labels count from 0 in each split
+        names = [f"n{c:08d}" for c in np.unique(labels)]  # WordNet ids, distinct over the splits
+        labels = labels - labels.min()  # Ren's labels count from 0 in each split, and name a class by its id
         with open(root / f"{split}_images_png.pkl", "wb") as f:
             pickle.dump([np.frombuffer(image_bytes(im), dtype=np.uint8) for im in images], f)
         with open(root / f"{split}_labels.pkl", "wb") as f:
-            names = [f"n{c:08d}" for c in range(labels.max() + 1)]
             pickle.dump({"label_specific": labels, "label_specific_str": names}, f)
 
 
@@ -365,3 +366,39 @@ def test_csvs_beside_an_empty_images_folder_and_no_class_folders_say_what_was_fo
         and f"holds train.csv of the ravi-csv layout, but {tmp_path / 'images'} holds no image" in message
     )
     assert "proc_images.py moves the images into train/, val/ and test/" in message and "docs/data.md" in message
+
+
+def _copy_val_over_test(root: Path) -> None:
+    shutil.copy(root / "FC100_val.pickle", root / "FC100_test.pickle")
+
+
+def _val_class_in_test_csv(root: Path) -> None:
+    val = (root / "val.csv").read_text().splitlines()[1:]
+    with open(root / "test.csv", "a") as f:
+        f.writelines(row + "\n" for row in val if row.endswith(",n00000006"))
+
+
+def _val_class_copied_into_test(root: Path) -> None:
+    shutil.copytree(root / "val" / "n00000006", root / "test" / "n00000006")
+
+
+@pytest.mark.parametrize(
+    ("cls", "write", "leak", "counts", "files"),
+    [
+        (tasks.FC100, metaopt_writer({s: f"FC100_{s}.pickle" for s in SPLITS}, 32), _copy_val_over_test, SMALL,
+         ("FC100_val.pickle", "FC100_test.pickle")),
+        (tasks.MiniImageNet, write_csv, _val_class_in_test_csv, (6, 5, 6), ("val.csv, images", "test.csv, images")),
+        (tasks.CIFARFS, folder_writer(32), _val_class_copied_into_test, (6, 5, 6), ("val", "test")),
+    ],
+    ids=["fc100-val-copied-over-test", "mini-csv-val-class-in-test", "cifarfs-val-class-folder-in-test"],
+)  # fmt: skip
+def test_a_class_in_two_splits_is_refused_in_one_line_naming_both(tmp_path: Path, cls, write, leak, counts, files):
+    """``cp FC100_val.pickle FC100_test.pickle`` reported the validation classes as held-out test accuracy."""
+    write(tmp_path, SMALL)
+    leak(tmp_path)
+    with pytest.raises(ValueError) as info:
+        cls.splits(tmp_path, class_counts=counts)
+    message = str(info.value)
+    first = "6" if cls is tasks.FC100 else "n00000006"  # MetaOptNet's labels number the classes of all splits
+    said = f"class {first} is in the val split ({files[0]}) and in the test split ({files[1]})"
+    assert "\n" not in message and said in message and "disjoint" in message, message
