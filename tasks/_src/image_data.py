@@ -2,6 +2,9 @@
 
 Each split is decoded once into a uint8 cache file (``tasks._src.cache``) that later loads map
 into memory instead of reading, so a 16 GB tieredImageNet costs no start-up and no private copy.
+The cache is keyed on every file the split is read from (``cache.fingerprint``: relative paths,
+sizes, times, and content up to 256 MiB), so a moved image, a renamed class folder or a file
+replaced with its time kept decodes again.
 """
 
 from __future__ import annotations
@@ -99,7 +102,8 @@ class FewShotImages:
         layout = detect(spec, self.root, split)
         identity = json.dumps(
             {"format": _CACHE_FORMAT, "data": spec.key, "split": split, "layout": layout.name, "side": spec.side,
-             "files": [_identity(p) for p in layout.files(self.root, split)]},
+             "root": str(self.root.resolve()),
+             "files": cache_files.fingerprint(self.root, layout.read_files(self.root, split))},
             sort_keys=True,
         )  # fmt: skip
         key = hashlib.sha256(identity.encode()).hexdigest()
@@ -193,20 +197,6 @@ def _counts(class_counts: Any, spec: DataSpec) -> tuple[int, int, int]:
     if not isinstance(class_counts, (tuple, list)) or len(class_counts) != 3:
         raise TypeError(f"class_counts must be three ints (train, val, test), got {class_counts!r}.")
     return tuple(checks.positive_int("class_counts", c) for c in class_counts)  # type: ignore[return-value]
-
-
-def _identity(path: Path) -> list[Any]:
-    """What the cache is keyed on: the path, size and modification time of a file, or of a folder's files."""
-    if path.is_file():
-        st = path.stat()
-        return [str(path.resolve()), st.st_size, st.st_mtime_ns]
-    stats = [p.stat() for p in path.rglob("*") if p.is_file() and ".maml-cache" not in p.parts]
-    return [
-        str(path.resolve()),
-        len(stats),
-        sum(s.st_size for s in stats),
-        max((s.st_mtime_ns for s in stats), default=0),
-    ]
 
 
 def _decode(spec: DataSpec, layout: Layout, root: Path, split: str) -> dict[str, Any]:

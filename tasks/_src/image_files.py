@@ -201,10 +201,15 @@ def image_files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith("."))
 
 
+def folder_images(split: Path) -> list[tuple[int, Path]]:
+    """``(class index, image file)`` of every image under ``split/<class>/``, classes and files sorted by name."""
+    return [(c, p) for c, folder in enumerate(class_folders(split)) for p in image_files(folder)]
+
+
 def read_folders(split: Path, side: int, help: str) -> Decoded:
     """``split/<class>/<image>``: a folder per class (cbfinn/maml's and MAML++'s layout)."""
     folders = class_folders(split)
-    files = [(c, p) for c, folder in enumerate(folders) for p in image_files(folder)]
+    files = folder_images(split)
     empty = [f.name for f in folders if not image_files(f)]
     if not folders or empty:
         what = f"class folders without images ({', '.join(empty[:3])})" if empty else "no class folder"

@@ -30,6 +30,12 @@ class Layout:
     # (root) -> why the layout's files are there without their data, else None: the CSVs of a folder that
     # cbfinn/maml's proc_images.py has emptied, when another layout may hold the images.
     hollow: Callable[[Path], str | None] = lambda root: None
+    # (root, split) -> every file the reader reads, for the cache key (default: ``files``, all files).
+    inputs: Callable[[Path, str], list[Path]] | None = None
+
+    def read_files(self, root: Path, split: str) -> list[Path]:
+        """Every file :attr:`read` reads for ``split``: the images of a folder, not the folder."""
+        return self.inputs(root, split) if self.inputs is not None else self.files(root, split)
 
     def describe(self, root: Path) -> str:
         """The files of this layout, for an error message: ``train.csv, val.csv, test.csv and images/``."""
@@ -63,6 +69,17 @@ def _read_folders(root: Path, split: str, side: int, help: str) -> Decoded:
 
 def _read_csv(root: Path, split: str, side: int, help: str) -> Decoded:
     return files.read_csv_split(root / f"{split}.csv", root / "images", side, help)
+
+
+def _csv_inputs(root: Path, split: str) -> list[Path]:
+    # The images the split's CSV lists, not all of images/ (the other splits' too). A malformed CSV or
+    # a missing image is the reader's error to report, with the data set's help.
+    try:
+        rows = files.csv_rows(root / f"{split}.csv", "")
+    except ValueError:
+        return [root / f"{split}.csv"]
+    listed = (root / "images" / name for name, _ in rows)
+    return [root / f"{split}.csv", *(p for p in listed if p.is_file())]
 
 
 def _csv_without_images(root: Path) -> str | None:
@@ -222,7 +239,13 @@ _METAOPT_MINI = {
     "test": "miniImageNet_category_split_test.pickle",
 }
 
-FOLDERS = Layout("folders", "cbfinn/maml's proc_images.py, MAML++", lambda r, s: [r / s], _read_folders)
+FOLDERS = Layout(
+    "folders",
+    "cbfinn/maml's proc_images.py, MAML++",
+    lambda r, s: [r / s],
+    _read_folders,
+    inputs=lambda r, s: [p for _, p in files.folder_images(r / s)],
+)
 
 
 def _pickles(prefix: str) -> Layout:
@@ -259,6 +282,7 @@ MINI_IMAGENET = DataSpec(
             lambda r, s: [r / f"{s}.csv", r / "images"],
             _read_csv,
             _csv_without_images,
+            _csv_inputs,
         ),
         FOLDERS,
     ),

@@ -7,16 +7,27 @@ import os
 import pickle
 import shutil
 import struct
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import SPLITS, folder_writer, image_bytes, split_data, write_ren_mini
+from helpers import (
+    SPLITS,
+    folder_writer,
+    image_bytes,
+    random_images,
+    replace_keeping_size_and_time,
+    split_data,
+    uncompressed_png,
+    write_ren_mini,
+)
 from PIL import Image
 
 import tasks
+from tasks._src import cache as cache_module
 
 SMALL = (6, 5, 5)  # classes per split of the small copies (class_counts= says so)
 
@@ -402,3 +413,43 @@ def test_a_class_in_two_splits_is_refused_in_one_line_naming_both(tmp_path: Path
     first = "6" if cls is tasks.FC100 else "n00000006"  # MetaOptNet's labels number the classes of all splits
     said = f"class {first} is in the val split ({files[0]}) and in the test split ({files[1]})"
     assert "\n" not in message and said in message and "disjoint" in message, message
+
+
+CACHE_CHANGES = ["image-moved-to-another-class", "class-folder-renamed", "image-replaced-same-size-and-time"]
+
+
+@pytest.mark.parametrize("by", ["content", "ctime"])
+@pytest.mark.parametrize("change", CACHE_CHANGES)
+def test_a_folders_cache_is_a_miss_whenever_its_labels_or_pixels_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: str, by: str
+) -> None:
+    """``mv`` and ``cp -p`` keep times: a key of (count, total size, newest time) served the old labels and pixels."""
+    if by == "ctime":  # the key of folders above the hashing limit: status-change times stand in for content
+        monkeypatch.setattr(cache_module, "HASH_LIMIT", 0)
+    root = tmp_path / "data"
+    folder_writer(32)(root, SMALL, per_class=4)
+    train = root / "train"
+    images = sorted(train.glob("*/*.png"))
+    for i, path in enumerate(images):  # every image the same size, so that one can replace another
+        path.write_bytes(uncompressed_png(random_images(1, 32, seed=100 + i)[0]))
+    cold = tasks.CIFARFS(root, "train", class_counts=SMALL)
+    assert not cold.from_cache and tasks.CIFARFS(root, "train", class_counts=SMALL).from_cache
+    if by == "ctime":
+        time.sleep(0.05)  # the kernel's file times tick every few milliseconds
+    first, second = sorted(p for p in train.iterdir())[:2]
+    if change == "image-moved-to-another-class":
+        os.rename(images[0], second / "moved.png")  # mv: times kept
+    elif change == "class-folder-renamed":
+        os.rename(first, train / "n00000099")
+    else:
+        replace_keeping_size_and_time(images[0], uncompressed_png(random_images(1, 32, seed=7)[0]))
+    warm = tasks.CIFARFS(root, "train", class_counts=SMALL)
+    fresh = tasks.CIFARFS(root, "train", class_counts=SMALL, cache=False)
+    assert not warm.from_cache and warm.cache_path != cold.cache_path
+    assert torch.equal(warm.images, fresh.images) and torch.equal(warm.labels, fresh.labels)
+    assert warm.classes == fresh.classes
+    sizes = torch.bincount(warm.labels).tolist()
+    assert sizes == {"image-moved-to-another-class": [3, 5, 4, 4, 4, 4]}.get(change, [4] * 6)
+    assert (warm.classes[-1] == "n00000099") == (change == "class-folder-renamed")
+    if change == "image-replaced-same-size-and-time":  # the first image's pixels, and nothing else
+        assert not torch.equal(warm.images[0], cold.images[0]) and torch.equal(warm.images[1:], cold.images[1:])
