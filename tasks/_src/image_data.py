@@ -161,7 +161,7 @@ class FewShotImages:
 
     def sampler(self, ways: int, shots: int, query: int) -> FewShotSampler:
         """A :class:`FewShotSampler` of ``ways``-way ``shots``-shot tasks: ``(T, ways * n, 3, S, S)`` batches."""
-        return FewShotSampler(self.images, self.labels, ways, shots, query)
+        return FewShotSampler(self.images, self.labels, ways, shots, query, class_names=self.classes)
 
 
 class MiniImageNet(FewShotImages):

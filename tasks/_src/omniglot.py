@@ -202,7 +202,7 @@ class Omniglot:
 
     def sampler(self, ways: int, shots: int, query: int) -> FewShotSampler:
         """A :class:`FewShotSampler` of ``ways``-way ``shots``-shot tasks over these images."""
-        return FewShotSampler(self.images, self.labels, ways, shots, query)
+        return FewShotSampler(self.images, self.labels, ways, shots, query, class_names=self.classes)
 
     def split(
         self,

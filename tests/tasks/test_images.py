@@ -453,3 +453,17 @@ def test_a_folders_cache_is_a_miss_whenever_its_labels_or_pixels_change(
     assert (warm.classes[-1] == "n00000099") == (change == "class-folder-renamed")
     if change == "image-replaced-same-size-and-time":  # the first image's pixels, and nothing else
         assert not torch.equal(warm.images[0], cold.images[0]) and torch.equal(warm.images[1:], cold.images[1:])
+
+
+def test_a_split_with_a_class_too_small_for_a_task_names_it(tmp_path: Path) -> None:
+    """A class of 2 images at 1 shot and 15 query was never drawn; the results still said 6 classes."""
+    folder_writer(32)(tmp_path, SMALL, per_class=16)
+    small = sorted((tmp_path / "train" / "n00000003").iterdir())
+    for path in small[2:]:
+        path.unlink()
+    train = tasks.CIFARFS(tmp_path, "train", class_counts=SMALL)
+    assert train.sampler(5, 1, 1).num_classes == 6
+    with pytest.raises(ValueError) as info:
+        train.sampler(5, 1, 15)
+    message = str(info.value)
+    assert "\n" not in message and "class n00000003 (label 3) has 2 images, and 1 of the 6 classes" in message
