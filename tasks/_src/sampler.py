@@ -115,9 +115,9 @@ class FewShotSampler:
             name = class_names[value] if class_names is not None and 0 <= value < len(class_names) else None
             which = f"class {name} (label {value})" if name is not None else f"class {value}"
             raise ValueError(
-                f"{need}, but {which} has {int(counts[smallest])} images, and {short.numel()} of the "
-                f"{values.numel()} classes have fewer than {per_task}; lower shots or query, or leave those classes "
-                f"out of the images and labels (a class too small to draw would go unreported)."
+                f"{need}, but {which} has {int(counts[smallest])}, the smallest of {short.numel()} classes (of "
+                f"{values.numel()}) with fewer; lower shots or query, or leave those classes out of the images and "
+                f"labels (a class too small to draw would go unreported)."
             )
 
         # A (C, M) table of image indices per class, padded where a class has fewer than M

@@ -466,4 +466,4 @@ def test_a_split_with_a_class_too_small_for_a_task_names_it(tmp_path: Path) -> N
     with pytest.raises(ValueError) as info:
         train.sampler(5, 1, 15)
     message = str(info.value)
-    assert "\n" not in message and "class n00000003 (label 3) has 2 images, and 1 of the 6 classes" in message
+    assert "\n" not in message and "class n00000003 (label 3) has 2, the smallest of 1 classes (of 6)" in message

@@ -98,13 +98,13 @@ def test_a_class_smaller_than_shots_plus_query_is_refused_not_left_out() -> None
     labels = torch.tensor([7] * 2 + [-1] * 5 + [30] * 9 + [4] * 3)
     images = torch.zeros(labels.numel(), 1, 2, 2)
     match = (
-        r"^shots \+ query = 1 \+ 3 = 4 distinct images are needed per class, but class 7 has 2 images, and 2 of the "
-        r"4 classes have fewer than 4; lower shots or query, or leave those classes out of the images and labels"
+        r"^shots \+ query = 1 \+ 3 = 4 distinct images are needed per class, but class 7 has 2, the smallest of 2 classes "
+        r"\(of 4\) with fewer; lower shots or query, or leave those classes out of the images and labels"
     )
     with pytest.raises(ValueError, match=match):
         tasks.FewShotSampler(images, labels, ways=2, shots=1, query=3)
     names = [f"n{c:08d}" for c in range(31)]  # a data set's class names, by label value
-    with pytest.raises(ValueError, match=r"but class n00000007 \(label 7\) has 2 images"):
+    with pytest.raises(ValueError, match=r"but class n00000007 \(label 7\) has 2, the smallest"):
         tasks.FewShotSampler(images, labels, ways=2, shots=1, query=3, class_names=names)
 
 
