@@ -7,6 +7,7 @@ import io
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -378,3 +379,23 @@ def folder_writer(side: int) -> Callable[..., None]:
                 (folder / f"{i}.png").write_bytes(image_bytes(image))
 
     return write
+
+
+def uncompressed_png(image: np.ndarray) -> bytes:
+    """``image`` as a PNG without compression: its size depends on the image's shape and mode alone."""
+    out = io.BytesIO()
+    Image.fromarray(image).save(out, format="PNG", compress_level=0)
+    return out.getvalue()
+
+
+def replace_keeping_size_and_time(path: Path, data: bytes) -> None:
+    """Writes ``data`` over ``path`` as ``cp -p`` (``shutil.copy2``) does, keeping its size and modification time."""
+    before = path.stat()
+    assert len(data) == before.st_size, "the replacement must have the size of the file it replaces"
+    source = path.with_name(f".{path.name}.new")
+    source.write_bytes(data)
+    os.utime(source, ns=(before.st_atime_ns, before.st_mtime_ns))
+    shutil.copy2(source, path)
+    source.unlink()
+    after = path.stat()
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)

@@ -2,6 +2,9 @@
 
 Each split is decoded once into a uint8 cache file (``tasks._src.cache``) that later loads map
 into memory instead of reading, so a 16 GB tieredImageNet costs no start-up and no private copy.
+The cache is keyed on every file the split is read from (``cache.fingerprint``: relative paths,
+sizes, times, and content up to 256 MiB), so a moved image, a renamed class folder or a file
+replaced with its time kept decodes again.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ _SPLIT_NAMES = {"train": "train", "val": "val", "validation": "val", "test": "te
 
 
 class ImageSplits(NamedTuple):
-    """The train, validation and test splits of a data set (disjoint classes)."""
+    """The train, validation and test splits of a data set (disjoint classes: :meth:`FewShotImages.splits` checks)."""
 
     train: FewShotImages
     validation: FewShotImages
@@ -39,7 +42,8 @@ class FewShotImages:
 
     Subclasses name the data set (:class:`MiniImageNet`, :class:`TieredImageNet`, :class:`CIFARFS`,
     :class:`FC100`). The layout is detected by its files (``tasks.IMAGE_LAYOUTS`` lists them);
-    the number of classes of the split is checked against the published split.
+    the number of classes of the split is checked against the published split, and
+    :meth:`splits` checks that no class is in two splits (one split alone cannot tell).
 
     Args:
         root: the folder holding the data (default: the data set's variable, e.g. ``$MINIIMAGENET_DIR``).
@@ -74,6 +78,7 @@ class FewShotImages:
     root: Path
     from_cache: bool
     cache_path: Path | None
+    _files: list[Path]  # the layout's files of this split, for messages
 
     def __init__(
         self,
@@ -97,7 +102,8 @@ class FewShotImages:
         layout = detect(spec, self.root, split)
         identity = json.dumps(
             {"format": _CACHE_FORMAT, "data": spec.key, "split": split, "layout": layout.name, "side": spec.side,
-             "files": [_identity(p) for p in layout.files(self.root, split)]},
+             "root": str(self.root.resolve()),
+             "files": cache_files.fingerprint(self.root, layout.read_files(self.root, split))},
             sort_keys=True,
         )  # fmt: skip
         key = hashlib.sha256(identity.encode()).hexdigest()
@@ -121,11 +127,18 @@ class FewShotImages:
             payload = found[0]
         self.images, self.labels, self.classes = payload["images"], payload["labels"], list(payload["classes"])
         self.split, self.layout = split, layout.name
+        self._files = layout.files(self.root, split)
 
     @classmethod
     def splits(cls, root: str | os.PathLike[str] | None = None, **kwargs: Any) -> ImageSplits:
-        """The train, validation and test splits under ``root`` (keyword arguments as the constructor's)."""
-        return ImageSplits(*(cls(root, split, **kwargs) for split in SPLITS))
+        """The train, validation and test splits under ``root`` (keyword arguments as the constructor's).
+
+        Raises:
+            ValueError: as the constructor, or one line naming a class that two splits hold.
+        """
+        parts = ImageSplits(*(cls(root, split, **kwargs) for split in SPLITS))
+        _check_disjoint(parts, cls.spec)
+        return parts
 
     @property
     def num_classes(self) -> int:
@@ -148,7 +161,7 @@ class FewShotImages:
 
     def sampler(self, ways: int, shots: int, query: int) -> FewShotSampler:
         """A :class:`FewShotSampler` of ``ways``-way ``shots``-shot tasks: ``(T, ways * n, 3, S, S)`` batches."""
-        return FewShotSampler(self.images, self.labels, ways, shots, query)
+        return FewShotSampler(self.images, self.labels, ways, shots, query, class_names=self.classes)
 
 
 class MiniImageNet(FewShotImages):
@@ -186,20 +199,6 @@ def _counts(class_counts: Any, spec: DataSpec) -> tuple[int, int, int]:
     return tuple(checks.positive_int("class_counts", c) for c in class_counts)  # type: ignore[return-value]
 
 
-def _identity(path: Path) -> list[Any]:
-    """What the cache is keyed on: the path, size and modification time of a file, or of a folder's files."""
-    if path.is_file():
-        st = path.stat()
-        return [str(path.resolve()), st.st_size, st.st_mtime_ns]
-    stats = [p.stat() for p in path.rglob("*") if p.is_file() and ".maml-cache" not in p.parts]
-    return [
-        str(path.resolve()),
-        len(stats),
-        sum(s.st_size for s in stats),
-        max((s.st_mtime_ns for s in stats), default=0),
-    ]
-
-
 def _decode(spec: DataSpec, layout: Layout, root: Path, split: str) -> dict[str, Any]:
     images, labels, classes = layout.read(root, split, spec.side, spec.help())
     return {
@@ -209,6 +208,27 @@ def _decode(spec: DataSpec, layout: Layout, root: Path, split: str) -> dict[str,
         "labels": torch.from_numpy(labels),
         "classes": classes,
     }
+
+
+def _check_disjoint(parts: ImageSplits, spec: DataSpec) -> None:
+    """Refuses a class held by two splits: a split's file copied over another's, or a class listed in two.
+
+    A class's name is its identity across the splits in every layout: a WordNet id (Ravi's CSVs, Ren's
+    ``class_dict`` keys and tieredImageNet's ``label_specific_str``, a folder's name) or MetaOptNet's
+    label, which numbers the classes of all three splits together.
+    """
+    for i, a in enumerate(parts):
+        for b in parts[i + 1 :]:
+            in_b = set(b.classes)
+            shared = [c for c in a.classes if c in in_b]
+            if shared:
+                files_a, files_b = (", ".join(p.name for p in part._files) for part in (a, b))
+                raise ValueError(
+                    f"{a.root}: class {shared[0]} is in the {a.split} split ({files_a}) and in the {b.split} split "
+                    f"({files_b}), {len(shared)} shared classes in all; the splits of {spec.name} hold disjoint "
+                    f"classes, else the accuracy on held-out classes is measured on classes seen: a split's file was "
+                    f"copied over another's, or a class is listed in two splits; {spec.help()}"
+                )
 
 
 def _check_count(

@@ -11,11 +11,12 @@ import csv
 import io
 import os
 import pickle
+import struct
 import zipfile
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 from PIL import Image
@@ -49,19 +50,63 @@ _ALLOWED = {
 }
 
 
-class _DataUnpickler(pickle.Unpickler):
+# The pure-Python unpickler, not the C one: the C unpickler allocates the length a BINBYTES8 (or
+# BINUNICODE8, BYTEARRAY8, FRAME) opcode claims before it reads a byte, so 12 bytes claiming 2**62
+# end in a MemoryError; the Python one asks its file for the bytes, and _Bounded refuses to read
+# more than the file holds. It reads data set pickles about as fast (their time is in the arrays).
+class _DataUnpickler(pickle._Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) not in _ALLOWED:
             raise pickle.UnpicklingError(f"it asks for {module}.{name}, which no image data set holds")
         return super().find_class(module, name)
 
 
+class _Bounded:
+    """A binary file's ``read`` and ``readline`` that refuse to read past its end, before allocating.
+
+    A length field in a pickle can claim any size; one larger than the bytes left is a damaged or
+    hostile file, and reading it would allocate the claimed size first.
+    """
+
+    def __init__(self, file: BinaryIO) -> None:
+        self._file = file
+        self._left = os.fstat(file.fileno()).st_size - file.tell()
+
+    def read(self, n: int = -1) -> bytes:
+        if n > self._left:
+            raise pickle.UnpicklingError(f"it asks for {n:,} more bytes where {self._left:,} remain")
+        data = self._file.read(n)
+        self._left -= len(data)
+        return data
+
+    def readline(self) -> bytes:
+        line = self._file.readline()
+        self._left -= len(line)
+        return line
+
+
 def read_pickle(path: Path, help: str) -> Any:
-    """The object in the pickle ``path`` (Python 2 pickles too: their strings are read as latin-1)."""
+    """The object in the pickle ``path`` (Python 2 pickles too: their strings are read as latin-1).
+
+    No read is larger than what the file still holds, so a length field claiming more is an error,
+    not an allocation; what is built from what the file holds may still exceed the memory (an array
+    of 2**40 elements), and that is an error naming the file too.
+    """
     try:
         with open(path, "rb") as f:
-            return _DataUnpickler(f, encoding="latin1").load()
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, OSError) as exc:
+            return _DataUnpickler(_Bounded(f), encoding="latin1").load()
+    except MemoryError:
+        size = path.stat().st_size
+        raise ValueError(
+            f"cannot read the pickle {path}: what it describes needs more memory than this machine has free (the "
+            f"file holds {size:,} bytes); a damaged or foreign pickle can describe far more than it holds; {help}"
+        ) from None
+    # What a damaged file makes the unpickler raise: LookupError for an unknown opcode (a KeyError in the
+    # Python unpickler) or encoding, struct.error for a short field, OverflowError for a length past sys.maxsize.
+    except (
+        pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, LookupError, IndexError,
+        OverflowError, struct.error, OSError,
+    ) as exc:  # fmt: skip
         raise ValueError(
             f"cannot read the pickle {path} ({exc or type(exc).__name__}): it is truncated or another file; {help}"
         ) from None
@@ -156,10 +201,15 @@ def image_files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith("."))
 
 
+def folder_images(split: Path) -> list[tuple[int, Path]]:
+    """``(class index, image file)`` of every image under ``split/<class>/``, classes and files sorted by name."""
+    return [(c, p) for c, folder in enumerate(class_folders(split)) for p in image_files(folder)]
+
+
 def read_folders(split: Path, side: int, help: str) -> Decoded:
     """``split/<class>/<image>``: a folder per class (cbfinn/maml's and MAML++'s layout)."""
     folders = class_folders(split)
-    files = [(c, p) for c, folder in enumerate(folders) for p in image_files(folder)]
+    files = folder_images(split)
     empty = [f.name for f in folders if not image_files(f)]
     if not folders or empty:
         what = f"class folders without images ({', '.join(empty[:3])})" if empty else "no class folder"
@@ -168,18 +218,34 @@ def read_folders(split: Path, side: int, help: str) -> Decoded:
     return images, np.array([c for c, _ in files], dtype=np.int64), [f.name for f in folders]
 
 
-def read_csv_split(csv_path: Path, images: Path, side: int, help: str) -> Decoded:
-    """Ravi and Larochelle's ``<split>.csv`` (``filename,label`` with a header) of files in ``images/``."""
+def csv_rows(csv_path: Path, help: str) -> list[tuple[str, str]]:
+    """The ``(filename, label)`` rows of Ravi and Larochelle's ``<split>.csv``, each image once."""
     try:
         with open(csv_path, newline="") as f:
             rows = list(csv.reader(f))
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"cannot read {csv_path} ({exc}); {help}") from None
-    body = [r for r in rows[1:] if r]
-    if not rows or [c.strip() for c in rows[0][:2]] != ["filename", "label"] or any(len(r) < 2 for r in body):
+    body = [(line, r) for line, r in enumerate(rows[1:], start=2) if r]
+    if not rows or [c.strip() for c in rows[0][:2]] != ["filename", "label"] or any(len(r) < 2 for _, r in body):
         raise ValueError(f"{csv_path} is not a 'filename,label' table with that header; {help}")
     if not body:
         raise ValueError(f"{csv_path} lists no image; {help}")
+    # An image listed twice could be the support and the query image of one task.
+    first: dict[str, tuple[int, str]] = {}
+    for line, (name, label, *_) in body:
+        if name in first:
+            seen, before = first[name]
+            classes = f"class {label}" if before == label else f"classes {before} and {label}"
+            raise ValueError(
+                f"{csv_path} lists {name} twice, in rows {seen} and {line} ({classes}); an image is listed once; {help}"
+            )
+        first[name] = (line, label)
+    return [(r[0], r[1]) for _, r in body]
+
+
+def read_csv_split(csv_path: Path, images: Path, side: int, help: str) -> Decoded:
+    """Ravi and Larochelle's ``<split>.csv`` (``filename,label`` with a header) of files in ``images/``."""
+    body = csv_rows(csv_path, help)
     missing = [r[0] for r in body if not (images / r[0]).is_file()]
     if missing:
         raise ValueError(f"{csv_path} lists {len(missing)} images missing from {images} (first: {missing[0]}); {help}")

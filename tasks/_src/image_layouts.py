@@ -27,6 +27,15 @@ class Layout:
     origin: str  # who publishes (or uses) it
     files: Callable[[Path, str], list[Path]]  # (root, split) -> the files (or folders) read for that split
     read: Callable[[Path, str, int, str], Decoded]  # (root, split, side, help) -> images, labels, classes
+    # (root) -> why the layout's files are there without their data, else None: the CSVs of a folder that
+    # cbfinn/maml's proc_images.py has emptied, when another layout may hold the images.
+    hollow: Callable[[Path], str | None] = lambda root: None
+    # (root, split) -> every file the reader reads, for the cache key (default: ``files``, all files).
+    inputs: Callable[[Path, str], list[Path]] | None = None
+
+    def read_files(self, root: Path, split: str) -> list[Path]:
+        """Every file :attr:`read` reads for ``split``: the images of a folder, not the folder."""
+        return self.inputs(root, split) if self.inputs is not None else self.files(root, split)
 
     def describe(self, root: Path) -> str:
         """The files of this layout, for an error message: ``train.csv, val.csv, test.csv and images/``."""
@@ -60,6 +69,31 @@ def _read_folders(root: Path, split: str, side: int, help: str) -> Decoded:
 
 def _read_csv(root: Path, split: str, side: int, help: str) -> Decoded:
     return files.read_csv_split(root / f"{split}.csv", root / "images", side, help)
+
+
+def _csv_inputs(root: Path, split: str) -> list[Path]:
+    # The images the split's CSV lists, not all of images/ (the other splits' too). A malformed CSV or
+    # a missing image is the reader's error to report, with the data set's help.
+    try:
+        rows = files.csv_rows(root / f"{split}.csv", "")
+    except ValueError:
+        return [root / f"{split}.csv"]
+    listed = (root / "images" / name for name, _ in rows)
+    return [root / f"{split}.csv", *(p for p in listed if p.is_file())]
+
+
+def _csv_without_images(root: Path) -> str | None:
+    """Why the CSV layout's ``images/`` holds no image, else ``None``.
+
+    cbfinn/maml's ``proc_images.py`` moves every image from ``images/`` into ``train|val|test/<wnid>/``
+    and leaves the CSVs and an empty ``images/``; a copy-based conversion may remove ``images/``.
+    """
+    images = root / "images"
+    if not images.is_dir():
+        return f"{images} does not exist"
+    if any(p.suffix.lower() in files.IMAGE_SUFFIXES for p in images.iterdir()):
+        return None
+    return f"{images} holds no image"
 
 
 def _checked(images: np.ndarray, raw_labels: object, path: Path, help: str) -> np.ndarray:
@@ -99,16 +133,48 @@ def _read_ren_mini(root: Path, split: str, side: int, help: str) -> Decoded:
     labels = np.full(images.shape[0], -1, dtype=np.int64)
     classes = sorted(class_dict, key=str)
     for c, name in enumerate(classes):
-        index = np.asarray(class_dict[name], dtype=np.int64).reshape(-1)
+        index = _indices(class_dict[name], f"{path}: class_dict[{name!r}]", help)
         if index.size and (index.min() < 0 or index.max() >= images.shape[0]):
             raise ValueError(f"{path}: class_dict[{name!r}] indexes past its {images.shape[0]} images; {help}")
+        # An image listed twice could be the support and the query image of one task; in two classes,
+        # the later class took it without a word.
+        values, counts = np.unique(index, return_counts=True)
+        if (counts > 1).any():
+            raise ValueError(
+                f"{path}: class_dict[{name!r}] lists image {int(values[counts > 1][0])} twice; an image is listed "
+                f"once; {help}"
+            )
+        taken = labels[index] >= 0
+        if taken.any():
+            i = int(index[taken][0])
+            raise ValueError(
+                f"{path}: image {i} is in class_dict[{classes[labels[i]]!r}] and in class_dict[{name!r}]; an image "
+                f"belongs to one class; {help}"
+            )
         labels[index] = c
     keep = labels >= 0  # an image in no class is not in the split
     return images[keep], labels[keep], [str(c) for c in classes]
 
 
+def _indices(value: object, where: str, help: str) -> np.ndarray:
+    """``value`` as a 1-D int64 array of image indices; a boolean mask or non-integer numbers are refused.
+
+    Casting would read a mask of 12 images as the indices 0 and 1, and 3.6 as image 3.
+    """
+    try:
+        array = np.asarray(value)
+    except ValueError:  # ragged nesting
+        array = np.asarray(value, dtype=object)
+    if array.dtype == np.bool_:
+        raise ValueError(f"{where} is a boolean mask of {array.size} entries, not a list of image indices; {help}")
+    if array.size and array.dtype.kind not in "iu":
+        odd = next((v for v in array.reshape(-1).tolist() if not isinstance(v, int) or isinstance(v, bool)), None)
+        raise ValueError(f"{where} holds {array.dtype} values such as {odd!r}, not integer image indices; {help}")
+    return array.astype(np.int64).reshape(-1)
+
+
 def _read_ren_tiered(root: Path, split: str, side: int, help: str) -> Decoded:
-    """Ren et al.'s ``<split>_images_png.pkl`` (PNG bytes per image) and ``<split>_labels.pkl``."""
+    """Ren et al.'s ``<split>_images_png.pkl`` (a PNG file per image, as arrays or bytes) and ``<split>_labels.pkl``."""
     image_path, label_path = root / f"{split}_images_png.pkl", root / f"{split}_labels.pkl"
     blobs = files.read_pickle(image_path, help)
     if not isinstance(blobs, (list, tuple, np.ndarray)):
@@ -120,14 +186,39 @@ def _read_ren_tiered(root: Path, split: str, side: int, help: str) -> Decoded:
             f"{label_path} holds {raw.shape[0]} labels for the {len(blobs)} images of {image_path}; {help}"
         )
     names = payload.get("label_specific_str") if isinstance(payload, dict) else None
+    # Each image's bytes are taken when it is decoded, not all at once: tieredImageNet's train split
+    # holds 11 GB of PNG files.
     images = files.decode_all(
-        [(f"{i} of {image_path}", lambda b=b: np.asarray(b, dtype=np.uint8).tobytes()) for i, b in enumerate(blobs)],
-        side,
-        help,
+        [(f"{i} of {image_path}", _png(blob, i, image_path, help)) for i, blob in enumerate(blobs)], side, help
     )
     by_label = {i: str(n) for i, n in enumerate(names)} if isinstance(names, (list, tuple)) else None
     labels, classes = files.relabel(raw, by_label)
     return images, labels, classes
+
+
+def _png(blob: object, index: int, path: Path, help: str) -> Callable[[], bytes]:
+    """The reader of one image of Ren's tieredImageNet pickle: the bytes of its encoded file.
+
+    Ren's released pickles hold each PNG as a uint8 array (``cv2.imencode``'s output); pickles
+    written again from Python hold it as ``bytes``, and Python 2 ones as a ``str``, which is read
+    as latin-1 and so encodes back to the same bytes.
+    """
+    if isinstance(blob, (bytes, bytearray)):
+        return lambda: bytes(blob)
+    if isinstance(blob, str):
+        return lambda: blob.encode("latin-1")
+    if isinstance(blob, np.ndarray) and blob.dtype == np.uint8:
+        return blob.tobytes
+    if (
+        isinstance(blob, np.ndarray)
+        and blob.dtype.kind in "iu"
+        and (blob.size == 0 or 0 <= blob.min() <= blob.max() < 256)
+    ):
+        return blob.astype(np.uint8).tobytes  # byte values held in a wider integer type
+    what = f"an array of {blob.dtype}" if isinstance(blob, np.ndarray) else f"a {type(blob).__name__}"
+    raise ValueError(
+        f"{path}: image {index} is {what}, not an encoded image (PNG bytes, or an array of their byte values); {help}"
+    )
 
 
 def _read_metaoptnet_tiered(root: Path, split: str, side: int, help: str) -> Decoded:
@@ -148,7 +239,13 @@ _METAOPT_MINI = {
     "test": "miniImageNet_category_split_test.pickle",
 }
 
-FOLDERS = Layout("folders", "cbfinn/maml's proc_images.py, MAML++", lambda r, s: [r / s], _read_folders)
+FOLDERS = Layout(
+    "folders",
+    "cbfinn/maml's proc_images.py, MAML++",
+    lambda r, s: [r / s],
+    _read_folders,
+    inputs=lambda r, s: [p for _, p in files.folder_images(r / s)],
+)
 
 
 def _pickles(prefix: str) -> Layout:
@@ -180,7 +277,12 @@ MINI_IMAGENET = DataSpec(
             _read_metaoptnet(lambda r, s: r / _METAOPT_MINI[s]),
         ),
         Layout(
-            "ravi-csv", "Ravi and Larochelle, LibFewShot, FEAT", lambda r, s: [r / f"{s}.csv", r / "images"], _read_csv
+            "ravi-csv",
+            "Ravi and Larochelle, LibFewShot, FEAT",
+            lambda r, s: [r / f"{s}.csv", r / "images"],
+            _read_csv,
+            _csv_without_images,
+            _csv_inputs,
         ),
         FOLDERS,
     ),
@@ -253,9 +355,15 @@ def detect(spec: DataSpec, root: Path, split: str) -> Layout:
     if not root.is_dir():
         what = "does not exist" if not root.exists() else "is a file, not the folder holding the data"
         raise FileNotFoundError(f"{spec.name} folder {root} {what}; {spec.help()}")
+    hollow: tuple[Layout, Path, str] | None = None
     for layout in spec.layouts:
         present = _present(layout, root)
         if not present:
+            continue
+        why = layout.hollow(root)
+        if why is not None:
+            # The images may have been moved into another layout's files (proc_images.py's class folders).
+            hollow = hollow or (layout, present[0], why)
             continue
         missing = [p for p in layout.files(root, split) if not p.exists()]
         if missing:
@@ -264,5 +372,14 @@ def detect(spec: DataSpec, root: Path, split: str) -> Layout:
                 f"(the {split} split); {spec.help()}"
             )
         return layout
+    if hollow is not None:
+        layout, found, why = hollow
+        others = ", ".join(other.name for other in spec.layouts if other is not layout)
+        raise ValueError(
+            f"{root} holds {found.name} of the {layout.name} layout, but {why}, and the files of no other layout "
+            f"({others}) are there: cbfinn/maml's proc_images.py moves the images into train/, val/ and test/, a "
+            f"folder per class, which are read as the folders layout; put the images back or point at the folder "
+            f"holding them. {spec.help()}"
+        )
     expected = "; ".join(layout.describe(root) for layout in spec.layouts)
     raise ValueError(f"{root} holds none of the {spec.name} layouts, expected one of: {expected}. {spec.help()}")

@@ -86,8 +86,9 @@ class Omniglot:
     scale it to [0, 1]. Converting to greyscale first matters: PIL resizes bilevel (mode "1")
     images with nearest neighbour whatever filter is asked for.
 
-    The decoded images are cached on disk (see ``cache_dir``), keyed on the archives' paths,
-    sizes and modification times and on the preprocessing, so later loads skip decoding.
+    The decoded images are cached on disk (see ``cache_dir``), keyed on the files read (their
+    paths, sizes, times and content: ``tasks._src.cache.fingerprint``) and on the preprocessing,
+    so later loads skip decoding.
 
     Args:
         root: a zip archive, a split folder, or a folder holding archives or split folders.
@@ -201,7 +202,7 @@ class Omniglot:
 
     def sampler(self, ways: int, shots: int, query: int) -> FewShotSampler:
         """A :class:`FewShotSampler` of ``ways``-way ``shots``-shot tasks over these images."""
-        return FewShotSampler(self.images, self.labels, ways, shots, query)
+        return FewShotSampler(self.images, self.labels, ways, shots, query, class_names=self.classes)
 
     def split(
         self,
@@ -393,18 +394,15 @@ def _folder_files(source: _Source) -> list[Path]:
 
 
 def _identity(source: _Source) -> list[Any]:
-    """What the cache is keyed on: path, size and modification time of every file read."""
+    """What the cache is keyed on: the source and its files' :func:`tasks._src.cache.fingerprint`.
+
+    Relative paths, sizes and times of the files read, and their content (Omniglot's 15 MB are hashed
+    in well under a second), so that an image moved to another character, a renamed character folder
+    or an image replaced by one of the same size with its time kept is a miss.
+    """
     if source.is_zip:
-        st = source.path.stat()
-        return [source.name, str(source.path.resolve()), st.st_size, st.st_mtime_ns]
-    stats = [p.stat() for p in _folder_files(source)]
-    return [
-        source.name,
-        str(source.path.resolve()),
-        len(stats),
-        sum(s.st_size for s in stats),
-        max((s.st_mtime_ns for s in stats), default=0),
-    ]
+        return [source.name, str(source.path.resolve()), cache.fingerprint(source.path.parent, [source.path])]
+    return [source.name, str(source.path.resolve()), cache.fingerprint(source.path, _folder_files(source))]
 
 
 def _list_entries(source: _Source) -> list[_Entry]:

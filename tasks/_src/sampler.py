@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Literal, overload
 
 import torch
@@ -38,7 +39,8 @@ class FewShotSampler:
     the query set, so no image is in both. The whole meta-batch is drawn with two
     ``torch.rand`` calls and gathered with one tensor index; there is no Python loop per task.
 
-    Classes with fewer than ``shots + query`` images are never drawn.
+    Every class must hold ``shots + query`` images: a smaller one is refused, not left out, so that
+    the classes drawn are the classes of the data (a class left out would go unreported).
 
     Args:
         images: ``(N, H, W)`` or ``(N, C, H, W)`` images; uint8 images are scaled to [0, 1],
@@ -47,13 +49,28 @@ class FewShotSampler:
         ways: classes per task ``N``.
         shots: support images per class ``K``.
         query: query images per class ``Q``.
+        class_names: the name of each label value ``0..C-1`` (e.g. a data set's ``classes``), for
+            the messages only.
+
+    Raises:
+        ValueError: ``ways`` exceeds the classes, or a class holds fewer than ``shots + query``
+            images (one line naming it, its count and the fix).
 
     Attributes:
         classes: ``(C,)`` the label values that can be drawn (sorted).
         num_classes: ``C``.
     """
 
-    def __init__(self, images: Tensor, labels: Tensor, ways: int, shots: int, query: int) -> None:
+    def __init__(
+        self,
+        images: Tensor,
+        labels: Tensor,
+        ways: int,
+        shots: int,
+        query: int,
+        *,
+        class_names: Sequence[str] | None = None,
+    ) -> None:
         if not isinstance(images, Tensor) or images.ndim not in (3, 4):
             got = tuple(images.shape) if isinstance(images, Tensor) else type(images).__name__
             raise TypeError(f"images must be a tensor of shape (N, H, W) or (N, C, H, W), got {got}.")
@@ -84,13 +101,23 @@ class FewShotSampler:
                 f"{values.numel()} or use a data set with more classes (Omniglot with rotations=True has "
                 f"4 classes per character)."
             )
-        eligible = counts >= per_task
-        if int(eligible.sum()) < ways:
-            most = int(counts.max()) if counts.numel() else 0
+        short = (counts < per_task).nonzero().squeeze(1)
+        if short.numel():
+            need = f"shots + query = {shots} + {query} = {per_task} distinct images are needed per class"
+            most = int(counts.max())
+            if most < per_task:
+                raise ValueError(
+                    f"{need}, and no class has that many (the largest has {most}; Omniglot has 20 drawers per "
+                    f"character); lower shots or query."
+                )
+            smallest = short[counts[short].argmin()]
+            value = int(values[smallest])
+            name = class_names[value] if class_names is not None and 0 <= value < len(class_names) else None
+            which = f"class {name} (label {value})" if name is not None else f"class {value}"
             raise ValueError(
-                f"shots + query = {shots} + {query} = {per_task} distinct images are needed per class, but "
-                f"only {int(eligible.sum())} classes have that many (the largest has {most}; Omniglot has "
-                f"20 drawers per character), fewer than ways={ways}; lower shots or query."
+                f"{need}, but {which} has {int(counts[smallest])}, the smallest of {short.numel()} classes (of "
+                f"{values.numel()}) with fewer; lower shots or query, or leave those classes out of the images and "
+                f"labels (a class too small to draw would go unreported)."
             )
 
         # A (C, M) table of image indices per class, padded where a class has fewer than M
@@ -101,10 +128,9 @@ class FewShotSampler:
         position = torch.arange(order.numel()) - starts[sorted_class]
         table = torch.zeros(values.numel(), int(counts.max()), dtype=torch.int64)
         table[sorted_class, position] = order
-        keep = eligible.nonzero().squeeze(1)
-        self.classes = values[keep]
-        self._table = table[keep]
-        self._counts = counts[keep]
+        self.classes = values
+        self._table = table
+        self._counts = counts
         self._uniform = bool((self._counts == self._table.shape[1]).all())
         self._cache: dict[tuple[str, torch.device], Tensor] = {}
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -136,3 +137,28 @@ def test_usage_errors_are_one_line_and_exit_2(tmp_path: Path, monkeypatch, capsy
             fit.main(images.run, [*argv, "--out", str(tmp_path / "run")])
         err = capsys.readouterr().err.strip()
         assert e.value.code == 2 and said in err and "\n" not in err
+
+
+def test_a_class_too_small_for_a_task_or_in_two_splits_is_one_line_and_exit_2(tmp_path: Path, monkeypatch, capsys):
+    """Both ran to a results.json that counted 64/16/20 classes: one trained on fewer, one tested on val classes."""
+    monkeypatch.setenv("MAML_CACHE_DIR", str(tmp_path / "cache"))
+    data = tmp_path / "data"
+    folder_writer(32)(data, (64, 16, 20), per_class=2)
+    args = ["--dataset", "cifarfs", "--data", str(data), "--out", str(tmp_path / "run"), *SHORT]
+
+    def refused() -> str:
+        with pytest.raises(SystemExit) as e:
+            fit.main(images.run, args)
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and "\n" not in err and not (tmp_path / "run" / "results.json").exists(), err
+        return err
+
+    image = data / "train" / "n00000005" / "10.png"
+    kept = image.read_bytes()
+    image.unlink()  # one image left: 1 shot + 1 query cannot be drawn from it
+    assert "--shots 1 --query 1, the train split: " in (err := refused())
+    assert "2 distinct images are needed per class, but class n00000005 (label 5) has 1, the smallest" in err
+    image.write_bytes(kept)
+    shutil.rmtree(data / "test" / "n00000099")
+    shutil.copytree(data / "val" / "n00000064", data / "test" / "n00000064")  # a validation class in the test split
+    assert "class n00000064 is in the val split (val) and in the test split (test)" in refused()

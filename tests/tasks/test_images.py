@@ -3,16 +3,31 @@
 from __future__ import annotations
 
 import csv
+import os
 import pickle
+import shutil
+import struct
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import SPLITS, folder_writer, image_bytes, split_data, write_ren_mini
+from helpers import (
+    SPLITS,
+    folder_writer,
+    image_bytes,
+    random_images,
+    replace_keeping_size_and_time,
+    split_data,
+    uncompressed_png,
+    write_ren_mini,
+)
+from PIL import Image
 
 import tasks
+from tasks._src import cache as cache_module
 
 SMALL = (6, 5, 5)  # classes per split of the small copies (class_counts= says so)
 
@@ -43,11 +58,11 @@ def write_csv(root: Path, counts: tuple[int, ...], per_class: int = 2) -> None:
 def write_ren_tiered(root: Path, counts: tuple[int, ...], per_class: int = 2) -> None:
     for split in SPLITS:
         images, labels = split_data(counts, split, 84, per_class)
-        labels = labels - labels.min()  # Ren's labels count from 0 in each split
+        names = [f"n{c:08d}" for c in np.unique(labels)]  # WordNet ids, distinct over the splits
+        labels = labels - labels.min()  # Ren's labels count from 0 in each split, and name a class by its id
         with open(root / f"{split}_images_png.pkl", "wb") as f:
             pickle.dump([np.frombuffer(image_bytes(im), dtype=np.uint8) for im in images], f)
         with open(root / f"{split}_labels.pkl", "wb") as f:
-            names = [f"n{c:08d}" for c in range(labels.max() + 1)]
             pickle.dump({"label_specific": labels, "label_specific_str": names}, f)
 
 
@@ -205,3 +220,250 @@ def test_the_root_comes_from_the_data_sets_variable(tmp_path: Path, monkeypatch:
     folder_writer(32)(tmp_path, SMALL, per_class=1)
     monkeypatch.setenv("CIFARFS_DIR", str(tmp_path))
     assert tasks.CIFARFS(split="validation", class_counts=SMALL).num_classes == SMALL[1]
+
+
+class _Huge:
+    """Pickles as ``numpy.ndarray((2**40,))``: names the unpickler allows, building a terabyte."""
+
+    def __reduce__(self):
+        return (np.ndarray, ((2**40,),))
+
+
+def test_a_pickle_claiming_more_than_it_holds_is_one_line_naming_it(tmp_path: Path) -> None:
+    """12 bytes whose BINBYTES8 opcode claims 2**62 bytes: refused before anything is allocated."""
+    path = tmp_path / "FC100_train.pickle"
+    path.write_bytes(pickle.PROTO + b"\x04" + pickle.BINBYTES8 + struct.pack("<Q", 2**62) + b"abc" + pickle.STOP)
+    with pytest.raises(ValueError) as info:
+        tasks.FC100(tmp_path, class_counts=SMALL)
+    message = str(info.value)
+    assert "\n" not in message and str(path) in message and "asks for 4,611,686,018,427,387,904 more bytes" in message
+    # Allowed names alone can still describe more than the machine holds: one line too, not numpy's traceback.
+    path.write_bytes(pickle.dumps({"data": _Huge()}, protocol=2))
+    with pytest.raises(ValueError, match=r"FC100_train.pickle: what it describes needs more memory") as info:
+        tasks.FC100(tmp_path, class_counts=SMALL)
+    assert "\n" not in str(info.value)
+
+
+def _python2_list_of_str(blobs: list[bytes]) -> bytes:
+    """The pickle Python 2 writes for a list of ``str`` (BINSTRING opcodes), which Python 3 reads as latin-1 text."""
+    items = b"".join(pickle.BINSTRING + struct.pack("<i", len(b)) + b for b in blobs)
+    return pickle.PROTO + b"\x02" + pickle.EMPTY_LIST + pickle.MARK + items + pickle.APPENDS + pickle.STOP
+
+
+@pytest.mark.parametrize("form", ["bytes", "bytes-protocol-2", "python-2-str"])
+def test_tiered_pickles_holding_each_png_as_bytes_read_as_the_arrays_do(tmp_path: Path, form: str) -> None:
+    """Ren's released files hold uint8 arrays; pickles written again hold ``bytes`` (the docstring's "PNG bytes")."""
+    write_ren_tiered(tmp_path, SMALL)
+    arrays = tasks.TieredImageNet.splits(tmp_path, class_counts=SMALL, cache=False)
+    for split in SPLITS:
+        path = tmp_path / f"{split}_images_png.pkl"
+        with open(path, "rb") as f:
+            blobs = [a.tobytes() for a in pickle.load(f)]
+        if form == "python-2-str":
+            path.write_bytes(_python2_list_of_str(blobs))
+        else:
+            path.write_bytes(pickle.dumps(blobs, protocol=2 if form == "bytes-protocol-2" else 4))
+    again = tasks.TieredImageNet.splits(tmp_path, class_counts=SMALL, cache=False)
+    for a, b in zip(arrays, again):
+        assert torch.equal(a.images, b.images) and torch.equal(a.labels, b.labels) and a.classes == b.classes
+
+
+def test_a_tiered_image_neither_bytes_nor_uint8_is_one_line_naming_the_file(tmp_path: Path) -> None:
+    write_ren_tiered(tmp_path, SMALL)
+    path = tmp_path / "train_images_png.pkl"
+    with open(path, "rb") as f:
+        blobs = pickle.load(f)
+    for bad, said in ((blobs[3].astype(np.float64), "image 3 is an array of float64"), (b"not a png", "image 3")):
+        path.write_bytes(pickle.dumps([*blobs[:3], bad, *blobs[4:]]))
+        with pytest.raises(ValueError) as info:
+            tasks.TieredImageNet(tmp_path, "train", class_counts=SMALL, cache=False)
+        message = str(info.value)
+        assert "\n" not in message and str(path) in message and said in message
+
+
+def test_a_csv_row_listed_twice_is_one_line_naming_the_file_the_image_and_the_class(tmp_path: Path) -> None:
+    write_csv(tmp_path, SMALL)
+    path = tmp_path / "train.csv"
+    rows = path.read_text().splitlines()
+    path.write_text("\n".join([*rows, rows[1]]) + "\n")  # the first image again, as a copy-paste leaves it
+    name, label = rows[1].split(",")
+    with pytest.raises(ValueError) as info:
+        tasks.MiniImageNet(tmp_path, "train", class_counts=SMALL)
+    message = str(info.value)
+    assert (
+        "\n" not in message and f"{path} lists {name} twice, in rows 2 and {len(rows) + 1} (class {label})" in message
+    )
+
+
+def _ren_class_dict_case(case: str, class_dict: dict[str, list[int]], images: int) -> str:
+    """Damages the class_dict of Ren's pickle as ``case`` says; the message expected."""
+    first, second = sorted(class_dict)[:2]
+    if case == "in-two-classes":
+        class_dict[second] = [*class_dict[second], class_dict[first][0]]
+        return f"image {class_dict[first][0]} is in class_dict['{first}'] and in class_dict['{second}']"
+    if case == "twice-in-a-class":
+        class_dict[second] = [*class_dict[second], class_dict[second][0]]
+        return f"class_dict['{second}'] lists image {class_dict[second][0]} twice"
+    if case == "float-indices":
+        class_dict[second] = [i + 0.6 for i in class_dict[second]]
+        return f"class_dict['{second}'] holds float64 values such as {class_dict[second][0]}"
+    mask = [i in class_dict[second] for i in range(images)]  # "boolean-mask"
+    class_dict[second] = mask
+    return f"class_dict['{second}'] is a boolean mask of {images} entries"
+
+
+@pytest.mark.parametrize("case", ["in-two-classes", "twice-in-a-class", "float-indices", "boolean-mask"])
+def test_ren_class_dict_indices_are_each_image_once_and_integers(tmp_path: Path, case: str) -> None:
+    """Read as they were, the later class took a shared image, 3.6 was image 3 and a mask of 12 was images 0 and 1."""
+    write_ren_mini(tmp_path, SMALL)
+    path = tmp_path / "mini-imagenet-cache-train.pkl"
+    with open(path, "rb") as f:
+        payload = pickle.load(f)
+    said = _ren_class_dict_case(case, payload["class_dict"], len(payload["image_data"]))
+    with open(path, "wb") as f:
+        pickle.dump(payload, f)
+    with pytest.raises(ValueError) as info:
+        tasks.MiniImageNet(tmp_path, "train", class_counts=SMALL)
+    message = str(info.value)
+    assert "\n" not in message and f"{path}: " in message and said in message, message
+
+
+def proc_images(root: Path) -> None:
+    """What cbfinn/maml's ``data/miniImagenet/proc_images.py`` does to a folder of Ravi's CSVs and ``images/``.
+
+    Every image is resized to 84x84 with Lanczos and saved over itself (JPEG again, by its name), then moved
+    (``mv``, so keeping its times) from ``images/`` into ``<split>/<label>/``; the CSVs and an empty ``images/``
+    stay.
+    """
+    for image_file in (root / "images").glob("*"):
+        with Image.open(image_file) as im:
+            im.resize((84, 84), resample=Image.LANCZOS).save(image_file)
+    for split in SPLITS:
+        (root / split).mkdir()
+        with open(root / f"{split}.csv") as f:
+            for name, label in list(csv.reader(f))[1:]:
+                (root / split / label).mkdir(exist_ok=True)
+                os.rename(root / "images" / name, root / split / label / name)
+
+
+@pytest.mark.parametrize("images", ["left-empty", "removed"])
+def test_cbfinns_proc_images_output_is_read_as_the_folders_layout(tmp_path: Path, images: str) -> None:
+    """The folder the MAML repository trains on: CSVs beside an empty (or, after a copying script, no) ``images/``."""
+    write_csv(tmp_path, SMALL)
+    proc_images(tmp_path)
+    assert not list((tmp_path / "images").iterdir()) and (tmp_path / "train.csv").is_file()
+    if images == "removed":
+        (tmp_path / "images").rmdir()
+    splits = tasks.MiniImageNet.splits(tmp_path, class_counts=SMALL, cache=False)
+    for split, part, count in zip(SPLITS, splits, SMALL):
+        assert part.layout == "folders" and part.num_classes == count and len(part) == 2 * count
+        _, labels = split_data(SMALL, split, 84, 2)
+        assert part.classes == [f"n{c:08d}" for c in np.unique(labels)]
+        # The pixels are the resized files' own: moved, not decoded again.
+        first = sorted((tmp_path / split / part.classes[0]).iterdir())[0]
+        with Image.open(first) as im:
+            assert torch.equal(part.images[0], torch.from_numpy(np.array(im.convert("RGB"))).permute(2, 0, 1))
+
+
+def test_csvs_beside_an_empty_images_folder_and_no_class_folders_say_what_was_found(tmp_path: Path) -> None:
+    write_csv(tmp_path, SMALL)
+    for image in (tmp_path / "images").iterdir():
+        image.unlink()
+    with pytest.raises(ValueError) as info:
+        tasks.MiniImageNet(tmp_path, "train", class_counts=SMALL)
+    message = str(info.value)
+    assert (
+        "\n" not in message
+        and f"holds train.csv of the ravi-csv layout, but {tmp_path / 'images'} holds no image" in message
+    )
+    assert "proc_images.py moves the images into train/, val/ and test/" in message and "docs/data.md" in message
+
+
+def _copy_val_over_test(root: Path) -> None:
+    shutil.copy(root / "FC100_val.pickle", root / "FC100_test.pickle")
+
+
+def _val_class_in_test_csv(root: Path) -> None:
+    val = (root / "val.csv").read_text().splitlines()[1:]
+    with open(root / "test.csv", "a") as f:
+        f.writelines(row + "\n" for row in val if row.endswith(",n00000006"))
+
+
+def _val_class_copied_into_test(root: Path) -> None:
+    shutil.copytree(root / "val" / "n00000006", root / "test" / "n00000006")
+
+
+@pytest.mark.parametrize(
+    ("cls", "write", "leak", "counts", "files"),
+    [
+        (tasks.FC100, metaopt_writer({s: f"FC100_{s}.pickle" for s in SPLITS}, 32), _copy_val_over_test, SMALL,
+         ("FC100_val.pickle", "FC100_test.pickle")),
+        (tasks.MiniImageNet, write_csv, _val_class_in_test_csv, (6, 5, 6), ("val.csv, images", "test.csv, images")),
+        (tasks.CIFARFS, folder_writer(32), _val_class_copied_into_test, (6, 5, 6), ("val", "test")),
+    ],
+    ids=["fc100-val-copied-over-test", "mini-csv-val-class-in-test", "cifarfs-val-class-folder-in-test"],
+)  # fmt: skip
+def test_a_class_in_two_splits_is_refused_in_one_line_naming_both(tmp_path: Path, cls, write, leak, counts, files):
+    """``cp FC100_val.pickle FC100_test.pickle`` reported the validation classes as held-out test accuracy."""
+    write(tmp_path, SMALL)
+    leak(tmp_path)
+    with pytest.raises(ValueError) as info:
+        cls.splits(tmp_path, class_counts=counts)
+    message = str(info.value)
+    first = "6" if cls is tasks.FC100 else "n00000006"  # MetaOptNet's labels number the classes of all splits
+    said = f"class {first} is in the val split ({files[0]}) and in the test split ({files[1]})"
+    assert "\n" not in message and said in message and "disjoint" in message, message
+
+
+CACHE_CHANGES = ["image-moved-to-another-class", "class-folder-renamed", "image-replaced-same-size-and-time"]
+
+
+@pytest.mark.parametrize("by", ["content", "ctime"])
+@pytest.mark.parametrize("change", CACHE_CHANGES)
+def test_a_folders_cache_is_a_miss_whenever_its_labels_or_pixels_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: str, by: str
+) -> None:
+    """``mv`` and ``cp -p`` keep times: a key of (count, total size, newest time) served the old labels and pixels."""
+    if by == "ctime":  # the key of folders above the hashing limit: status-change times stand in for content
+        monkeypatch.setattr(cache_module, "HASH_LIMIT", 0)
+    root = tmp_path / "data"
+    folder_writer(32)(root, SMALL, per_class=4)
+    train = root / "train"
+    images = sorted(train.glob("*/*.png"))
+    for i, path in enumerate(images):  # every image the same size, so that one can replace another
+        path.write_bytes(uncompressed_png(random_images(1, 32, seed=100 + i)[0]))
+    cold = tasks.CIFARFS(root, "train", class_counts=SMALL)
+    assert not cold.from_cache and tasks.CIFARFS(root, "train", class_counts=SMALL).from_cache
+    if by == "ctime":
+        time.sleep(0.05)  # the kernel's file times tick every few milliseconds
+    first, second = sorted(p for p in train.iterdir())[:2]
+    if change == "image-moved-to-another-class":
+        os.rename(images[0], second / "moved.png")  # mv: times kept
+    elif change == "class-folder-renamed":
+        os.rename(first, train / "n00000099")
+    else:
+        replace_keeping_size_and_time(images[0], uncompressed_png(random_images(1, 32, seed=7)[0]))
+    warm = tasks.CIFARFS(root, "train", class_counts=SMALL)
+    fresh = tasks.CIFARFS(root, "train", class_counts=SMALL, cache=False)
+    assert not warm.from_cache and warm.cache_path != cold.cache_path
+    assert torch.equal(warm.images, fresh.images) and torch.equal(warm.labels, fresh.labels)
+    assert warm.classes == fresh.classes
+    sizes = torch.bincount(warm.labels).tolist()
+    assert sizes == {"image-moved-to-another-class": [3, 5, 4, 4, 4, 4]}.get(change, [4] * 6)
+    assert (warm.classes[-1] == "n00000099") == (change == "class-folder-renamed")
+    if change == "image-replaced-same-size-and-time":  # the first image's pixels, and nothing else
+        assert not torch.equal(warm.images[0], cold.images[0]) and torch.equal(warm.images[1:], cold.images[1:])
+
+
+def test_a_split_with_a_class_too_small_for_a_task_names_it(tmp_path: Path) -> None:
+    """A class of 2 images at 1 shot and 15 query was never drawn; the results still said 6 classes."""
+    folder_writer(32)(tmp_path, SMALL, per_class=16)
+    small = sorted((tmp_path / "train" / "n00000003").iterdir())
+    for path in small[2:]:
+        path.unlink()
+    train = tasks.CIFARFS(tmp_path, "train", class_counts=SMALL)
+    assert train.sampler(5, 1, 1).num_classes == 6
+    with pytest.raises(ValueError) as info:
+        train.sampler(5, 1, 15)
+    message = str(info.value)
+    assert "\n" not in message and "class n00000003 (label 3) has 2, the smallest of 1 classes (of 6)" in message

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 import zipfile
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from torch import nn
 
 import maml
 import tasks
+from tasks._src import cache as cache_module
 
 ARCHIVES = ("images_background_small1.zip", "images_background_small2.zip")
 ALPHABETS = ["Balinese", "Early_Aramaic", "Greek", "Japanese_(katakana)", "Korean", "Latin", "Sanskrit", "Tagalog"]
@@ -335,3 +337,39 @@ def test_a_corrupt_image_in_an_archive(tmp_path: Path) -> None:
 def test_non_positive_image_size(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"image_size=0 is out of range"):
         tasks.Omniglot(tmp_path, image_size=0)
+
+
+@pytest.mark.parametrize("by", ["content", "ctime"])
+@pytest.mark.parametrize("change", ["image-moved-to-another-character", "character-renamed", "image-replaced"])
+def test_an_extracted_folders_cache_is_a_miss_whenever_its_labels_or_pixels_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: str, by: str
+) -> None:
+    """``mv`` and ``cp -p`` keep times: a key of (count, total size, newest time) served [20, 20, 20, 20]."""
+    if by == "ctime":  # the key above the hashing limit: status-change times stand in for content
+        monkeypatch.setattr(cache_module, "HASH_LIMIT", 0)
+    split = tmp_path / "images_background"
+    write_split(split, {"A": 2, "B": 2}, drawers=4)
+    rng = np.random.default_rng(5)
+    for path in sorted(split.glob("*/*/*.png")):  # every image the same size, so that one can replace another
+        path.write_bytes(helpers.uncompressed_png(rng.random((105, 105)) > 0.2))
+    cold = tasks.Omniglot(split, rotations=False, cache_dir=tmp_path / "cache")
+    assert tasks.Omniglot(split, rotations=False, cache_dir=tmp_path / "cache").from_cache
+    if by == "ctime":
+        time.sleep(0.05)  # the kernel's file times tick every few milliseconds
+    image = split / "A" / "character01" / "0001_01.png"
+    if change == "image-moved-to-another-character":
+        os.rename(image, split / "A" / "character02" / "0002_05.png")  # mv: times kept
+    elif change == "character-renamed":
+        os.rename(split / "B" / "character02", split / "B" / "character07")
+    else:
+        helpers.replace_keeping_size_and_time(image, helpers.uncompressed_png(rng.random((105, 105)) > 0.5))
+    warm = tasks.Omniglot(split, rotations=False, cache_dir=tmp_path / "cache")
+    fresh = tasks.Omniglot(split, rotations=False, cache=False)
+    assert not warm.from_cache and warm.cache_path != cold.cache_path
+    assert torch.equal(warm.images, fresh.images) and torch.equal(warm.labels, fresh.labels)
+    assert warm.characters == fresh.characters
+    sizes = torch.bincount(warm.labels).tolist()
+    assert sizes == ([3, 5, 4, 4] if change == "image-moved-to-another-character" else [4, 4, 4, 4])
+    assert ("B/character07" in warm.characters) == (change == "character-renamed")
+    if change == "image-replaced":  # the first image's pixels, and nothing else
+        assert not torch.equal(warm.images[0], cold.images[0]) and torch.equal(warm.images[1:], cold.images[1:])

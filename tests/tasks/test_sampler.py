@@ -79,17 +79,33 @@ def test_same_seed_same_tasks() -> None:
 
 
 def test_unequal_class_sizes_and_arbitrary_label_values() -> None:
-    # Class 7 has 2 images, class -1 has 5, class 30 has 9: with shots + query = 4 class 7 is never drawn.
+    # Class 7 has 2 images, class -1 has 5, class 30 has 9: shots + query = 2 draws from each.
     labels = torch.tensor([7] * 2 + [-1] * 5 + [30] * 9)
     images = torch.arange(16, dtype=torch.float32).reshape(16, 1, 1, 1)
-    sampler = tasks.FewShotSampler(images, labels, ways=2, shots=1, query=3)
-    assert sampler.classes.tolist() == [-1, 30] and sampler.num_classes == 2
+    sampler = tasks.FewShotSampler(images, labels, ways=2, shots=1, query=1)
+    assert sampler.classes.tolist() == [-1, 7, 30] and sampler.num_classes == 3
     batch, index = sampler.sample(300, generator=gen(), return_indices=True)
     drawn = torch.cat([index.support, index.query], 1)
-    assert set(labels[drawn].unique().tolist()) == {-1, 30}
-    assert all(row.unique().numel() == 8 for row in drawn)  # padding never drawn, no image twice
+    assert set(labels[drawn].unique().tolist()) == {-1, 7, 30}
+    assert all(row.unique().numel() == 4 for row in drawn)  # padding never drawn, no image twice
     assert torch.equal(labels[index.support], index.classes.gather(1, batch.support_y))
     assert set(drawn[labels[drawn] == 30].unique().tolist()) == set(range(7, 16))
+    assert set(drawn[labels[drawn] == 7].unique().tolist()) == {0, 1}
+
+
+def test_a_class_smaller_than_shots_plus_query_is_refused_not_left_out() -> None:
+    """It was never drawn, silently: a run reported 64 classes and trained on fewer."""
+    labels = torch.tensor([7] * 2 + [-1] * 5 + [30] * 9 + [4] * 3)
+    images = torch.zeros(labels.numel(), 1, 2, 2)
+    match = (
+        r"^shots \+ query = 1 \+ 3 = 4 distinct images are needed per class, but class 7 has 2, the smallest of 2 classes "
+        r"\(of 4\) with fewer; lower shots or query, or leave those classes out of the images and labels"
+    )
+    with pytest.raises(ValueError, match=match):
+        tasks.FewShotSampler(images, labels, ways=2, shots=1, query=3)
+    names = [f"n{c:08d}" for c in range(31)]  # a data set's class names, by label value
+    with pytest.raises(ValueError, match=r"but class n00000007 \(label 7\) has 2, the smallest"):
+        tasks.FewShotSampler(images, labels, ways=2, shots=1, query=3, class_names=names)
 
 
 def test_channels_dtype_and_scaling() -> None:
