@@ -123,9 +123,17 @@ def field(payload: Any, keys: Sequence[str], path: Path, help: str) -> Any:
     raise ValueError(f"{path} holds no {keys[0]!r} (it holds {have}); {help}")
 
 
+def as_array(value: Any, what: str, help: str) -> np.ndarray:
+    """``np.asarray(value)``; lists nested deeper than numpy's 32 dimensions, or ragged, are one line naming ``what``."""
+    try:
+        return np.asarray(value)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"{what} is not a flat list of numbers ({exc}); {help}") from None
+
+
 def as_images(array: Any, side: int, path: Path, help: str) -> np.ndarray:
     """``array`` checked to be ``(N, side, side, 3)`` uint8 images."""
-    array = np.asarray(array)
+    array = as_array(array, f"{path}: the images", help)
     if array.dtype != np.uint8 or array.ndim != 4 or array.shape[1:] != (side, side, 3):
         raise ValueError(
             f"{path} holds images of shape {array.shape} and dtype {array.dtype}, not (N, {side}, {side}, 3) "
@@ -161,29 +169,48 @@ def read_npz(path: Path, key: str, help: str) -> np.ndarray:
         ) from None
 
 
-def decode(blob: bytes, side: int, where: str, help: str) -> np.ndarray:
-    """One encoded image as ``(side, side, 3)`` uint8 RGB, resized with Lanczos if it is another size.
+_SIDES = "CIFAR-FS and FC100 are 32x32, mini-ImageNet and tieredImageNet 84x84 (or larger originals, resized)"
+
+
+def decode(blob: bytes, side: int, where: str, help: str, exact: bool = False) -> np.ndarray:
+    """One encoded image as ``(side, side, 3)`` uint8 RGB, resized with Lanczos if it is larger.
 
     Lanczos is what cbfinn/maml's ``data/miniImagenet/proc_images.py`` resizes the originals with.
+    An image smaller than ``side`` both ways, or of another size when ``exact`` (CIFAR's 32x32), is
+    another data set's: mini-ImageNet's 84-pixel images would otherwise train as CIFAR-FS shrunk to 32.
     """
     try:
         with Image.open(io.BytesIO(blob)) as im:
+            w, h = im.size
+            if (w != side or h != side) if exact else (w < side and h < side):
+                raise _WrongSize(
+                    f"{where} is {w}x{h} pixels, not {side}x{side}{'' if exact else ' or larger'}: the folder holds "
+                    f"another data set's images ({_SIDES}); read it as the data set it holds; {help}"
+                )
             rgb = im.convert("RGB")
             if rgb.size != (side, side):
                 rgb = rgb.resize((side, side), Image.Resampling.LANCZOS)
             return np.asarray(rgb, dtype=np.uint8)
+    except _WrongSize as exc:
+        raise ValueError(str(exc)) from None
     except Exception as exc:  # noqa: BLE001 - PIL reports broken images as OSError, SyntaxError, ...
         raise ValueError(f"cannot decode the image {where} ({exc}): the file is corrupt or truncated; {help}") from None
 
 
-def decode_all(jobs: Sequence[tuple[str, Callable[[], bytes]]], side: int, help: str) -> np.ndarray:
+class _WrongSize(Exception):
+    pass
+
+
+def decode_all(
+    jobs: Sequence[tuple[str, Callable[[], bytes]]], side: int, help: str, exact: bool = False
+) -> np.ndarray:
     """Every ``(where, read bytes)`` job decoded into one ``(N, side, side, 3)`` array, on a few threads."""
     out = np.empty((len(jobs), side, side, 3), dtype=np.uint8)
 
     def run(start: int) -> None:
         for i in range(start, min(start + 256, len(jobs))):
             where, read = jobs[i]
-            out[i] = decode(read(), side, where, help)
+            out[i] = decode(read(), side, where, help, exact)
 
     # PIL releases the GIL while it decodes and resizes; threads cost no start-up.
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
@@ -206,28 +233,39 @@ def folder_images(split: Path) -> list[tuple[int, Path]]:
     return [(c, p) for c, folder in enumerate(class_folders(split)) for p in image_files(folder)]
 
 
-def read_folders(split: Path, side: int, help: str) -> Decoded:
-    """``split/<class>/<image>``: a folder per class (cbfinn/maml's and MAML++'s layout)."""
+def read_folders(split: Path, side: int, help: str, exact: bool = False) -> Decoded:
+    """``split/<class>/<image>``: a folder per class (cbfinn/maml's and MAML++'s layout); ``exact``: as :func:`decode`."""
     folders = class_folders(split)
     files = folder_images(split)
     empty = [f.name for f in folders if not image_files(f)]
     if not folders or empty:
         what = f"class folders without images ({', '.join(empty[:3])})" if empty else "no class folder"
         raise ValueError(f"{split} has {what}; {help}")
-    images = decode_all([(str(p), p.read_bytes) for _, p in files], side, help)
+    images = decode_all([(str(p), p.read_bytes) for _, p in files], side, help, exact)
     return images, np.array([c for c, _ in files], dtype=np.int64), [f.name for f in folders]
 
 
 def csv_rows(csv_path: Path, help: str) -> list[tuple[str, str]]:
-    """The ``(filename, label)`` rows of Ravi and Larochelle's ``<split>.csv``, each image once."""
+    """The ``(filename, label)`` rows of Ravi and Larochelle's ``<split>.csv``, each image once.
+
+    A UTF-8 byte-order mark (as spreadsheets write one) is skipped.
+    """
     try:
-        with open(csv_path, newline="") as f:
+        with open(csv_path, newline="", encoding="utf-8-sig") as f:
             rows = list(csv.reader(f))
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"cannot read {csv_path} ({exc}); {help}") from None
     body = [(line, r) for line, r in enumerate(rows[1:], start=2) if r]
-    if not rows or [c.strip() for c in rows[0][:2]] != ["filename", "label"] or any(len(r) < 2 for _, r in body):
-        raise ValueError(f"{csv_path} is not a 'filename,label' table with that header; {help}")
+    if not rows or [c.strip() for c in rows[0][:2]] != ["filename", "label"]:
+        first = ",".join(rows[0]) if rows else ""
+        raise ValueError(f"{csv_path} begins with {first[:80]!r}, not the header 'filename,label'; {help}")
+    short = [(line, r) for line, r in body if len(r) < 2 or not r[0].strip() or not r[1].strip()]
+    if short:
+        line, r = short[0]
+        cut = " (the last row: the file is cut short; copy it again)" if line == body[-1][0] else ""
+        raise ValueError(
+            f"{csv_path}: row {line} is {','.join(r)[:80]!r}, not 'filename,label'{cut}; {len(short)} such rows; {help}"
+        )
     if not body:
         raise ValueError(f"{csv_path} lists no image; {help}")
     # An image listed twice could be the support and the query image of one task.

@@ -67,6 +67,10 @@ def _read_folders(root: Path, split: str, side: int, help: str) -> Decoded:
     return files.read_folders(root / split, side, help)
 
 
+def _read_cifar_folders(root: Path, split: str, side: int, help: str) -> Decoded:
+    return files.read_folders(root / split, side, help, exact=True)  # CIFAR's images are 32x32 in every source
+
+
 def _read_csv(root: Path, split: str, side: int, help: str) -> Decoded:
     return files.read_csv_split(root / f"{split}.csv", root / "images", side, help)
 
@@ -97,7 +101,7 @@ def _csv_without_images(root: Path) -> str | None:
 
 
 def _checked(images: np.ndarray, raw_labels: object, path: Path, help: str) -> np.ndarray:
-    labels = np.asarray(raw_labels).reshape(-1)
+    labels = files.as_array(raw_labels, f"{path}: the labels", help).reshape(-1)
     if labels.shape[0] != images.shape[0] or labels.dtype.kind not in "iu":
         raise ValueError(
             f"{path} holds {images.shape[0]} images and {labels.shape[0]} labels of dtype {labels.dtype}: one "
@@ -161,10 +165,7 @@ def _indices(value: object, where: str, help: str) -> np.ndarray:
 
     Casting would read a mask of 12 images as the indices 0 and 1, and 3.6 as image 3.
     """
-    try:
-        array = np.asarray(value)
-    except ValueError:  # ragged nesting
-        array = np.asarray(value, dtype=object)
+    array = files.as_array(value, where, help)
     if array.dtype == np.bool_:
         raise ValueError(f"{where} is a boolean mask of {array.size} entries, not a list of image indices; {help}")
     if array.size and array.dtype.kind not in "iu":
@@ -180,10 +181,16 @@ def _read_ren_tiered(root: Path, split: str, side: int, help: str) -> Decoded:
     if not isinstance(blobs, (list, tuple, np.ndarray)):
         raise ValueError(f"{image_path} holds a {type(blobs).__name__}, not a list of PNG-encoded images; {help}")
     payload = files.read_pickle(label_path, help)
-    raw = np.asarray(files.field(payload, ["label_specific", "labels"], label_path, help)).reshape(-1)
-    if raw.shape[0] != len(blobs) or raw.dtype.kind not in "iu":
+    raw = files.field(payload, ["label_specific", "labels"], label_path, help)
+    raw = files.as_array(raw, f"{label_path}: label_specific", help).reshape(-1)
+    if raw.shape[0] != len(blobs):
         raise ValueError(
             f"{label_path} holds {raw.shape[0]} labels for the {len(blobs)} images of {image_path}; {help}"
+        )
+    if raw.size and raw.dtype.kind not in "iu":  # 3.0 or 3.6 as class 3 would be a guess
+        raise ValueError(
+            f"{label_path}: label_specific holds {raw.dtype} values such as {raw[0].item()!r}, not integer class "
+            f"labels (one per image, as Ren's files hold); {help}"
         )
     names = payload.get("label_specific_str") if isinstance(payload, dict) else None
     # Each image's bytes are taken when it is decoded, not all at once: tieredImageNet's train split
@@ -239,13 +246,19 @@ _METAOPT_MINI = {
     "test": "miniImageNet_category_split_test.pickle",
 }
 
-FOLDERS = Layout(
-    "folders",
-    "cbfinn/maml's proc_images.py, MAML++",
-    lambda r, s: [r / s],
-    _read_folders,
-    inputs=lambda r, s: [p for _, p in files.folder_images(r / s)],
-)
+
+def _folders(read: Callable[[Path, str, int, str], Decoded]) -> Layout:
+    return Layout(
+        "folders",
+        "cbfinn/maml's proc_images.py, MAML++",
+        lambda r, s: [r / s],
+        read,
+        inputs=lambda r, s: [p for _, p in files.folder_images(r / s)],
+    )
+
+
+FOLDERS = _folders(_read_folders)
+CIFAR_FOLDERS = _folders(_read_cifar_folders)  # of 32x32 images only
 
 
 def _pickles(prefix: str) -> Layout:
@@ -320,7 +333,7 @@ CIFAR_FS = DataSpec(
     "CIFARFS_DIR",
     "Bertinetto et al.'s split of CIFAR-100; MetaOptNet's CIFAR_FS_<split>.pickle are linked from "
     "github.com/kjunelee/MetaOptNet",
-    (_pickles("CIFAR_FS"), FOLDERS),
+    (_pickles("CIFAR_FS"), CIFAR_FOLDERS),
 )
 FC100 = DataSpec(
     "FC100",
@@ -330,7 +343,7 @@ FC100 = DataSpec(
     "FC100_DIR",
     "Oreshkin et al.'s superclass split of CIFAR-100; MetaOptNet's FC100_<split>.pickle are linked from "
     "github.com/kjunelee/MetaOptNet",
-    (_pickles("FC100"), FOLDERS),
+    (_pickles("FC100"), CIFAR_FOLDERS),
 )
 DATASETS: dict[str, DataSpec] = {d.key: d for d in (MINI_IMAGENET, TIERED_IMAGENET, CIFAR_FS, FC100)}
 
@@ -339,7 +352,7 @@ def _present(layout: Layout, root: Path) -> list[Path]:
     # By each split's first file, the one only this layout has (Ren's and MetaOptNet's tieredImageNet
     # share <split>_labels.pkl, and differ by their images' file).
     found = [p for p in (layout.files(root, s)[0] for s in SPLITS) if p.exists()]
-    if layout is FOLDERS:  # a split folder counts when it holds class folders
+    if layout.name == "folders":  # a split folder counts when it holds class folders
         found = [p for p in found if p.is_dir() and files.class_folders(p)]
     return found
 

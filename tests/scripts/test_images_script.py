@@ -162,3 +162,15 @@ def test_a_class_too_small_for_a_task_or_in_two_splits_is_one_line_and_exit_2(tm
     shutil.rmtree(data / "test" / "n00000099")
     shutil.copytree(data / "val" / "n00000064", data / "test" / "n00000064")  # a validation class in the test split
     assert "class n00000064 is in the val split (val) and in the test split (test)" in refused()
+
+
+def test_cifarfs_on_mini_imagenet_folders_is_one_line_and_exit_2(tmp_path: Path, monkeypatch, capsys) -> None:
+    """Both have 64/16/20 classes: mini-ImageNet's 84-pixel class folders trained as CIFAR-FS, shrunk to 32 pixels."""
+    monkeypatch.setenv("MAML_CACHE_DIR", str(tmp_path / "cache"))
+    data = tmp_path / "data"
+    folder_writer(84)(data, (64, 16, 20), per_class=1)
+    with pytest.raises(SystemExit) as e:
+        fit.main(images.run, ["--dataset", "cifarfs", "--data", str(data), "--out", str(tmp_path / "run"), *SHORT])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and "\n" not in err and not (tmp_path / "run" / "results.json").exists(), err
+    assert f"{data / 'train' / 'n00000000' / '0.png'} is 84x84 pixels, not 32x32" in err

@@ -467,3 +467,84 @@ def test_a_split_with_a_class_too_small_for_a_task_names_it(tmp_path: Path) -> N
         train.sampler(5, 1, 15)
     message = str(info.value)
     assert "\n" not in message and "class n00000003 (label 3) has 2, the smallest of 1 classes (of 6)" in message
+
+
+def test_a_csv_with_a_byte_order_mark_is_read_as_without(tmp_path: Path) -> None:
+    """Spreadsheets save CSV as UTF-8 with a byte-order mark; it was read into the header and refused."""
+    write_csv(tmp_path, SMALL)
+    plain = tasks.MiniImageNet(tmp_path, "train", class_counts=SMALL, cache=False)
+    path = tmp_path / "train.csv"
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    marked = tasks.MiniImageNet(tmp_path, "train", class_counts=SMALL, cache=False)
+    assert torch.equal(marked.images, plain.images) and marked.classes == plain.classes
+
+
+def test_a_csv_cut_short_names_the_row(tmp_path: Path) -> None:
+    """A copy that stopped mid-row was "not a 'filename,label' table with that header"."""
+    write_csv(tmp_path, SMALL)
+    path = tmp_path / "train.csv"
+    text = path.read_text()
+    cut = text.rstrip("\n").rsplit(",", 1)[0][:-3]  # the last row's file name, cut before its label
+    path.write_text(cut)
+    rows = len(cut.splitlines())
+    with pytest.raises(ValueError) as info:
+        tasks.MiniImageNet(tmp_path, "train", class_counts=SMALL)
+    message = str(info.value)
+    assert "\n" not in message and f"{path}: row {rows} is " in message and "the file is cut short" in message
+    path.write_text("name,class\n" + text.split("\n", 1)[1])
+    with pytest.raises(ValueError, match=r"train.csv begins with 'name,class', not the header 'filename,label'"):
+        tasks.MiniImageNet(tmp_path, "train", class_counts=SMALL)
+
+
+def test_float_tiered_labels_say_so(tmp_path: Path) -> None:
+    """Float label_specific was "holds 12 labels for the 12 images", the count it had right."""
+    write_ren_tiered(tmp_path, SMALL)
+    path = tmp_path / "train_labels.pkl"
+    with open(path, "rb") as f:
+        payload = pickle.load(f)
+    payload["label_specific"] = payload["label_specific"].astype(np.float64)
+    with open(path, "wb") as f:
+        pickle.dump(payload, f)
+    with pytest.raises(ValueError) as info:
+        tasks.TieredImageNet(tmp_path, "train", class_counts=SMALL)
+    message = str(info.value)
+    assert "\n" not in message and f"{path}: label_specific holds float64 values such as 0.0" in message
+
+
+def _text(name: bytes) -> bytes:
+    return pickle.BINUNICODE + struct.pack("<I", len(name)) + name
+
+
+def _nested_labels_pickle(images: np.ndarray, depth: int) -> bytes:
+    """MetaOptNet's pickle whose labels are a list nested ``depth`` deep (written by opcodes: pickle.dumps recurses)."""
+    nested = pickle.EMPTY_LIST * depth + pickle.APPEND * (depth - 1)
+    body = pickle.dumps(images, protocol=2)[2:-1]  # without its PROTO and STOP; it uses memo slots we do not
+    return (
+        pickle.PROTO + b"\x02" + pickle.EMPTY_DICT
+        + _text(b"labels") + nested + pickle.SETITEM
+        + _text(b"data") + body + pickle.SETITEM + pickle.STOP
+    )  # fmt: skip
+
+
+def test_labels_nested_too_deep_are_one_line_naming_the_file(tmp_path: Path) -> None:
+    """numpy's "exceed the maximum number of dimension of 32" named no file."""
+    path = tmp_path / "FC100_train.pickle"
+    path.write_bytes(_nested_labels_pickle(np.zeros((2, 32, 32, 3), np.uint8), 200_000))
+    with pytest.raises(ValueError) as info:
+        tasks.FC100(tmp_path, class_counts=SMALL)
+    message = str(info.value)
+    assert "\n" not in message and f"{path}: the labels is not a flat list of numbers" in message
+
+
+@pytest.mark.parametrize(
+    ("cls", "side", "other"), [(tasks.CIFARFS, 84, 32), (tasks.FC100, 84, 32), (tasks.MiniImageNet, 32, 84)]
+)
+def test_class_folders_of_another_data_sets_image_size_are_refused(tmp_path: Path, cls, side: int, other: int) -> None:
+    """mini-ImageNet's folders (84 px) trained as CIFAR-FS shrunk to 32 px: both have 64/16/20 classes."""
+    folder_writer(side)(tmp_path, SMALL)
+    with pytest.raises(ValueError) as info:
+        cls(tmp_path, "train", class_counts=SMALL)
+    message = str(info.value)
+    first = tmp_path / "train" / "n00000000" / "0.png"
+    assert "\n" not in message and f"{first} is {side}x{side} pixels, not {other}x{other}" in message, message
+    assert not list((tmp_path / "cache").glob("*"))
