@@ -33,13 +33,17 @@ def evaluate(
 ) -> dict[str, Any]:
     """Test accuracy on ``eval_tasks`` tasks (the same at each number of steps) with 95 % CIs (``run``: fitted.run)."""
     g = torch.Generator().manual_seed(cfg.seed + 20_000)
-    chunks = [
-        sampler.sample(min(cfg.eval_chunk, cfg.eval_tasks - i), g, device=device)
-        for i in range(0, cfg.eval_tasks, cfg.eval_chunk)
-    ]
+    # A chunk is drawn, evaluated at every number of steps and let go before the next is drawn: the
+    # same tasks as drawing all first, with one chunk's images in memory (--eval-chunk bounds it).
+    per_steps: dict[int, list[torch.Tensor]] = {steps: [] for steps in cfg.eval_steps}
+    for i in range(0, cfg.eval_tasks, cfg.eval_chunk):
+        batch = sampler.sample(min(cfg.eval_chunk, cfg.eval_tasks - i), g, device=device)
+        for steps in per_steps:
+            per_steps[steps].append(accuracy(run(batch, steps=steps).query_out, batch.query_y))
+        del batch
     results = {}
-    for steps in cfg.eval_steps:
-        acc = torch.cat([accuracy(run(b, steps=steps).query_out, b.query_y) for b in chunks])
+    for steps in per_steps:
+        acc = torch.cat(per_steps[steps])
         mean, ci = mean_ci95(acc)
         results[f"{steps}step"] = {"accuracy": mean, "ci95": ci, "steps": steps, "tasks": acc.numel()}
     return results

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import types
+import weakref
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,8 @@ from helpers import folder_writer, write_ren_mini
 from torch import nn
 
 import maml
-from experiments import fit, images, omniglot, recipes
+import tasks
+from experiments import fewshot, fit, images, omniglot, recipes
 from experiments.omniglot_net import BatchNormOffset
 
 
@@ -174,3 +177,33 @@ def test_cifarfs_on_mini_imagenet_folders_is_one_line_and_exit_2(tmp_path: Path,
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and "\n" not in err and not (tmp_path / "run" / "results.json").exists(), err
     assert f"{data / 'train' / 'n00000000' / '0.png'} is 84x84 pixels, not 32x32" in err
+
+
+def test_the_final_test_holds_one_chunk_of_tasks_at_a_time_and_scores_the_same(tmp_path: Path) -> None:
+    """Every chunk of the 600 tasks was drawn before any was evaluated: --eval-chunk bounded nothing (5.16 GB peak)."""
+    images_ = torch.randint(0, 256, (10 * 6, 3, 8, 8), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    sampler = tasks.FewShotSampler(images_, torch.arange(10).repeat_interleave(6), 3, 1, 2)
+    live, most = [0], [0]
+
+    class Counted:
+        def sample(self, n, g, device=None):
+            batch = sampler.sample(n, g, device=device)
+            live[0] += 1
+            weakref.finalize(batch.query_x, lambda: live.__setitem__(0, live[0] - 1))
+            return batch
+
+    def run(batch, steps):  # a stand-in model: logits from the pixels and the steps, so that tasks score apart
+        most[0] = max(most[0], live[0])
+        return types.SimpleNamespace(
+            query_out=batch.query_x.flatten(2)[..., : 3 * steps].reshape(*batch.query_y.shape, steps, 3).sum(-2)
+        )
+
+    cfg = types.SimpleNamespace(seed=3, eval_tasks=23, eval_chunk=5, eval_steps=(1, 2))
+    results = fewshot.evaluate(run, Counted(), cfg, torch.device("cpu"))
+    assert most[0] == 1  # was 5, every chunk
+    g = torch.Generator().manual_seed(cfg.seed + 20_000)
+    chunks = [sampler.sample(min(5, 23 - i), g) for i in range(0, 23, 5)]  # as it was: all drawn, then evaluated
+    for steps in cfg.eval_steps:
+        acc = torch.cat([fewshot.accuracy(run(b, steps).query_out, b.query_y) for b in chunks])
+        assert results[f"{steps}step"]["tasks"] == 23
+        assert results[f"{steps}step"]["accuracy"] == fewshot.mean_ci95(acc)[0]
