@@ -94,11 +94,7 @@ class FewShotImages:
             raise ValueError(f"split={split!r} is not one of 'train', 'val' ('validation') or 'test'.")
         split = _SPLIT_NAMES[split]
         counts = _counts(class_counts, spec)
-        if root is None:
-            if not os.environ.get(spec.env):
-                raise ValueError(f"no {spec.name} folder: pass root= the folder or set ${spec.env}; {spec.help()}")
-            root = os.environ[spec.env]
-        self.root = Path(root).expanduser()
+        self.root = _root(spec, root)
         layout = detect(spec, self.root, split)
         identity = json.dumps(
             {"format": _CACHE_FORMAT, "data": spec.key, "split": split, "layout": layout.name, "side": spec.side,
@@ -114,7 +110,7 @@ class FewShotImages:
         if found is None:
             payload = _decode(spec, layout, self.root, split)
             payload["key"] = key
-            _check_count(payload, expected, spec, layout, self.root, split)  # before a wrong split is cached
+            _check_count(len(payload["classes"]), expected, spec, layout, self.root, split)  # before it is cached
             path = _save(folders, name, payload, spec) if folders else None
             # Mapped from the file just written: the decoded copy in memory is let go.
             found = cache_files.load([path.parent], name, lambda p: True, mmap=True) if path is not None else None
@@ -122,7 +118,7 @@ class FewShotImages:
         else:
             payload, self.cache_path = found
             self.from_cache = True
-            _check_count(payload, expected, spec, layout, self.root, split)
+            _check_count(len(payload["classes"]), expected, spec, layout, self.root, split)
         if found is not None:
             payload = found[0]
         self.images, self.labels, self.classes = payload["images"], payload["labels"], list(payload["classes"])
@@ -133,12 +129,36 @@ class FewShotImages:
     def splits(cls, root: str | os.PathLike[str] | None = None, **kwargs: Any) -> ImageSplits:
         """The train, validation and test splits under ``root`` (keyword arguments as the constructor's).
 
+        Every split's files are found, and where the layout names its classes without decoding (class
+        folders, Ravi's CSVs) their counts and disjointness checked, before any split is decoded; a
+        split refused after others were decoded removes the caches this call wrote, so a refused folder
+        leaves none (a mini-ImageNet train split's is 1.27 GB).
+
         Raises:
             ValueError: as the constructor, or one line naming a class that two splits hold.
         """
-        parts = ImageSplits(*(cls(root, split, **kwargs) for split in SPLITS))
-        _check_disjoint(parts, cls.spec)
-        return parts
+        spec = cls.spec
+        where = _root(spec, root)
+        layouts = [detect(spec, where, split) for split in SPLITS]
+        if all(layout.names is not None for layout in layouts):
+            counts = _counts(kwargs.get("class_counts"), spec)
+            named = []
+            for split, layout, count in zip(SPLITS, layouts, counts):
+                names = layout.names(where, split, spec.help())  # type: ignore[misc]
+                _check_count(len(names), count, spec, layout, where, split)
+                named.append((split, names, layout.files(where, split)))
+            _check_disjoint(where, named, spec)
+        parts: list[FewShotImages] = []
+        try:
+            for split in SPLITS:
+                parts.append(cls(root, split, **kwargs))
+            _check_disjoint(where, [(p.split, p.classes, p._files) for p in parts], spec)
+        except BaseException:
+            for part in parts:
+                if not part.from_cache and part.cache_path is not None:
+                    part.cache_path.unlink(missing_ok=True)
+            raise
+        return ImageSplits(*parts)
 
     @property
     def num_classes(self) -> int:
@@ -199,6 +219,14 @@ def _counts(class_counts: Any, spec: DataSpec) -> tuple[int, int, int]:
     return tuple(checks.positive_int("class_counts", c) for c in class_counts)  # type: ignore[return-value]
 
 
+def _root(spec: DataSpec, root: str | os.PathLike[str] | None) -> Path:
+    if root is None:
+        if not os.environ.get(spec.env):
+            raise ValueError(f"no {spec.name} folder: pass root= the folder or set ${spec.env}; {spec.help()}")
+        root = os.environ[spec.env]
+    return Path(root).expanduser()
+
+
 def _decode(spec: DataSpec, layout: Layout, root: Path, split: str) -> dict[str, Any]:
     images, labels, classes = layout.read(root, split, spec.side, spec.help())
     return {
@@ -210,31 +238,28 @@ def _decode(spec: DataSpec, layout: Layout, root: Path, split: str) -> dict[str,
     }
 
 
-def _check_disjoint(parts: ImageSplits, spec: DataSpec) -> None:
+def _check_disjoint(root: Path, parts: list[tuple[str, list[str], list[Path]]], spec: DataSpec) -> None:
     """Refuses a class held by two splits: a split's file copied over another's, or a class listed in two.
 
     A class's name is its identity across the splits in every layout: a WordNet id (Ravi's CSVs, Ren's
     ``class_dict`` keys and tieredImageNet's ``label_specific_str``, a folder's name) or MetaOptNet's
     label, which numbers the classes of all three splits together.
     """
-    for i, a in enumerate(parts):
-        for b in parts[i + 1 :]:
-            in_b = set(b.classes)
-            shared = [c for c in a.classes if c in in_b]
+    for i, (split_a, classes_a, paths_a) in enumerate(parts):
+        for split_b, classes_b, paths_b in parts[i + 1 :]:
+            in_b = set(classes_b)
+            shared = [c for c in classes_a if c in in_b]
             if shared:
-                files_a, files_b = (", ".join(p.name for p in part._files) for part in (a, b))
+                files_a, files_b = (", ".join(p.name for p in paths) for paths in (paths_a, paths_b))
                 raise ValueError(
-                    f"{a.root}: class {shared[0]} is in the {a.split} split ({files_a}) and in the {b.split} split "
+                    f"{root}: class {shared[0]} is in the {split_a} split ({files_a}) and in the {split_b} split "
                     f"({files_b}), {len(shared)} shared classes in all; the splits of {spec.name} hold disjoint "
                     f"classes, else the accuracy on held-out classes is measured on classes seen: a split's file was "
                     f"copied over another's, or a class is listed in two splits; {spec.help()}"
                 )
 
 
-def _check_count(
-    payload: dict[str, Any], expected: int, spec: DataSpec, layout: Layout, root: Path, split: str
-) -> None:
-    got = len(payload["classes"])
+def _check_count(got: int, expected: int, spec: DataSpec, layout: Layout, root: Path, split: str) -> None:
     if got != expected:
         where = ", ".join(p.name for p in layout.files(root, split))
         raise ValueError(

@@ -32,6 +32,9 @@ class Layout:
     hollow: Callable[[Path], str | None] = lambda root: None
     # (root, split) -> every file the reader reads, for the cache key (default: ``files``, all files).
     inputs: Callable[[Path, str], list[Path]] | None = None
+    # (root, split, help) -> the split's class names, where they are known without decoding (folder names,
+    # a CSV's labels): the splits are checked before any is decoded. None: known by decoding only.
+    names: Callable[[Path, str, str], list[str]] | None = None
 
     def read_files(self, root: Path, split: str) -> list[Path]:
         """Every file :attr:`read` reads for ``split``: the images of a folder, not the folder."""
@@ -254,6 +257,7 @@ def _folders(read: Callable[[Path, str, int, str], Decoded]) -> Layout:
         lambda r, s: [r / s],
         read,
         inputs=lambda r, s: [p for _, p in files.folder_images(r / s)],
+        names=lambda r, s, help: [p.name for p in files.class_folders(r / s)],
     )
 
 
@@ -296,6 +300,7 @@ MINI_IMAGENET = DataSpec(
             _read_csv,
             _csv_without_images,
             _csv_inputs,
+            lambda r, s, help: sorted({label for _, label in files.csv_rows(r / f"{s}.csv", help)}),
         ),
         FOLDERS,
     ),

@@ -548,3 +548,41 @@ def test_class_folders_of_another_data_sets_image_size_are_refused(tmp_path: Pat
     first = tmp_path / "train" / "n00000000" / "0.png"
     assert "\n" not in message and f"{first} is {side}x{side} pixels, not {other}x{other}" in message, message
     assert not list((tmp_path / "cache").glob("*"))
+
+
+def _test_file_removed(root: Path) -> None:
+    (root / "FC100_test.pickle").unlink()
+
+
+def _test_class_folder_removed(root: Path) -> None:
+    shutil.rmtree(root / "test" / "n00000015")
+
+
+FC100_PICKLES = metaopt_writer({s: f"FC100_{s}.pickle" for s in SPLITS}, 32)
+
+
+@pytest.mark.parametrize(
+    ("cls", "write", "damage", "counts", "said", "decodes"),
+    [
+        (tasks.FC100, FC100_PICKLES, _copy_val_over_test, SMALL, "is in the val split", True),
+        (tasks.FC100, FC100_PICKLES, _test_file_removed, SMALL, r"but not FC100_test.pickle \(the test split\)", False),
+        (tasks.MiniImageNet, write_csv, _val_class_in_test_csv, (6, 5, 6), "is in the val split", False),
+        (tasks.CIFARFS, folder_writer(32), _val_class_copied_into_test, (6, 5, 6), "is in the val split", False),
+        (tasks.CIFARFS, folder_writer(32), _test_class_folder_removed, SMALL, "holds 4 classes", False),
+    ],
+    ids=["fc100-val-copied-over-test", "fc100-test-missing", "mini-csv-val-class-in-test",
+         "cifarfs-val-class-folder-in-test", "cifarfs-test-class-missing"],
+)  # fmt: skip
+def test_a_refused_folder_leaves_no_cache(tmp_path: Path, monkeypatch, cls, write, damage, counts, said, decodes):
+    """The splits decoded before the refused one kept their caches (1.27 GB for mini-ImageNet's train split)."""
+    write(tmp_path, SMALL)
+    damage(tmp_path)
+    if not decodes:  # refused from the file names, folder names and CSV labels, before any image is decoded
+        from tasks._src import image_files
+
+        monkeypatch.setattr(image_files, "decode_all", lambda *a, **k: pytest.fail("decoded a split"))
+        monkeypatch.setattr(image_files, "read_pickle", lambda *a, **k: pytest.fail("read a pickle"))
+    with pytest.raises(ValueError, match=said):
+        cls.splits(tmp_path, class_counts=counts)
+    cache = tmp_path / "cache"
+    assert not [p for p in cache.rglob("*") if p.is_file()] if cache.exists() else True
