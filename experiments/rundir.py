@@ -112,10 +112,11 @@ def _check_out(opts: RunOptions, cfg: Any) -> dict[str, Any] | None:
         diff = []
         for key in [*mine, *(k for k in saved if k not in mine)]:
             old, new = saved.get(key), mine.get(key)
-            if old == new or (key in RESUMABLE and not (key == "iterations" and scheduled)):
+            data = key in DATA_KEYS and isinstance(old, str) and isinstance(new, str)  # compared even when equal
+            if (old == new and not data) or (key in RESUMABLE and not (key == "iterations" and scheduled)):
                 continue
-            if key in DATA_KEYS and isinstance(old, str) and isinstance(new, str):
-                problem = _same_data(old, new, state.get("data", {}).get(key))
+            if data:
+                problem = _same_data(old, new, state.get("data", {}).get(key), key)
                 if problem is None:
                     continue
                 diff.append(f"{key}={new!r} (run has {old!r}; {problem})")
@@ -257,13 +258,23 @@ def data_identity(path: str) -> dict[str, str | None]:
     return {"path": resolved, "fingerprint": fingerprint(resolved)}
 
 
-def _same_data(old: str, new: str, kept: dict[str, str | None] | None) -> str | None:
-    """None when ``new`` names the data the run began with (``old``, ``kept`` by its checkpoint); else why not."""
+def _same_data(old: str, new: str, kept: dict[str, str | None] | None, key: str = "data") -> str | None:
+    """None when ``new`` names the data the run began with (``old``, ``kept`` by its checkpoint); else why not.
+
+    Raises:
+        UsageError: ``new`` is the run's path, and its files changed since the run began (or last resumed).
+    """
     # A checkpoint from before data identities were kept: its path, resolved from here.
     before = kept["path"] if kept else str(Path(old).expanduser().resolve())
     now = data_identity(new)
     if now["path"] == before:
-        return None
+        if kept is None or kept["fingerprint"] in (None, now["fingerprint"]):
+            return None
+        raise UsageError(
+            f"--resume: {flag(key)} {new}: its files are not those the run began with (their names or sizes differ: "
+            f"files added, removed or rewritten in place since); put them back, or start a new run with --overwrite "
+            f"or another --out."
+        )
     if kept is None or kept["fingerprint"] is None:
         return "its checkpoint keeps no record of the files to compare; pass the path the run began with"
     if now["fingerprint"] != kept["fingerprint"]:

@@ -207,3 +207,24 @@ def test_the_final_test_holds_one_chunk_of_tasks_at_a_time_and_scores_the_same(t
         acc = torch.cat([fewshot.accuracy(run(b, steps).query_out, b.query_y) for b in chunks])
         assert results[f"{steps}step"]["tasks"] == 23
         assert results[f"{steps}step"]["accuracy"] == fewshot.mean_ci95(acc)[0]
+
+
+def test_resume_with_the_same_data_path_refuses_files_changed_in_place(tmp_path: Path, monkeypatch, capsys) -> None:
+    """The same --data path was never compared: data changed between the run and the resume went unnoticed."""
+    monkeypatch.setenv("MAML_CACHE_DIR", str(tmp_path / "cache"))
+    data, out = tmp_path / "data", tmp_path / "run"
+    folder_writer(32)(data, (64, 16, 20), per_class=2)
+    args = ["--dataset", "cifarfs", "--data", str(data), "--out", str(out), *SHORT]
+    fit.main(images.run, args)
+    capsys.readouterr()
+    fit.main(images.run, [*args, "--resume", "--iterations", "3"])  # unchanged: resumed
+    assert json.loads((out / "results.json").read_text())["iterations"] == 3
+    capsys.readouterr()
+    image = data / "train" / "n00000005" / "10.png"
+    shutil.copy(image, image.with_name("99.png"))  # an image added in place
+    with pytest.raises(SystemExit) as e:
+        fit.main(images.run, [*args, "--resume", "--iterations", "4"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and "\n" not in err, err
+    assert f"error: --resume: --data {data}: its files are not those the run began with" in err
+    assert json.loads((out / "results.json").read_text())["iterations"] == 3
