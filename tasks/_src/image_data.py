@@ -153,7 +153,7 @@ class FewShotImages:
             for split in SPLITS:
                 parts.append(cls(root, split, **kwargs))
             _check_disjoint(where, [(p.split, p.classes, p._files) for p in parts], spec)
-        except BaseException:
+        except ValueError:  # a refusal; an interrupted run keeps the valid caches it wrote
             for part in parts:
                 if not part.from_cache and part.cache_path is not None:
                     part.cache_path.unlink(missing_ok=True)
