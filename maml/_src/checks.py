@@ -443,6 +443,15 @@ def learner_state(
                 f"state['batching'][{device!r}] is {batching!r}; it must be 'vmap' or 'loop' (what batching='auto' "
                 f"chose): load a state_dict a learner saved."
             )
+    plans = state.get("plans", {})  # what the memory planner measured, by configuration
+    if not isinstance(plans, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, Mapping) and all(isinstance(n, int) for n in v.values())
+        for k, v in plans.items()
+    ):
+        raise ValueError(
+            f"state['plans'] must map configurations to measured bytes, as MetaLearner.state_dict() saves them; "
+            f"got {type(plans).__name__}: load a state_dict a learner saved."
+        )
     hint = {"inner_lrs": "the same learn_inner_lr and steps", "model": "the same model", "rule": "the same rule"}
     parts = [("model", model_state), ("inner_lrs", rates)]
     parts += [("rule", rule.state_dict())] if rule is not None else []

@@ -17,13 +17,15 @@ from typing import Any, Literal, overload
 import torch
 from torch import Tensor, nn
 
-from . import checks, modes, options
+from . import budget, checks, modes, options
 from .batch import TaskBatch
+from .budget import Plan
 from .chunked import backward_in_chunks
 from .forward import LossFn, Params, TaskForward, check_finite, unfused_layers
 from .implicit import Implicit
 from .loop import InnerLoop, MetaOutput, Problem
 from .options import Batching, CheckpointHvp, InnerOptimizer, LearnInnerLr, Mode
+from .planner import Planner
 from .probe import Probe
 from .rates import InnerRates
 from .rules import BoundRule, UpdateRule, rule_tensors
@@ -49,6 +51,7 @@ _ARGUMENTS = (
     "inner_optimizer",
     "inner_optimizer_options",
     "implicit",
+    "memory_budget",
 )
 _LIVE = ["mode", "checkpoint_hvp"]  # settable properties with checks of their own (beside the _Option ones)
 _WAYS = {  # what to do instead of setting a read-only name
@@ -157,6 +160,17 @@ class MetaLearner:
             :meth:`parameters` and :meth:`state_dict` and get exact meta-gradients in every mode.
         implicit: iMAML's options (:class:`~maml.Implicit`: ``lam``, ``cg_iterations``,
             ``cg_tolerance``) for ``mode="implicit"`` (default: ``Implicit()``).
+        memory_budget: the tensor bytes a training step may hold: an int of bytes, a string
+            (``"6GiB"``, ``"500MB"``) or a fraction of the device's free memory (``0.8``). Within
+            it the learner plans what would otherwise be guessed (:attr:`plan`): in second and
+            first order the tasks whose graphs :meth:`backward` holds at once (:meth:`meta_loss`
+            refuses a batch over it, naming ``backward``); in the checkpointed mode the tasks
+            replayed together, batched if faster, and the segment length. It plans from one task's
+            tensor peak, measured before the first training step of each configuration. Default:
+            none in second and first order (every task at once); in the checkpointed mode one
+            task's second-order step (bounded above by ``steps`` replays of one step), at least
+            16 MiB and at most every task's (``docs/memory-and-speed.md``); with ``chunk_size``
+            given, the checkpointed mode plans nothing and replays that many tasks in a loop.
         inner_optimizer_options: a named rule's options: momentum ``{"momentum": 0.9, "nesterov": False}``,
             adam ``{"betas": (0.9, 0.999), "eps": 1e-8}``.
     """
@@ -180,6 +194,7 @@ class MetaLearner:
         inner_optimizer: InnerOptimizer | UpdateRule = "sgd",
         inner_optimizer_options: Mapping[str, Any] | None = None,
         implicit: Implicit | None = None,
+        memory_budget: int | str | float | None = None,
     ) -> None:
         self._options: dict[str, Any] = {}  # the construction arguments, as _Option reads them back
         self._mode = mode
@@ -202,8 +217,10 @@ class MetaLearner:
             inner_optimizer=inner_optimizer,
             inner_optimizer_options=inner_optimizer_options,
             implicit=implicit,
+            memory_budget=memory_budget,
         )
         self._checkpoint_hvp = checkpoint_hvp or "reverse_over_reverse"
+        self._plan: Plan | None = None  # the last training call's
         initial = self._rates.init(dict(model.named_parameters()), steps)
         self._options["rate_parameters"] = {k: nn.Parameter(v) for k, v in initial.items()}
         checks.warn_weight_norm(model, mode)
@@ -219,6 +236,7 @@ class MetaLearner:
     check_finite = _Option()
     compile = _Option()
     implicit = _Option()
+    memory_budget = _Option()
     model = _Fixed("build a new MetaLearner around the other model")
     learn_inner_lr = _Fixed("build a new MetaLearner(..., learn_inner_lr=...); its rates are learner.rate_parameters")
     inner_optimizer = _Fixed("build a new MetaLearner(..., inner_optimizer=...)")
@@ -286,6 +304,15 @@ class MetaLearner:
         return self._forward.resolve(next(self.model.parameters()).device)
 
     @property
+    def plan(self) -> Plan | None:
+        """How the last training call fit its memory budget (``memory_budget``): tasks at once, segments, batching.
+
+        ``None`` before the first training call and where nothing is planned (second and first
+        order without a budget; ``"reptile"``, ``"implicit"``).
+        """
+        return self._plan
+
+    @property
     def adapted(self) -> tuple[str, ...]:
         """The names of the parameters the inner loop updates (of the model as it is now)."""
         self._follow_model()
@@ -351,8 +378,9 @@ class MetaLearner:
         Args:
             batch: ``T`` tasks.
             step_weights: as in :meth:`meta_loss`.
-            chunk: tasks per backward pass (default: ``chunk_size`` if set, else one task with
-                the loop batching and all of them with ``"vmap"``).
+            chunk: tasks per backward pass (default: ``chunk_size`` if set, else what fits
+                ``memory_budget`` (:attr:`plan`) if set, else one task with the loop batching and
+                all of them with ``"vmap"``).
             return_output: return what :meth:`run` returns for the whole batch (the chunks'
                 outputs joined along the task dimension, all detached) instead of the loss alone:
                 a training loop's metrics come with the gradient.
@@ -362,6 +390,12 @@ class MetaLearner:
         """
         run = functools.partial(self.run, step_weights=step_weights)
         per_chunk = functools.partial(modes.tasks_per_chunk, self.chunk_size, self.resolved_batching)
+        if chunk is None and self.chunk_size is None and isinstance(batch, TaskBatch) and torch.is_grad_enabled():
+            plan = self._planned(batch)
+            if plan is not None and plan.checkpoint_every is None:  # a budget's chunks of second or first order
+                out = backward_in_chunks(run, batch, chunk, lambda tasks: plan.tasks, return_output=return_output)
+                self._plan = plan  # the whole batch's, not its last chunk's
+                return out
         return backward_in_chunks(run, batch, chunk, per_chunk, return_output=return_output)
 
     def run(
@@ -391,7 +425,7 @@ class MetaLearner:
         grad = torch.is_grad_enabled()
         like = params[self._adapted[0]]
         step_weights = modes.check_step_weights(self._mode, step_weights, steps, like, compiled=self.compile and grad)
-        self._probe(params, consts, batch, batching=self.batching, mode=self._mode)
+        self._probe(params, consts, batch, batching=self.batching, mode=self._mode, choose=not self._plans(grad))
         self._example_shape = batch.support_x.shape[2:]
         if grad:
             modes.check_differentiable(self._mode, self.compile, batch, consts, self._names)
@@ -454,7 +488,7 @@ class MetaLearner:
 
     def state_dict(self) -> dict[str, Any]:
         """The model's, the learnable inner rates' and a module rule's state, and what ``batching="auto"`` chose."""
-        return save_state(self.model, self.rate_parameters, self.rule, self._forward)
+        return save_state(self.model, self.rate_parameters, self.rule, self._forward, self._planner)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Loads what :meth:`state_dict` returned, after checking all of it: a mismatch loads nothing.
@@ -463,7 +497,9 @@ class MetaLearner:
             ValueError: the state was saved by a learner built otherwise (another model's shapes,
                 ``learn_inner_lr``, ``steps`` of per-step rates, or rule), naming the entry and both sides.
         """
-        load_state(state, self.model, self.rate_parameters, self.rule, self.inner_optimizer, self._forward)
+        load_state(
+            state, self.model, self.rate_parameters, self.rule, self.inner_optimizer, self._forward, self._planner
+        )
 
     def to(self, *args: Any, **kwargs: Any) -> MetaLearner:
         """Moves the model, the learnable inner rates and a module rule, like ``nn.Module.to``."""
@@ -474,13 +510,13 @@ class MetaLearner:
         loss = getattr(self.loss_fn, "__qualname__", None) or type(self.loss_fn).__name__
         extra = "".join(
             f", {k}={self._options[k]!r}"
-            for k in ("chunk_size", "checkpoint_every", "compile", "implicit")
+            for k in ("chunk_size", "checkpoint_every", "compile", "implicit", "memory_budget")
             if self._options[k]
         )
         return (
             f"MetaLearner({type(self.model).__name__}, {loss}, inner_lr={self.inner_lr}, steps={self.steps}, "
             f"mode={self._mode!r}, batching={self.batching!r}, learn_inner_lr={self.learn_inner_lr!r}, "
-            f"inner_optimizer={self.inner_optimizer!r}{extra})"
+            f"inner_optimizer={self.inner_optimizer!r}{extra}{f', plan={str(self._plan)!r}' if self._plan else ''})"
         )
 
     # ------------------------------------------------------------------ internals
@@ -529,6 +565,7 @@ class MetaLearner:
         self._rates = rates
         self._loop = InnerLoop(self._forward, BoundRule(rule), rates, self._check)
         self._compiled: dict[str, Any] = {}  # each mode's compiled step (modes.compiled_path)
+        self._planner = Planner()  # what it measured holds for this loop only
 
     def _follow_model(self) -> None:
         """Follows the model as it is now: weights tied or untied, or a module registered twice, since the last call.
@@ -556,15 +593,72 @@ class MetaLearner:
     def _call(
         self, params: Params, consts: Params, batch: TaskBatch, steps: int, step_weights: Tensor | None
     ) -> modes.Call:
-        """What the mode's paths get (:class:`modes.Call`)."""
+        """What the mode's paths get (:class:`modes.Call`), with the chunks and segments a plan chose for training."""
+        problem = Problem(self._loop, params, self._rate_values(), consts, batch, steps)
+        plan = self._plan_of(problem) if self._plans(torch.is_grad_enabled()) else None
+        if plan is not None and plan.checkpoint_every is None and batch.num_tasks > plan.tasks:
+            raise ValueError(
+                f"{batch.num_tasks} tasks of mode={self._mode!r} hold about {budget.fmt(batch.num_tasks * plan.task_bytes)}"
+                f", over memory_budget={budget.fmt(plan.budget)}: learner.backward(batch) runs them {plan.tasks} "
+                f"at a time within it, to the same .grad."
+            )
+        segments = plan is not None and plan.checkpoint_every is not None
         return modes.Call(
-            Problem(self._loop, params, self._rate_values(), consts, batch, steps),
+            problem,
             step_weights,
-            chunk=modes.tasks_per_chunk(self.chunk_size, self.resolved_batching, batch.num_tasks),
-            checkpoint_every=self.checkpoint_every,
+            chunk=plan.tasks
+            if segments and self.chunk_size is None
+            else modes.tasks_per_chunk(self.chunk_size, self.resolved_batching, batch.num_tasks),
+            checkpoint_every=self.checkpoint_every or (plan.checkpoint_every if segments else None),
             checkpoint_hvp=self._checkpoint_hvp,
             implicit=self.implicit or Implicit(),
         )
+
+    def _plans(self, grad: bool) -> bool:
+        """Whether a training call plans (``modes.TABLE``'s ``plans``): the checkpointed mode unless its ``chunk_size``
+        is given (its segment length needs no measurement), the others with a budget."""
+        kind = modes.TABLE[self._mode].plans
+        segments = kind == "segments" and self.chunk_size is None
+        return grad and (segments or (kind == "chunks" and self.memory_budget is not None))
+
+    def _planned(self, batch: TaskBatch) -> Plan | None:
+        """The plan of a training call on ``batch`` from the model's parameters (for :meth:`backward`'s chunks)."""
+        if not self._plans(True):
+            return None
+        params, consts, steps = self._prepare("run", None, None, batch.support_x, batch.query_x)
+        self._probe(params, consts, batch, batching=self.batching, mode=self._mode, choose=False)
+        return self._plan_of(Problem(self._loop, params, self._rate_values(), consts, batch, steps))
+
+    def _plan_of(self, problem: Problem) -> Plan | None:
+        """Plans ``problem``'s step (:class:`planner.Planner`); with ``batching="auto"``, times vmap against the
+        loop on as many tasks as the plan runs at once, and plans again if the loop wins."""
+        device = problem.batch.support_x.device
+        settled = self._forward.settled(device)
+        batching = self._forward.resolve(device) if settled else "vmap"
+
+        def plan(batching: str) -> Plan | None:
+            return self._planner.plan(
+                problem,
+                mode=self._mode,
+                memory_budget=self.memory_budget,
+                batching=batching,
+                every=self.checkpoint_every,
+                hvp=lambda: self._checkpoint_hvp,
+            )
+
+        made = plan(batching)
+        if made is not None and not settled and made.tasks > 1:
+            part = problem.batch[: made.tasks]
+            one = {k: v.detach()[None].expand(made.tasks, *v.shape) for k, v in problem.params.items()}
+            shared = {k: v.detach() for k, v in problem.consts.items()}
+            with unfused_layers():
+                self._forward.choose(one, shared, [(part.support_x, part.support_y), (part.query_x, part.query_y)])
+            if self._forward.resolve(device) != batching:
+                made = plan(self._forward.resolve(device))
+        elif made is not None and not settled and modes.TABLE[self._mode].plans == "segments":
+            self._forward.use_loop(device)  # one task at a time: the plain call
+        self._plan = made
+        return made
 
     def _rate_values(self) -> Params:
         """The learnable rates and the rule's own tensors: the meta-parameters every path threads beside the model's."""

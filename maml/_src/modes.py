@@ -115,7 +115,10 @@ class Mode:
     ``unrolled``: the meta-gradient differentiates the unrolled inner loop, so step weights,
     learned rates and a rule's tensors get gradients; ``twice``: the inner gradients are
     differentiated again (the math attention kernel, which has a double backward);
-    ``compiles``: ``compile=True`` applies; ``inputs``: inputs that require grad get their gradient.
+    ``compiles``: ``compile=True`` applies; ``inputs``: inputs that require grad get their gradient;
+    ``plans``: what a memory budget decides (``planner.py``): ``"chunks"``, the tasks whose graphs
+    ``backward`` holds at once; ``"segments"``, the tasks replayed together and the segment length
+    (planned on a default budget too); ``None``, nothing (memory flat in the tasks' steps).
     """
 
     train: Path
@@ -125,15 +128,24 @@ class Mode:
     twice: bool
     compiles: bool
     inputs: bool
+    plans: str | None
 
 
 TABLE: dict[str, Mode] = {
-    "second_order": Mode(_eager(False), _eager(False), _adapt(False), True, twice=True, compiles=True, inputs=True),
-    "first_order": Mode(_eager(True), _eager(False), _adapt(True), True, twice=False, compiles=True, inputs=True),
-    "checkpointed": Mode(_checkpointed, _eager(False), _adapt(False), True, twice=True, compiles=False, inputs=False),
-    "reptile": Mode(_reptile, _eager(False), _adapt(True), False, twice=False, compiles=False, inputs=False),
+    "second_order": Mode(
+        _eager(False), _eager(False), _adapt(False), True, twice=True, compiles=True, inputs=True, plans="chunks"
+    ),
+    "first_order": Mode(
+        _eager(True), _eager(False), _adapt(True), True, twice=False, compiles=True, inputs=True, plans="chunks"
+    ),
+    "checkpointed": Mode(
+        _checkpointed, _eager(False), _adapt(False), True, twice=True, compiles=False, inputs=False, plans="segments"
+    ),
+    "reptile": Mode(
+        _reptile, _eager(False), _adapt(True), False, twice=False, compiles=False, inputs=False, plans=None
+    ),
     "implicit": Mode(
-        _implicit, _implicit_evaluation, _implicit_adapt, False, twice=False, compiles=False, inputs=False
+        _implicit, _implicit_evaluation, _implicit_adapt, False, twice=False, compiles=False, inputs=False, plans=None
     ),
 }
 MODES: tuple[str, ...] = tuple(TABLE)

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+import torch
 from torch import nn
 
-from . import checks, modes
+from . import budget, checks, modes
 from .layers import check_step_layers
 from .rates import LEARN_INNER_LR
 from .rules import INNER_OPTIMIZERS, UpdateRule, make_rule, rule_tensors
@@ -56,6 +57,7 @@ def check_arguments(
     inner_optimizer: Any,
     inner_optimizer_options: Any,
     implicit: Any,
+    memory_budget: Any,
 ) -> tuple[UpdateRule, list[str]]:
     """Checks ``MetaLearner``'s arguments one by one, then which go together (:func:`modes.check_options`).
 
@@ -94,6 +96,12 @@ def check_arguments(
         checkpoint_hvp=checkpoint_hvp,
         implicit=implicit,
     )
+    budget.budget_bytes(memory_budget, torch.device("cpu"))  # its form; bytes are read on the call's device
+    if memory_budget is not None and modes.TABLE[mode].plans is None:
+        raise ValueError(
+            f"memory_budget={memory_budget!r} does not apply to mode={mode!r}, whose memory is flat in the steps "
+            f"and which runs the tasks one chunk_size at a time; drop it."
+        )
     if not isinstance(compile, bool):
         raise TypeError(f"compile must be True or False, got {compile!r} ({type(compile).__name__}).")
     rule = make_rule(inner_optimizer, inner_optimizer_options) if isinstance(inner_optimizer, str) else inner_optimizer

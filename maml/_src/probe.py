@@ -34,7 +34,9 @@ class Probe:
         self._checked: set[Any] = set()  # (device, each module's training flag)
 
     @unfused_layers()  # its passes are differentiated: no fused attention layers (forward.unfused_layers)
-    def __call__(self, params: Params, consts: Params, batch: TaskBatch, *, batching: str, mode: str) -> None:
+    def __call__(
+        self, params: Params, consts: Params, batch: TaskBatch, *, batching: str, mode: str, choose: bool = True
+    ) -> None:
         """Checks the model on ``batch``'s first task if its configuration is new, then lets ``"auto"`` choose.
 
         Args:
@@ -43,11 +45,13 @@ class Probe:
             batch: ``T`` tasks; ``T > 1`` lets ``"auto"`` time vmap against the loop on them.
             batching: the learner's ``batching`` (read at every call).
             mode: the learner's mode (read at every call: it may be set between steps).
+            choose: let ``"auto"`` time its batching on this batch; a call whose step a memory
+                budget plans times it on the planned tasks instead (``MetaLearner._plan_of``).
         """
         device = batch.support_x.device
         key = (device, tuple(m.training for m in self.model.modules()))
         checked = key in self._checked
-        if checked and (batching != "auto" or self.forward.settled(device)):
+        if checked and (batching != "auto" or self.forward.settled(device) or not choose):
             return
         with torch.no_grad():
             one = {k: v.detach() for k, v in params.items()}
@@ -56,9 +60,11 @@ class Probe:
             x, y = batch.support_x[:1], batch.support_y[:1]
             check_model(self.forward, one, shared, x, y, may_fall_back=batching == "auto")
             self._checked.add(key)
-        # The checkpointed mode is chosen for memory: "auto" takes the loop there, untimed. Timing vmap holds
-        # several tasks' graphs at once, more than the mode's segments do, and the loop holds less than vmap
-        # (a conv net of tests/engine/test_memory_plan.py, 2 tasks a chunk: 7.0 MB of tensors against 9.8 MB).
+        if not choose:
+            return
+        # The checkpointed mode with its chunk_size given plans nothing (MetaLearner._plans) and is chosen for memory:
+        # "auto" takes the loop there, untimed. Timing vmap holds several tasks' graphs at once, more than the mode's
+        # segments do (a conv net of tests/engine/test_memory_plan.py, 2 tasks a chunk: 7.0 MB of tensors against 9.8).
         if mode == "checkpointed" and torch.is_grad_enabled() and batching == "auto":
             self.forward.use_loop(device)
         tasks = batch.num_tasks

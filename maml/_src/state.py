@@ -13,19 +13,21 @@ from torch import nn
 
 from . import checks
 from .forward import TaskForward
+from .planner import Planner
 from .rules import UpdateRule
 
 __all__ = ["load_state", "move", "save_state"]
 
 
 def save_state(
-    model: nn.Module, rates: dict[str, nn.Parameter], rule: UpdateRule, forward: TaskForward
+    model: nn.Module, rates: dict[str, nn.Parameter], rule: UpdateRule, forward: TaskForward, planner: Planner
 ) -> dict[str, Any]:
-    """The state ``MetaLearner.state_dict`` returns: ``model``, ``inner_lrs``, ``batching`` (and ``rule``)."""
+    """The state ``MetaLearner.state_dict`` returns: ``model``, ``inner_lrs``, ``batching``, ``plans`` (and ``rule``)."""
     state = {
         "model": model.state_dict(),
         "inner_lrs": {k: v.detach().clone() for k, v in rates.items()},
         "batching": forward.chosen,
+        "plans": {k: dict(v) for k, v in planner.measured.items()},  # what the planner measured: a resume plans alike
     }
     if isinstance(rule, nn.Module):
         state["rule"] = rule.state_dict()
@@ -33,7 +35,13 @@ def save_state(
 
 
 def load_state(
-    state: Any, model: nn.Module, rates: dict[str, nn.Parameter], rule: UpdateRule, given: Any, forward: TaskForward
+    state: Any,
+    model: nn.Module,
+    rates: dict[str, nn.Parameter],
+    rule: UpdateRule,
+    given: Any,
+    forward: TaskForward,
+    planner: Planner,
 ) -> None:
     """Loads what :func:`save_state` returned into these, after checking all of it (``checks.learner_state``).
 
@@ -47,6 +55,7 @@ def load_state(
         for k, v in state["inner_lrs"].items():
             rates[k].copy_(v)
     forward.chosen = state.get("batching", {})  # absent from checkpoints of earlier versions
+    planner.measured.update({k: dict(v) for k, v in state.get("plans", {}).items()})
     if module is not None:
         module.load_state_dict(state["rule"])
 

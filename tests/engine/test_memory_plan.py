@@ -39,11 +39,16 @@ def first_step_peak(steps: int = 3, **options: object) -> int:
     return peak_tensor_bytes(lambda: learner.meta_loss(b).backward())
 
 
-def test_the_auto_batching_holds_no_more_than_the_checkpointed_loop():
+def test_the_checkpointed_default_holds_its_default_budget_and_less_than_second_order():
+    """On defaults the checkpointed mode plans within one task's second-order step or 16 MiB (maml._src.budget)."""
+    forward._CHOICES.clear()
+    learner = maml.MetaLearner(conv_net(), F.cross_entropy, inner_lr=0.1, steps=3, mode="checkpointed")
+    b = batch()
+    auto = peak_tensor_bytes(lambda: learner.meta_loss(b).backward())  # the first step: its probes included
     loop = first_step_peak(mode="checkpointed", batching="loop")
-    auto = first_step_peak(mode="checkpointed", batching="auto")
     full = first_step_peak(mode="second_order", batching="loop")
-    assert auto <= 1.1 * loop, (auto, loop)
+    assert learner.plan.default and auto <= 1.05 * learner.plan.budget, (auto, learner.plan)
+    assert auto < 0.8 * full, (auto, full)
     assert 3 * loop < full  # the measure tells the lean mode from second order
 
 

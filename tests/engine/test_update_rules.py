@@ -300,5 +300,7 @@ def test_a_rule_that_breaks_the_contract_is_named_at_its_first_call(kind, error,
         learner = maml.MetaLearner(model, F.mse_loss, inner_lr=0.1, inner_optimizer=Broken(kind), mode=mode)
         learner.meta_loss(batch).backward()
     message = str(raised.value)
+    if mode == "checkpointed":  # its memory planner's probe is the first call: on the first task alone
+        text = text.replace("to is (4,", "to is (1,").replace("(4, 3, 4)", "(1, 3, 4)")
     assert message.startswith("the update rule Broken: ") and text in message, message
     assert "\n" not in message

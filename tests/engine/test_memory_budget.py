@@ -1,0 +1,197 @@
+"""``memory_budget``: the plan it picks fits the step's tensor peak into it, and no plan changes the meta-gradient."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import DTYPE, make
+from torch import nn
+
+import maml
+from benchmarks.tensor_peak import peak_tensor_bytes
+from maml._src import budget, forward
+
+MiB = 2**20
+
+
+def conv_net(dtype: torch.dtype = torch.float32) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(1, 8, 3, padding=1),
+        nn.BatchNorm2d(8, track_running_stats=False),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.BatchNorm2d(8, track_running_stats=False),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(8 * 4 * 4, 5),
+    ).to(dtype)
+
+
+def image_batch(tasks: int = 6, dtype: torch.dtype = torch.float32) -> maml.TaskBatch:
+    g = torch.Generator().manual_seed(0)
+    y = torch.arange(5).repeat_interleave(3).expand(tasks, -1).contiguous()
+    x = lambda: torch.randn(tasks, 15, 1, 16, 16, generator=g, dtype=dtype)  # noqa: E731
+    return maml.TaskBatch(x(), y, x(), y)
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [(2048, 2048), ("6GiB", 6 * 2**30), ("500MB", 500 * 10**6), ("1.5 KiB", 1536), (" 3mib ", 3 * MiB)],
+)
+def test_a_budget_is_bytes_a_size_or_a_fraction(value, expected):
+    assert budget.budget_bytes(value, torch.device("cpu")) == expected
+    assert 0 < budget.budget_bytes(0.5, torch.device("cpu")) < budget.budget_bytes(1.0, torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("6 gigs", "memory_budget='6 gigs' is not a size; it must be bytes (an int), a string such as '6GiB'"),
+        (0, "memory_budget=0 must be at least one byte"),
+        (1.5, "memory_budget=1.5: a float is a fraction of the free memory, in (0, 1]."),
+        (True, "memory_budget must be bytes (an int), a string such as '6GiB' or '500MB'"),
+    ],
+)
+def test_a_bad_budget_is_one_line_at_construction(value, message):
+    model, _, loss_fn = make("mlp")
+    with pytest.raises((TypeError, ValueError), match=re.escape(message)):
+        maml.MetaLearner(model, loss_fn, 0.1, memory_budget=value)
+
+
+def test_a_budget_on_a_mode_that_plans_nothing_is_refused():
+    model, _, loss_fn = make("mlp")
+    with pytest.raises(ValueError, match=r"^memory_budget='1GiB' does not apply to mode='reptile'"):
+        maml.MetaLearner(model, loss_fn, 0.1, mode="reptile", memory_budget="1GiB")
+
+
+def grads(learner: maml.MetaLearner, batch: maml.TaskBatch, chunked: bool) -> torch.Tensor:
+    learner.model.zero_grad(set_to_none=True)
+    if chunked:
+        learner.backward(batch)
+    else:
+        learner.meta_loss(batch).backward()
+    return torch.cat([p.grad.flatten() for p in learner.model.parameters()])
+
+
+def smallest_budget(learner: maml.MetaLearner, batch: maml.TaskBatch) -> int:
+    """The smallest budget that runs, as the refusal of a too-small one names it."""
+    learner.memory_budget = 1
+    with pytest.raises(ValueError, match="pass at least memory_budget=") as refused:
+        learner.backward(batch)
+    return int(re.search(r"pass at least memory_budget=([0-9]+)", str(refused.value)).group(1))
+
+
+@pytest.mark.parametrize("case", ["mlp", "conv"])
+@pytest.mark.parametrize("mode, hvp", [("second_order", None), ("checkpointed", None), ("checkpointed", "fwd")])
+def test_no_plan_changes_the_meta_gradient_or_the_fast_weights(case, mode, hvp):
+    """Float64: every budget's plan gives second order's meta-gradient, and evaluation and adapt() agree with training."""
+    if case == "mlp":
+        model, batch, loss_fn = make("mlp")
+        build = lambda: make("mlp")[0]  # noqa: E731
+    else:
+        build, batch, loss_fn = (lambda: conv_net(DTYPE)), image_batch(dtype=DTYPE), F.cross_entropy
+    reference = maml.MetaLearner(build(), loss_fn, inner_lr=0.1, steps=3, batching="loop")
+    expected = grads(reference, batch, chunked=False)
+    fast = reference.run(batch).fast
+    options = {"checkpoint_hvp": "forward_over_reverse"} if hvp else {}
+    learner = maml.MetaLearner(build(), loss_fn, inner_lr=0.1, steps=3, mode=mode, batching="vmap", **options)
+    least = smallest_budget(learner, batch)
+    plans = set()
+    for limit in (least, int(2.5 * least), "1GiB", None if mode == "checkpointed" else "1GiB"):
+        learner.memory_budget = limit
+        got = grads(learner, batch, chunked=True)
+        plans.add(learner.plan)
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12 * expected.abs().max())
+        if learner.plan.tasks == batch.num_tasks or mode == "checkpointed":
+            out = learner.run(batch)
+            for k in fast:
+                torch.testing.assert_close(out.fast[k], fast[k], rtol=0, atol=1e-12)
+        with torch.no_grad():
+            evaluated = learner.run(batch).fast
+        adapted = learner.adapt(batch.support_x[1], batch.support_y[1])
+        for k in fast:
+            torch.testing.assert_close(evaluated[k], fast[k].detach(), rtol=0, atol=1e-12)
+            torch.testing.assert_close(adapted[k], fast[k][1].detach(), rtol=0, atol=1e-12)
+    assert len({p.tasks for p in plans}) > 1, plans  # the budgets planned differently
+
+
+# The step's tensors beyond what the plan counts: the meta-gradients, the batch's slices, the allocator's rounding.
+OVERHEAD = 2 * MiB
+
+
+@pytest.mark.parametrize("mode, hvp", [("second_order", None), ("checkpointed", None), ("checkpointed", "fwd")])
+@pytest.mark.parametrize("tasks_budget", [1.5, 3.5])
+def test_the_step_stays_within_its_budget(mode, hvp, tasks_budget):
+    """The conv net with batch norm, float32: the step's tensor peak at most the budget plus a fixed overhead."""
+    forward._CHOICES.clear()
+    batch = image_batch(8)
+    options = {"checkpoint_hvp": "forward_over_reverse"} if hvp else {}
+    probe = maml.MetaLearner(conv_net(), F.cross_entropy, inner_lr=0.1, steps=4, memory_budget="1GiB")
+    probe.backward(batch[:1])
+    limit = int(tasks_budget * probe.plan.task_bytes)  # room for one and for three tasks of second order
+    learner = maml.MetaLearner(
+        conv_net(), F.cross_entropy, inner_lr=0.1, steps=4, mode=mode, memory_budget=limit, **options
+    )
+    learner.backward(batch)  # plans and measures
+    peak = peak_tensor_bytes(lambda: learner.backward(batch))
+    assert peak <= limit + OVERHEAD, (learner.plan, budget.fmt(peak))
+    assert learner.plan.estimate <= limit
+
+
+def test_a_budget_below_one_task_names_the_smallest_that_runs():
+    learner = maml.MetaLearner(conv_net(), F.cross_entropy, inner_lr=0.1, steps=4, memory_budget="1KiB")
+    with pytest.raises(
+        ValueError,
+        match=r"^memory_budget=1.0 KiB is below what one task of mode='second_order' "
+        r"holds at steps=4 \(about [0-9.]+ [KM]iB\): pass at least memory_budget=[0-9]+, or mode=",
+    ):
+        learner.backward(image_batch(2))
+    learner = maml.MetaLearner(conv_net(), F.cross_entropy, 0.1, steps=4, mode="checkpointed", memory_budget="1KiB")
+    with pytest.raises(
+        ValueError,
+        match=r"^memory_budget=1.0 KiB is below what mode='checkpointed' holds replaying "
+        r"one task at a time \(about [0-9.]+ [KM]iB\): pass at least memory_budget=[0-9]+\.$",
+    ):
+        learner.meta_loss(image_batch(2))
+
+
+def test_meta_loss_over_the_budget_names_backward():
+    learner = maml.MetaLearner(conv_net(), F.cross_entropy, inner_lr=0.1, steps=2, memory_budget="1GiB")
+    learner.backward(image_batch(1))
+    learner.memory_budget = int(2.5 * learner.plan.task_bytes)
+    with pytest.raises(
+        ValueError,
+        match=r"^6 tasks of mode='second_order' hold about .* over memory_budget=.*: "
+        r"learner.backward\(batch\) runs them 2 at a time within it, to the same .grad.$",
+    ):
+        learner.meta_loss(image_batch(6))
+    assert learner.backward(image_batch(6)).ndim == 0 and learner.plan.tasks == 2
+    assert "plan='2 tasks at once" in repr(learner)
+
+
+def test_a_checkpoint_keeps_what_the_planner_measured(monkeypatch):
+    learner = maml.MetaLearner(conv_net(), F.cross_entropy, inner_lr=0.1, steps=3, mode="checkpointed")
+    learner.meta_loss(image_batch(4)).backward()
+    plan, state = learner.plan, learner.state_dict()
+    assert plan is not None and plan.default and state["plans"]
+    resumed = maml.MetaLearner(conv_net(), F.cross_entropy, inner_lr=0.1, steps=3, mode="checkpointed")
+    resumed.load_state_dict(state)
+    monkeypatch.setattr(budget, "peak_bytes", lambda *a: pytest.fail("a resumed learner measured again"))
+    resumed.meta_loss(image_batch(4)).backward()
+    assert resumed.plan == plan
+
+
+def test_the_checkpointed_default_plans_within_one_tasks_second_order_step():
+    batch = image_batch(8)
+    second = maml.MetaLearner(conv_net(), F.cross_entropy, inner_lr=0.1, steps=6, memory_budget="1GiB")
+    second.backward(batch[:1])
+    learner = maml.MetaLearner(conv_net(), F.cross_entropy, inner_lr=0.1, steps=6, mode="checkpointed")
+    learner.meta_loss(batch).backward()
+    assert learner.plan.default and learner.plan.budget >= budget.DEFAULT_FLOOR
+    assert learner.plan.estimate <= max(budget.DEFAULT_FLOOR, 6 * learner.plan.task_bytes)
