@@ -124,8 +124,9 @@ PEER_STEPS, PEER_RATIO = 40, 4.0
 HVP_TIME_RATIO, HVP_MEMORY_RATIO, HVP_MEMORY_SHOTS = 1.1, 0.1, 5
 
 Step = Callable[[], None]
-# make_step's result: the meta-parameters (their .grad holds the meta-gradient after a step) and the step.
-Built = tuple[list[torch.Tensor], Step]
+# make_step's result: the meta-parameters (their .grad holds the meta-gradient after a step), the step, and
+# what the engine's memory planner chose for it (learner.plan; None for a peer or where nothing is planned).
+Built = tuple[list[torch.Tensor], Step, Callable[[], str | None]]
 Result = dict[str, Any]
 
 
@@ -157,19 +158,30 @@ def engine_step(method: str, steps: int, batch: maml.TaskBatch, args: argparse.N
         mode=mode,
         batching=args.batching,
         chunk_size=chunk_size,
+        memory_budget=args.memory_budget if mode in maml.UNROLLED_MODES else None,  # the modes that plan
         **options,
     )
     optimizer = torch.optim.Adam(learner.parameters(), lr=META_LR)
 
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
+    def meta_gradient() -> None:
         if method == CHUNKED:
             learner.backward(batch, chunk=1)
+        elif learner.memory_budget is not None:  # backward runs the chunks the budget plans
+            learner.backward(batch)
         else:
             learner.meta_loss(batch).backward()
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        meta_gradient()
         optimizer.step()
 
-    return list(learner.parameters()), step
+    if learner.memory_budget is not None or (mode == "checkpointed" and chunk_size is None):
+        # The memory planner measures (and times "auto") once per configuration, at its first training call:
+        # here, with no optimizer step, so that the measured step is planned as every later one is.
+        meta_gradient()
+
+    return list(learner.parameters()), step, lambda: None if learner.plan is None else str(learner.plan)
 
 
 def peer_step(method: str, steps: int, batch: maml.TaskBatch, args: argparse.Namespace) -> Built:
@@ -193,7 +205,7 @@ def peer_step(method: str, steps: int, batch: maml.TaskBatch, args: argparse.Nam
                 (F.cross_entropy(learner(qx), qy) / len(tasks)).backward()
             optimizer.step()
 
-        return list(meta.parameters()), step
+        return list(meta.parameters()), step, lambda: None
 
     optimizer = torch.optim.Adam(model.parameters(), lr=META_LR)
     inner_opt = torch.optim.SGD(model.parameters(), lr=INNER_LR)
@@ -207,7 +219,7 @@ def peer_step(method: str, steps: int, batch: maml.TaskBatch, args: argparse.Nam
                 (F.cross_entropy(fmodel(qx), qy) / len(tasks)).backward()
         optimizer.step()
 
-    return list(model.parameters()), step
+    return list(model.parameters()), step, lambda: None
 
 
 def make_step(method: str, steps: int, batch: maml.TaskBatch, args: argparse.Namespace) -> Built:
@@ -279,7 +291,7 @@ def worker(method: str, tasks: int, steps: int, args: argparse.Namespace) -> Res
     batch = synthetic_batch(tasks, g, args.device, args.shots)
     make_step(method, 1, synthetic_batch(1, g, args.device, args.shots), args)[1]()  # warm-up
     torch.manual_seed(0)  # the same initial weights in every worker, for the gradient check
-    params, step = make_step(method, steps, batch, args)
+    params, step, plan = make_step(method, steps, batch, args)
     meter = Meter(args.device)
     baseline = meter.start()
     if args.limit_gib and not meter.cuda:
@@ -301,7 +313,8 @@ def worker(method: str, tasks: int, steps: int, args: argparse.Namespace) -> Res
     # Last, in a step of its own: the profiler that counts tensors on the CPU slows the step and keeps
     # its records in the heap, so it must not touch the RSS or the time measured above.
     tensors = peak_tensor_bytes(step, args.device) / 2**20
-    return {**result, "oom": False, "extra_mib": extra, "tensor_mib": tensors, "first_s": first, "seconds": seconds}
+    done = {"oom": False, "extra_mib": extra, "tensor_mib": tensors, "first_s": first, "seconds": seconds}
+    return {**result, **done, **({"plan": plan()} if plan() else {})}
 
 
 def run_worker(method: str, tasks: int, steps: int, args: argparse.Namespace, grad_file: Path | None = None) -> Result:
@@ -314,6 +327,8 @@ def run_worker(method: str, tasks: int, steps: int, args: argparse.Namespace, gr
         command += ["--grad-file", str(grad_file)]
     if args.chunk_size is not None:
         command += ["--chunk-size", str(args.chunk_size)]
+    if args.memory_budget is not None:
+        command += ["--memory-budget", str(args.memory_budget)]
     # The repository first, then the caller's own path (where its peers may be installed).
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "MALLOC_ARENA_MAX": "1", "PYTHONPATH": path}
@@ -488,6 +503,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", type=torch.device, default=torch.device("cpu"), help="(default: cpu)")
     parser.add_argument("--batching", choices=maml.BATCHINGS, default="auto", help="engine batching (default: auto)")
     parser.add_argument("--chunk-size", type=int, default=None, help="engine chunk_size (default: none)")
+    parser.add_argument(
+        "--memory-budget",
+        type=lambda s: int(s) if s.isdigit() else s,
+        default=None,
+        help="engine memory_budget of the modes that plan (second_order, first_order, checkpointed), e.g. 700MiB",
+    )
     parser.add_argument("--threads", type=int, default=1, help="CPU threads per worker (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=1, help="timed steps after the measured one (default: 1)")
     parser.add_argument(
@@ -515,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"torch {torch.__version__}, device {args.device}; Omniglot conv net, {sizes} tasks {WAYS}-way "
         f"{args.shots}-shot {QUERY} query per class; engine batching={args.batching!r}{timed}, "
-        f"chunk_size={args.chunk_size}"
+        f"chunk_size={args.chunk_size}, memory_budget={args.memory_budget}"
     )
     print(f"each cell: {memory} of one meta-training step over the worker's baseline, and its {clock}\n")
     results: dict[tuple[str, int, int], Result] = {}
@@ -538,6 +559,7 @@ def main(argv: list[str] | None = None) -> int:
                 "batching": args.batching,
                 "repeats": args.repeats,
                 "limit_gib": args.limit_gib,
+                **({"memory_budget": args.memory_budget} if args.memory_budget is not None else {}),
             },
             methods=list(args.methods),
             steps=list(args.steps),

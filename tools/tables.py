@@ -433,6 +433,7 @@ def _memory_table(report: dict[str, Any], axis: str) -> str:
         + f"and its {clock}{' (of its only step, which also touches its memory first)' if setting['repeats'] == 0 else ''} (the MAML "
         f"Omniglot max-pool net, {fixed}, {setting['ways']}-way {setting['shots']}-shot, "
         f"{setting['query']} query images per class, batching `{setting['batching']}`"
+        + (f", `memory_budget={setting['memory_budget']!r}`" if "memory_budget" in setting else "")
         + (
             "; error: the worker failed, with the exception named"
             if any(r.get("error") and not out_of_memory(r) for r in report["results"])

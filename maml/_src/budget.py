@@ -177,7 +177,8 @@ class Plan:
     estimate: int
 
     def __str__(self) -> str:
-        segments = f", segments of {self.checkpoint_every} steps" if self.checkpoint_every else ""
+        every = self.checkpoint_every
+        segments = f", segments of {every} step{'s' * (every != 1)}" if every else ""
         rule = " (the default: one task's second-order step)" if self.default else ""
         return (
             f"{self.tasks} task{'s' * (self.tasks != 1)} at once{segments}, {self.batching}; about "
