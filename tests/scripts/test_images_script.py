@@ -13,8 +13,9 @@ from helpers import folder_writer, write_ren_mini
 from torch import nn
 
 import maml
-from experiments import fit, images, omniglot, recipes
-from experiments.omniglot_net import BatchNormOffset
+from experiments import images, omniglot
+from experiments.harness import fit, recipes
+from experiments.nets import BatchNormOffset
 
 
 def test_the_default_config_is_the_references_mini_imagenet_protocol():
