@@ -17,8 +17,8 @@ def write_report(path: Path, benchmark: str, argv: list[str], device: Any, threa
     """Writes ``fields`` to ``path`` (atomically) with how, where and when they were measured."""
     import torch
 
-    from experiments.files import atomic_write
-    from experiments.results import provenance
+    from experiments.harness.folder import atomic_write
+    from experiments.harness.report import provenance
 
     device = torch.device(device)
     report = {

@@ -89,8 +89,8 @@ import tasks  # noqa: E402
 from benchmarks.flops import count_flops  # noqa: E402
 from benchmarks.report import write_report  # noqa: E402
 from benchmarks.sampling import omniglot_net, sine_net  # noqa: E402
-from experiments.omniglot_net import build_model as reference_net  # noqa: E402  # the default: strided
-from experiments.omniglot_net import loss_function  # noqa: E402
+from experiments.nets import build_model as reference_net  # noqa: E402  # the default: strided
+from experiments.nets import loss_function  # noqa: E402
 
 with warnings.catch_warnings():  # gym, imported by learn2learn, warns about its own deprecation
     warnings.simplefilter("ignore")

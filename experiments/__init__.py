@@ -14,13 +14,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from experiments.harness.folder import EXIT_USAGE, exit_code
+
 _FIT_SCRIPTS = ("experiments.sine", "experiments.omniglot", "experiments.images")  # fit.main takes the signals over
 STARTING = "stopped during start-up, before training: nothing to resume; run the same command again."
 
 
 def _stop_while_importing(signum: int, frame: Any) -> None:
     print(f"\n{STARTING}", file=sys.stderr, flush=True)
-    os._exit(143 if signum == signal.SIGTERM else 130)  # nothing is written yet; no traceback to unwind
+    os._exit(exit_code(signum))  # nothing is written yet; no traceback to unwind
 
 
 def _catch_stops_while_importing() -> None:
@@ -97,7 +99,7 @@ def _check_siblings() -> None:
         message = _shadowing(name, home)
         if message is not None:
             print(message, file=sys.stderr)
-            raise SystemExit(2)
+            raise SystemExit(EXIT_USAGE)
 
 
 _check_siblings()

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
 import maml
 import tasks
-from experiments import fit, plots
-from experiments.omniglot_net import accuracy
-from experiments.results import mean_ci95
-from experiments.rundir import BEST_FILE
+from experiments.harness import fit, report
+from experiments.harness.folder import BEST_FILE
+from experiments.harness.report import mean_ci95
+from experiments.nets import accuracy
 
 __all__ = ["train_tasks", "final_test"]
 
@@ -77,9 +78,9 @@ def final_test(fitted: fit.Fitted, data: dict[str, Any], held_out: str, untested
     cfg, opts, learner, trainer = fitted.cfg, fitted.opts, fitted.learner, fitted.trainer
     test_tasks = fitted.data[1][2]
     results = evaluate(fitted.run, test_tasks, cfg, opts.device) if test_tasks is not None else {}
-    plots.learning_curves(opts.out, trainer.history, PANELS)
+    report.learning_curves(opts.out, trainer.history, PANELS)
     if test_tasks is not None:
-        plots.task_grid(opts.out, learner, test_tasks, cfg, opts.device)
+        task_grid(opts.out, learner, test_tasks, cfg, opts.device)
     # Model selection: the best-validation parameters on the same test tasks (the last's results when they are the last).
     best_results = results
     if test_tasks is not None and trainer.best and trainer.best["iteration"] != trainer.iterations:
@@ -107,3 +108,33 @@ def final_test(fitted: fit.Fitted, data: dict[str, Any], held_out: str, untested
             f"best {100 * b['accuracy']:.2f} % +- {100 * b['ci95']:.2f} %"
         )
     return fit.Results(results, "accuracy", "\n".join(lines), {"data": data, "test_best": best_results})
+
+
+def task_grid(
+    out: Path, learner: maml.MetaLearner, sampler: tasks.FewShotSampler, cfg: Any, device: torch.device
+) -> None:
+    """``task_grid.png``: one test task's support and query images, with the predictions after the most eval steps."""
+    plt = report.pyplot()
+    batch = sampler.sample(1, torch.Generator().manual_seed(4321), device=device)
+    steps = max(cfg.eval_steps)
+    with torch.no_grad():
+        pred = learner.run(batch, steps=steps).query_out[0].argmax(-1).cpu()
+    # (n, C, H, W) as imshow takes it: (n, H, W) greyscale, (n, H, W, 3) colour
+    support_x, query_x = (x[0].cpu().permute(0, 2, 3, 1).squeeze(-1) for x in (batch.support_x, batch.query_x))
+    support_y, query_y = batch.support_y[0].cpu(), batch.query_y[0].cpu()
+    cols = max(cfg.shots, cfg.query) + 1
+    fig, axes = plt.subplots(cfg.ways, cols, figsize=(cols * 0.8, cfg.ways * 0.9))
+    axes = axes.reshape(cfg.ways, cols)
+    for ax in axes.flat:
+        ax.axis("off")
+    for c in range(cfg.ways):
+        for j, i in enumerate((support_y == c).nonzero()[:, 0].tolist()):
+            axes[c, j].imshow(support_x[i], cmap="gray_r")
+            axes[c, j].set_title(f"support {c}", fontsize=5)
+        for j, i in enumerate((query_y == c).nonzero()[:, 0].tolist()[: cols - cfg.shots]):
+            axes[c, cfg.shots + j].imshow(query_x[i], cmap="gray_r")
+            axes[c, cfg.shots + j].set_title(
+                f"pred {int(pred[i])}", fontsize=5, color="green" if pred[i] == c else "red"
+            )
+    fig.suptitle(f"one test task after {steps} steps: support (left), query with predictions", fontsize=8)
+    report.save_figure(fig, out / "task_grid.png")

@@ -21,12 +21,13 @@ from typing import Annotated, Literal
 import tyro
 
 import tasks
-from experiments import fewshot, fit, peers
-from experiments.checks import check_config
-from experiments.cli import UsageError
-from experiments.config import ExperimentConfig
-from experiments.memory import FLOAT_BYTES, Need
-from experiments.omniglot_net import LOSSES, REFERENCE_MAXPOOL, build_model, loss_function, meta_only
+from experiments import fewshot, peers
+from experiments.harness import fit
+from experiments.harness.checks import check_config
+from experiments.harness.config import ExperimentConfig
+from experiments.harness.fit import FLOAT_BYTES, Need
+from experiments.harness.folder import UsageError
+from experiments.nets import LOSSES, REFERENCE_MAXPOOL, build_model, loss_function, meta_only
 
 __all__ = ["ImagesConfig", "validate_config", "make_model", "run"]
 
@@ -142,7 +143,12 @@ def make_model(cfg: ImagesConfig) -> fit.Model:
     side = tasks.IMAGE_LAYOUTS[cfg.dataset].side
     net = build_model(cfg.ways, cfg.filters, network, cfg.steps if cfg.per_step_bn else None, channels=3, side=side)
     kept_out = set() if cfg.mode == "reptile" else meta_only(net)
-    return fit.Model(net, loss_function(cfg.loss, cfg.ways, cfg.shots), kept_out, engine=cfg.engine)
+    return fit.Model(
+        net,
+        loss_function(cfg.loss, cfg.ways, cfg.shots),
+        kept_out,
+        engine=peers.Learn2LearnMAML if cfg.engine == "learn2learn" else None,
+    )
 
 
 def memory_needs(cfg: ImagesConfig, params: int | None) -> list[Need]:

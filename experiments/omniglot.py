@@ -22,12 +22,13 @@ from typing import Annotated, Literal
 import tyro
 
 import tasks
-from experiments import fewshot, fit, peers
-from experiments.checks import check_config
-from experiments.cli import UsageError
-from experiments.config import ExperimentConfig
-from experiments.memory import FLOAT_BYTES, Need
-from experiments.omniglot_net import LOSSES, NETWORKS, build_model, loss_function, meta_only
+from experiments import fewshot, peers
+from experiments.harness import fit
+from experiments.harness.checks import check_config
+from experiments.harness.config import ExperimentConfig
+from experiments.harness.fit import FLOAT_BYTES, Need
+from experiments.harness.folder import UsageError
+from experiments.nets import LOSSES, NETWORKS, build_model, loss_function, meta_only
 
 __all__ = ["OmniglotConfig", "validate_config", "load", "make_model", "run"]
 
@@ -226,7 +227,12 @@ def make_model(cfg: OmniglotConfig) -> fit.Model:
     net = build_model(cfg.ways, cfg.filters, cfg.network, cfg.steps if cfg.per_step_bn else None)
     # openai/supervised-reptile adapts and interpolates every trainable variable, batch norm included.
     kept_out = set() if cfg.mode == "reptile" else meta_only(net)
-    return fit.Model(net, loss_function(cfg.loss, cfg.ways), kept_out, engine=cfg.engine)
+    return fit.Model(
+        net,
+        loss_function(cfg.loss, cfg.ways),
+        kept_out,
+        engine=peers.Learn2LearnMAML if cfg.engine == "learn2learn" else None,
+    )
 
 
 def final_test(fitted: fit.Fitted) -> fit.Results:

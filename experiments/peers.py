@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 import maml
-from experiments.cli import flag
+from experiments.harness.cli import flag
 
 __all__ = ["ENGINES", "Learn2LearnMAML", "unsupported"]
 

@@ -14,23 +14,25 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.func import functional_call
 
 import maml
 import tasks
-from experiments import fit, plots
-from experiments.checks import check_config
-from experiments.config import ExperimentConfig
-from experiments.memory import FLOAT_BYTES, Need
-from experiments.results import mean_ci95
+from experiments.harness import fit, report
+from experiments.harness.checks import check_config
+from experiments.harness.config import ExperimentConfig
+from experiments.harness.fit import FLOAT_BYTES, Need
+from experiments.harness.report import mean_ci95
 
 __all__ = ["SineConfig", "validate_config", "build_model", "run"]
 
-# The learning curves' panels (experiments.plots): the losses, on a log scale.
+# The learning curves' panels (experiments.harness.report.learning_curves): the losses, on a log scale.
 PANELS = [
     ("learning curves", "MSE", "log", [("train/meta_loss", "train meta-loss"), ("val/mse", "validation MSE")]),
     (
@@ -123,13 +125,33 @@ def final_test(fitted: fit.Fitted) -> fit.Results:
     # A task whose inner loop diverges at test time (more steps than in training) is reported, not fatal.
     learner.check_finite = False
     results = evaluate(learner, cfg, opts.device, seed=cfg.seed + 20_000)
-    plots.learning_curves(opts.out, fitted.trainer.history, PANELS)
-    plots.sine_fit(opts.out, fitted.model, learner, opts.device)
+    report.learning_curves(opts.out, fitted.trainer.history, PANELS)
+    sine_fit(opts.out, fitted.model, learner, opts.device)
     return fit.Results(results, "mse", _table(results, cfg))
 
 
+def sine_fit(out: Path, model: nn.Module, learner: maml.MetaLearner, device: torch.device) -> None:
+    """``sine_fit.png``: the true curve, 5 support points, and the prediction before and after 1 and 10 steps."""
+    plt = report.pyplot()
+    g = torch.Generator().manual_seed(12345)
+    batch, truth = tasks.Sine().sample(1, shots=5, query=1, generator=g, return_params=True)
+    batch = batch.to(device)
+    xs = torch.linspace(-5, 5, 200).view(1, -1, 1)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(xs[0, :, 0], truth.true_y(xs)[0, :, 0], "k-", lw=2, label="true function")
+    ax.plot(batch.support_x[0, :, 0].cpu(), batch.support_y[0, :, 0].cpu(), "r^", ms=9, label="5 support points")
+    for steps, style in ((0, ":"), (1, "--"), (10, "-")):
+        with torch.no_grad():
+            fast = learner.adapt(batch.support_x[0], batch.support_y[0], steps=steps)
+            pred = functional_call(model, fast, (xs[0].to(device),))
+        ax.plot(xs[0, :, 0], pred[:, 0].cpu(), style, label=f"MAML, {steps} step{'s' if steps != 1 else ''}")
+    ax.set(xlabel="x", ylabel="y", title="one test task, K = 5")
+    ax.legend(fontsize=8)
+    report.save_figure(fig, out / "sine_fit.png")
+
+
 def memory_needs(cfg: SineConfig, params: int | None) -> list[Need]:
-    """Lower bounds on what a sine run holds at one moment (:mod:`experiments.memory`)."""
+    """Lower bounds on what a sine run holds at one moment (:func:`experiments.harness.fit.check_fits`)."""
     task = (cfg.shots + cfg.query) * 2 * FLOAT_BYTES  # a training task's (x, y) pairs
     return [
         Need(

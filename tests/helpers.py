@@ -317,7 +317,7 @@ def run_sine(capsys: pytest.CaptureFixture[str], args: list[str], code: int = 0,
     """Runs an experiment script (``module``, the sine script by default) in this process, wandb disabled unless
     ``args`` say otherwise; returns its stderr."""
     from experiments import sine
-    from experiments.fit import main
+    from experiments.harness.lifecycle import main
 
     module = module or sine
     try:

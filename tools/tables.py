@@ -37,8 +37,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from experiments.cli import UsageError
-from experiments.files import atomic_write
+from experiments.harness.folder import UsageError, atomic_write
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCK = re.compile(r"(<!-- table: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
@@ -74,7 +73,8 @@ def _pct(x: float) -> str:
 
 def command(results: dict[str, Any]) -> str:
     """The command that ran a trial: its script with the flags whose values differ from the defaults."""
-    from experiments import omniglot, recipes, sine  # here: only this needs torch
+    from experiments import omniglot, sine  # here: only this needs torch
+    from experiments.harness import recipes
 
     name, cfg = results["experiment"], results["config"]
     cls = {"omniglot": omniglot.OmniglotConfig, "sine": sine.SineConfig}[name]
@@ -532,7 +532,7 @@ def _field_docs(cls: type) -> dict[str, str]:
 
 def flags(cls: type, defaults: dict[str, str] | None = None) -> str:
     """Every flag of a config dataclass: its default (``defaults``: shown instead) and its ``--help`` words."""
-    from experiments import cli  # here: only this needs torch
+    from experiments.harness import cli  # here: only this needs torch
 
     docs, instance = _field_docs(cls), cls()
     lines = ["| flag | default | meaning |", "|---|---|---|"]
@@ -546,7 +546,8 @@ def flags(cls: type, defaults: dict[str, str] | None = None) -> str:
 
 def _flags_of(name: str) -> Callable[[], str]:
     def render_flags() -> str:
-        from experiments import config, omniglot, sine
+        from experiments import omniglot, sine
+        from experiments.harness import config
 
         if name == "run":  # each script's own --out
             return flags(config.RunFlags, {"out": "runs/sine`, `runs/omniglot"})
@@ -556,8 +557,8 @@ def _flags_of(name: str) -> Callable[[], str]:
 
 
 def recipe_table() -> str:
-    """What each ``--algorithm`` sets, in both scripts and in each (``experiments.recipes``)."""
-    from experiments import cli, recipes
+    """What each ``--algorithm`` sets, in both scripts and in each (``experiments.harness.recipes``)."""
+    from experiments.harness import cli, recipes
 
     def keys(values: dict[str, Any]) -> str:
         return " ".join(f"`{cli.flag(k)} {cli.show(v)}`" for k, v in values.items()) or "-"

@@ -17,11 +17,10 @@ import torch
 from helpers import REPO, SMALL_SINE, assert_logged, checkpoint, env, finished, script
 
 import maml
-from experiments import fit
-from experiments.cli import UsageError
-from experiments.lock import lock_holder
-from experiments.run_options import RunOptions
-from experiments.torchrun import RankUsageError, check_shards, peer_lost
+from experiments.harness import fit
+from experiments.harness.devices import check_shards
+from experiments.harness.folder import UsageError, lock_holder
+from experiments.harness.lifecycle import RankUsageError, peer_lost
 
 PROCESSES = 2
 
@@ -285,7 +284,7 @@ def test_a_process_whose_launcher_died_before_it_asked_to_be_told_stops(tmp_path
     """The race that prctl alone would lose: the parent dies before the request, and the kernel sends nothing."""
     child = (
         "import os, signal, sys, time\n"
-        "from experiments import torchrun\n"
+        "from experiments.harness import lifecycle as torchrun\n"
         "print('imported', flush=True)\n"
         "while os.getppid() == torchrun._PARENT_AT_IMPORT:\n"  # the launcher dies here
         "    time.sleep(0.01)\n"
@@ -344,13 +343,12 @@ def test_shard_errors_say_how_to_fix_them():
 
 
 def test_the_scripts_check_the_meta_batch_against_the_number_of_processes(tmp_path):
-    opts = RunOptions("sine", tmp_path, False, False, "disabled", torch.device("cpu"), None, rank=0, world_size=3)
-    check_shards(24, opts)
+    check_shards(24, 3)
     with pytest.raises(
         UsageError,
         match=re.escape("--meta-batch 25: a meta-batch of 25 tasks cannot be split evenly across 3 processes"),
     ) as error:
-        check_shards(25, opts)
+        check_shards(25, 3)
     assert "multiple of 3 (e.g. 24 or 27)" in str(error.value) and "divides 25 (1, 5, 25)" in str(error.value)
 
 

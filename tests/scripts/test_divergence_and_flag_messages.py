@@ -20,10 +20,10 @@ from torch import nn
 
 import maml
 from experiments import omniglot, sine
-from experiments.config import parse_args
-from experiments.divergence import Diverged, DivergenceWatch
-from experiments.fit import main
-from experiments.tracking import default_wandb_mode
+from experiments.harness.config import parse_args
+from experiments.harness.divergence import Diverged, DivergenceWatch
+from experiments.harness.lifecycle import main
+from experiments.harness.report import default_wandb_mode
 
 TINY_SINE = [
     "--compile",

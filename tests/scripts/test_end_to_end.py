@@ -13,9 +13,9 @@ import torch
 from helpers import REPO, SMALL_SINE, assert_logged, checkpoint, finished, omniglot_root, script
 
 from experiments import omniglot, sine
-from experiments.config import parse_args
-from experiments.fit import main
-from experiments.rundir import fingerprint
+from experiments.harness.config import parse_args
+from experiments.harness.lifecycle import main
+from experiments.harness.rundir import fingerprint
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -202,7 +202,7 @@ def test_unknown_config_key_and_wrong_types(capsys, tmp_path):
 def test_config_file_and_flags_combine(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text("inner-lr: 0.05\niterations: 7\neval_shots: [5]\n")
-    cfg, opts = parse_args(
+    cfg, flags = parse_args(
         "sine",
         sine.SineConfig,
         ["--config", str(config), "--iterations=9", "--out", str(tmp_path)],
@@ -210,9 +210,9 @@ def test_config_file_and_flags_combine(tmp_path):
         sine.validate_config,
     )
     assert (cfg.inner_lr, cfg.iterations, cfg.eval_shots, cfg.meta_batch) == (0.05, 9, (5,), 25)
-    assert opts.out == tmp_path and opts.config_file == config
-    _, opts = parse_args("sine", sine.SineConfig, [], "", sine.validate_config)
-    assert opts.out == Path("runs") / "sine"
+    assert flags.out == tmp_path and flags.config == config
+    _, flags = parse_args("sine", sine.SineConfig, [], "", sine.validate_config)
+    assert flags.out == Path("runs") / "sine"
 
 
 MAMLPP = {

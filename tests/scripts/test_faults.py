@@ -29,11 +29,14 @@ import pytest
 import torch
 from helpers import REPO, TINY, checkpoint, env, omniglot_root, one_error, run_sine, script
 
-from experiments import omniglot, rundir, sine
-from experiments.config import parse_args
-from experiments.fit import main
-from experiments.rundir import prepare_out
-from experiments.trainer import Trainer
+from experiments import omniglot, sine
+from experiments.harness import rundir
+from experiments.harness.config import parse_args
+from experiments.harness.fit import setup
+from experiments.harness.folder import FolderLock
+from experiments.harness.lifecycle import main
+from experiments.harness.rundir import prepare_out
+from experiments.harness.trainer import Trainer
 from tools import tables
 
 TIMING = ("train/step_time_ms",)  # the only logged values that differ between equal runs
@@ -393,10 +396,12 @@ def test_resume_accepts_the_same_data_under_another_path_and_refuses_other_data(
     run_sine(capsys, ["--data", str(root), *args], module=omniglot)
 
     def resume(data: str) -> dict[str, Any] | None:
-        cfg, opts = parse_args(
+        cfg, flags = parse_args(
             "omniglot", omniglot.OmniglotConfig, ["--data", data, *args, "--resume"], "", omniglot.validate_config
         )
-        return prepare_out(opts, cfg.resolved())
+        cfg, opts = setup("omniglot", cfg, flags)
+        with FolderLock() as lock:
+            return prepare_out(opts, cfg.resolved(), lock)
 
     monkeypatch.chdir(tmp_path)
     for spelling in (f"{root}/", os.path.relpath(root, tmp_path), f"{root}/../{root.name}"):
@@ -582,7 +587,9 @@ def test_without_a_terminal_progress_is_one_plain_line_per_log_window(capsys, tm
 
 def test_threads(capsys, tmp_path):
     before = torch.get_num_threads()  # the conftest fixture restores it after the test
-    parse_args("sine", sine.SineConfig, ["--threads", "1"], "", sine.validate_config)
+    cfg, flags = parse_args("sine", sine.SineConfig, ["--threads", "1"], "", sine.validate_config)
+    assert torch.get_num_threads() == before  # the parser reads the flags; the set-up step applies them
+    setup("sine", cfg, flags)
     assert torch.get_num_threads() == 1
     torch.set_num_threads(2)
     run_sine(capsys, ["--iterations", "1", "--out", str(tmp_path / "one")])

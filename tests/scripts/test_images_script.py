@@ -17,8 +17,9 @@ from torch import nn
 
 import maml
 import tasks
-from experiments import fewshot, fit, images, omniglot, recipes
-from experiments.omniglot_net import BatchNormOffset
+from experiments import fewshot, images, omniglot
+from experiments.harness import fit, recipes
+from experiments.nets import BatchNormOffset
 
 
 def test_the_default_config_is_the_references_mini_imagenet_protocol():

@@ -11,10 +11,11 @@ import pytest
 import torch
 from helpers import omniglot_root, one_error, run_sine
 
-from experiments import memory, omniglot, sine
+from experiments import omniglot, sine
 from experiments import sweep as sweep_cli
-from experiments.cli import UsageError
-from experiments.config import parse_args
+from experiments.harness import fit as memory
+from experiments.harness.config import parse_args
+from experiments.harness.folder import UsageError
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import maml
-from experiments import omniglot, peers, recipes
+from experiments import omniglot, peers
+from experiments.harness import recipes
 
 
 def test_the_default_config_is_the_references_for_5_and_20_ways():

@@ -23,10 +23,11 @@ from helpers import checkpoint, omniglot_root, one_error, run_sine
 from torch import nn
 
 import maml
-from experiments import config, omniglot, recipes, sine
+from experiments import omniglot, sine
+from experiments.harness import config, recipes
+from experiments.harness.recipes import Schedule
+from experiments.nets import build_model, meta_only
 from experiments.omniglot import load as load_omniglot
-from experiments.omniglot_net import build_model, meta_only
-from experiments.recipes import Schedule
 
 
 def mamlpp_weights(steps: int, epoch: float, msl_epochs: float) -> np.ndarray:
@@ -292,7 +293,7 @@ def test_settings_reptile_and_implicit_cannot_honour_are_refused(capsys, tmp_pat
 def test_implicit_on_a_net_with_meta_only_weights_is_refused(capsys, tmp_path):
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as e:
-        from experiments import fit
+        from experiments.harness import fit
 
         fit.main(omniglot.run, ["--mode", "implicit", "--data", str(omniglot_root()), "--out", str(out)])
     assert e.value.code == 2 and not out.exists()

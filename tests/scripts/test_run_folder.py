@@ -19,7 +19,7 @@ import pytest
 import torch
 from helpers import REPO, TINY, env, script
 
-from experiments.lock import lock_holder
+from experiments.harness.folder import lock_holder
 
 LONG = [*TINY, "--wandb", "disabled", "--iterations", "1000000", "--checkpoint-every", "1000000"]
 
@@ -218,7 +218,7 @@ def test_a_signal_before_training_or_in_the_final_evaluation_is_one_line_and_its
     # The stage made slow: wandb's start-up (before training) or the writing of results (after the test).
     patch = (
         "import os, time\n"
-        "import experiments.fit as fit\n"
+        "import experiments.harness.fit as fit\n"
         "name = {'start': 'init_wandb', 'final': 'finish'}[os.environ['SLOW_STAGE']]\n"
         "original = getattr(fit, name)\n"
         "def slow(*args, **kwargs):\n"
@@ -248,8 +248,8 @@ def test_a_signal_before_training_or_in_the_final_evaluation_is_one_line_and_its
 # The stop's patience made 1 s; a mark file once training is in its first iteration (or the one named).
 PATIENCE = (
     "import os, time\n"
-    "import experiments.runtime, experiments.trainer as trainer\n"
-    "experiments.runtime.STOP_PATIENCE_S = 1.0\n"
+    "import experiments.harness.lifecycle, experiments.harness.trainer as trainer\n"
+    "experiments.harness.lifecycle.STOP_PATIENCE_S = 1.0\n"
     "original = trainer.Trainer._iteration\n"
     "def iteration(self, i, *args):\n"
     "    if i == int(os.environ.get('SLOW_ITERATION', 0)):\n"

@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from experiments import sweep as sweep_cli
-from experiments import sweep_file
+from experiments.sweep import trials as sweep_file
 
 REPO = Path(__file__).resolve().parents[2]
 PROGRAM = "tests/scripts/sweep_program.py"

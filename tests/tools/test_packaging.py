@@ -36,9 +36,9 @@ assert not any("Editable" in f for f in finders), finders
 assert not any(m.startswith("__editable__") for m in sys.modules), sorted(sys.modules)
 
 import torch
-import maml, tasks, experiments, experiments.fit
+import maml, tasks, experiments, experiments.harness.fit
 
-for module in (maml, tasks, experiments, experiments.fit, sys.modules["maml._src.learner"]):
+for module in (maml, tasks, experiments, experiments.harness.fit, sys.modules["maml._src.learner"]):
     assert Path(module.__file__).resolve().is_relative_to(target), (module.__name__, module.__file__)
 
 torch.manual_seed(0)

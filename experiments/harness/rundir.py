@@ -25,20 +25,23 @@ from typing import Any
 import torch
 import yaml
 
-from experiments import recipes
-from experiments.cli import UsageError, flag
-from experiments.files import atomic_write, writing
-from experiments.lock import lock_folder
-from experiments.run_options import RunOptions
-from experiments.torchrun import broadcast, check_device
+from experiments.harness import recipes
+from experiments.harness.cli import flag
+from experiments.harness.config import RunOptions
+from experiments.harness.devices import broadcast, check_device
+from experiments.harness.folder import (
+    METRICS_FILE,
+    PLOTS,
+    RUN_FILES,
+    FolderLock,
+    UsageError,
+    atomic_write,
+    writing,
+)
 
-__all__ = ["BEST_FILE", "RUN_FILES", "METRICS_FILE", "PLOTS", "RESUMABLE", "DATA_KEYS", "prepare_out", "take_out"]
+__all__ = ["RESUMABLE", "DATA_KEYS", "prepare_out", "take_out"]
 __all__ += ["fingerprint", "data_identity", "write_state", "source"]
 
-BEST_FILE = "best.pt"  # the meta-parameters of the best validation so far (Trainer.select)
-RUN_FILES = ("config.yaml", "checkpoint.pt", BEST_FILE, "results.json")
-METRICS_FILE = "metrics.jsonl"  # every logged row, one JSON object a line, as the checkpoint's history
-PLOTS = ("learning_curves.png", "sine_fit.png", "task_grid.png")  # the PNG plots the scripts write
 # Config keys that --resume may change: none changes the trajectory (except the length of a run whose schedule is a
 # share of it: refused), so a lengthened run ends with the parameters of a run that was that long from the start.
 RESUMABLE = ("iterations", "log_every", "val_every", "checkpoint_every")
@@ -47,11 +50,12 @@ RESUMABLE = ("iterations", "log_every", "val_every", "checkpoint_every")
 DATA_KEYS = ("data",)
 _TEMPORARY = re.compile(r"\..+\.tmp(\d+)")  # atomic_write's temporary files, .NAME.tmpPID
 _WANDB_FILES = re.compile(r"(offline-)?run-\d{8}_\d{6}-\w+|latest-run|debug(-internal)?\.log")  # under --out/wandb
-CODE = Path(__file__).resolve().parents[1]  # the checkout whose commit a run records (source())
+CODE = Path(__file__).resolve().parents[2]  # the checkout whose commit a run records (source())
 
 
-def prepare_out(opts: RunOptions, cfg: Any) -> dict[str, Any] | None:
-    """Checks the device and the output folder before anything is written; returns the checkpoint when resuming.
+def prepare_out(opts: RunOptions, cfg: Any, lock: FolderLock) -> dict[str, Any] | None:
+    """Checks the device and the output folder (taking it with ``lock``) before anything is written; returns the
+    checkpoint when resuming.
 
     Rank 0 alone reads ``--out`` (other ranks may not see it) and sends every rank the checkpoint or
     the error, so that all ranks resume from the same state or stop together.
@@ -66,24 +70,24 @@ def prepare_out(opts: RunOptions, cfg: Any) -> dict[str, Any] | None:
     outcome: dict[str, Any] | UsageError | None = None
     if opts.main:
         try:
-            outcome = _check_out(opts, cfg)
+            outcome = _check_out(opts, cfg, lock)
         except UsageError as e:
             if opts.world_size == 1:
                 raise
             outcome = e
-    outcome = broadcast(outcome, opts)
+    outcome = broadcast(outcome, opts.world_size)
     if isinstance(outcome, UsageError):
         raise outcome
     return outcome
 
 
-def _check_out(opts: RunOptions, cfg: Any) -> dict[str, Any] | None:
+def _check_out(opts: RunOptions, cfg: Any, lock: FolderLock) -> dict[str, Any] | None:
     out = opts.out
     if opts.resume and opts.overwrite:
         raise UsageError("--resume and --overwrite contradict each other; pick one.")
     _check_writable(out)
     if out.is_dir():
-        lock_folder(out)  # before reading it: a run still writing there would change what the checks see
+        lock.take(out)  # before reading it: a run still writing there would change what the checks see
     unstarted, taken = _unstarted(out, cfg), [f for f in RUN_FILES if (out / f).exists()]
     if opts.resume:
         path = out / "checkpoint.pt"
@@ -283,7 +287,7 @@ def _same_data(old: str, new: str, kept: dict[str, str | None] | None, key: str 
     return None
 
 
-def take_out(opts: RunOptions, cfg: Any) -> None:
+def take_out(opts: RunOptions, cfg: Any, lock: FolderLock) -> None:
     """Makes ``--out`` this run's, once every check has passed (rank 0): clears, then writes config.yaml.
 
     With ``--overwrite``, first removes what the old run wrote (:data:`RUN_FILES`, metrics, plots,
@@ -297,7 +301,7 @@ def take_out(opts: RunOptions, cfg: Any) -> None:
     made = not out.exists()
     with writing(out):
         out.mkdir(parents=True, exist_ok=True)
-        lock_folder(out)  # a folder made just now: two runs that both found it missing meet here
+        lock.take(out)  # a folder made just now: two runs that both found it missing meet here
         # A run that ended before its first checkpoint starts again as if overwritten (_unstarted).
         if opts.overwrite or ((out / "config.yaml").exists() and not (out / "checkpoint.pt").exists()):
             for name in (*RUN_FILES, METRICS_FILE, *PLOTS):

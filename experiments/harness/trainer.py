@@ -1,27 +1,30 @@
-"""The meta-training loop (:class:`Trainer`): resumable bit for bit, sharded under torchrun, stopped cleanly by signals."""
+"""The meta-training loop (:class:`Trainer`): resumable bit for bit, sharded under torchrun, stopped cleanly by
+signals; and its log (:class:`Logbook`)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import signal
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import IO, Any, Literal
 
 import torch
 
 import maml
-from experiments.divergence import DivergenceWatch
-from experiments.logbook import Logbook
-from experiments.recipes import Schedule
-from experiments.run_options import RunOptions
-from experiments.rundir import BEST_FILE, DATA_KEYS, METRICS_FILE, data_identity, write_state
-from experiments.runtime import catch_stop_signals
-from experiments.tracking import finish_wandb
+from experiments.harness.config import RunOptions
+from experiments.harness.divergence import DivergenceWatch
+from experiments.harness.folder import BEST_FILE, METRICS_FILE, atomic_write, exit_code, writing
+from experiments.harness.lifecycle import catch_stop_signals
+from experiments.harness.recipes import Schedule
+from experiments.harness.report import finish_wandb
+from experiments.harness.rundir import DATA_KEYS, data_identity, write_state
 
-__all__ = ["Trainer"]
+__all__ = ["Trainer", "Logbook"]
 
 
 @dataclasses.dataclass
@@ -41,9 +44,8 @@ class Trainer:
             logged as means over the ranks) and validation metrics.
         val_batch: the fixed validation tasks (None: no validation).
         watch: explains a NaN/Inf (:class:`~experiments.divergence.DivergenceWatch`).
-        select: ``(metric, "max" | "min")``: each validation that beats every earlier one on ``metric``
-            writes the learner's state to ``best.pt``; ``best`` holds it (``{"iteration": i, **metrics}``).
-        final_val: after ``run``, the validation metrics at the last iteration (rank 0).
+        select: ``(metric, "max" | "min")``: each validation that beats every earlier one on ``metric`` writes the
+            learner's state to ``best.pt``; ``best`` holds it (``{"iteration": i, **metrics}``).
     """
 
     learner: maml.MetaLearner
@@ -143,7 +145,7 @@ class Trainer:
                             file=sys.stderr,
                         )
                     # A rank stopped by another's signal exits as if it had received SIGTERM.
-                    raise SystemExit(130 if stop and stop[0] == signal.SIGINT else 143)
+                    raise SystemExit(exit_code(stop[0] if stop else signal.SIGTERM))
         finally:
             restore_signals()
             bar.close()
@@ -294,5 +296,55 @@ class Trainer:
             row["train/support_loss_after"] = float(after.mean())
         return row
 
-    def _rates(self) -> dict[str, float]:
+    def _rates(self) -> dict[str, float]:  # the learned inner rates, each a mean
         return {f"inner_lr/{k}": float(v.detach().mean()) for k, v in self.learner.rate_parameters.items()}
+
+
+class Logbook:
+    """Rank 0's log of a run: every row to ``metrics.jsonl`` and to wandb. A start rewrites the file with the
+    checkpoint's history, so after a kill it holds each logged iteration once and none that is redone. Where stderr
+    is no terminal (a batch job), tqdm is silent and a plain progress line per log window goes to stderr instead."""
+
+    def __init__(self, path: Path, file: IO[str], run: Any, wandb_from: int, start: int) -> None:
+        self.path, self.file, self.run, self.wandb_from = path, file, run, wandb_from
+        # tqdm switches itself off without a terminal (disable=None); then a plain line per log window.
+        self.plain = sys.stderr is not None and not sys.stderr.isatty()
+        self.window_began, self.window_start = time.perf_counter(), start
+
+    @classmethod
+    def open(cls, path: Path, history: list[dict[str, float]], run: Any, start: int) -> Logbook:
+        """Rewrites ``path`` with ``history``, opens it for appending, and replays to wandb what its run lacks."""
+        atomic_write(path, lambda p: p.write_text("".join(json.dumps(row) + "\n" for row in history)))
+        with writing(path):
+            file = path.open("a")
+        # wandb's next step: 0 offline; online, past the last row its server holds (it has the earlier ones).
+        wandb_from = run.starting_step
+        for row in history:
+            if row["iteration"] >= wandb_from:
+                run.log(row, step=row["iteration"])
+        return cls(path, file, run, wandb_from, start)
+
+    def write(self, row: dict[str, float], iterations: int) -> None:
+        """One row, to the file (flushed: a kill loses no row the process logged) and to wandb."""
+        iteration = int(row["iteration"])
+        with writing(self.path):
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
+        if iteration >= self.wandb_from:
+            self.run.log(row, step=iteration)
+        if self.plain:
+            now = time.perf_counter()
+            rate = (iteration - self.window_start) / max(now - self.window_began, 1e-9)
+            eta = round((iterations - iteration) / rate)
+            print(
+                f"meta-train {iteration}/{iterations} ({100 * iteration // iterations} %): "
+                f"meta-loss {row['train/meta_loss']:.4g}, {rate:.1f} it/s, "
+                f"ETA {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}",
+                file=sys.stderr,
+                flush=True,
+            )
+            self.window_began, self.window_start = now, iteration
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.file.close()

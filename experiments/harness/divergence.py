@@ -18,7 +18,8 @@ import torch
 from torch import Tensor
 
 import maml
-from experiments.tracking import finish_wandb
+from experiments.harness.folder import EXIT_FAILED
+from experiments.harness.report import finish_wandb
 
 __all__ = ["Diverged", "DivergenceWatch", "stop_on_divergence"]
 
@@ -210,4 +211,4 @@ def stop_on_divergence(out: Path, run: Any, main: bool = True) -> Iterator[None]
             except Exception:  # none, or unreadable: say no more than that
                 kept = "no checkpoint was written"
             print(f"error: {e}. The run stopped; {kept}.", file=sys.stderr)
-        raise SystemExit(1) from None
+        raise SystemExit(EXIT_FAILED) from None

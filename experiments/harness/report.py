@@ -1,24 +1,67 @@
-"""wandb: the run's mode (``--wandb``, ``$WANDB_MODE``, or whether the user is logged in), starting and finishing it.
-
-Rank 0 alone logs, under ``--out``; without a server, a key or a network it logs offline, and says how to upload.
+"""What a run reports: the test metrics with their 95 % confidence intervals, in ``results.json`` with its
+provenance; wandb (its mode from ``--wandb``, ``$WANDB_MODE`` or whether the user is logged in, starting and
+finishing the run: rank 0 alone logs, under ``--out``; without a server, a key or a network it logs offline, and says
+how to upload); and the plots (:func:`learning_curves`, and :func:`save_figure` for a script's own).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import importlib.metadata
+import math
 import netrc
 import os
+import platform
 import socket
 import sys
+import time
 import urllib.parse
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from experiments.cli import UsageError
-from experiments.run_options import RunOptions
+import torch
+from torch import Tensor
 
-__all__ = ["wandb_mode", "default_wandb_mode", "init_wandb", "finish_wandb"]
+from experiments.harness.config import RunOptions
+from experiments.harness.folder import UsageError, atomic_write
+from experiments.harness.rundir import source
+
+__all__ = ["mean_ci95", "provenance", "wandb_mode", "default_wandb_mode", "init_wandb", "finish_wandb"]
+__all__ += ["Panel", "pyplot", "save_figure", "learning_curves"]
+
+
+def mean_ci95(values: Tensor) -> tuple[float, float]:
+    """Mean and the half-width of its 95 % confidence interval (normal approximation)."""
+    values = values.double().flatten()
+    n = values.numel()
+    half = 1.96 * float(values.std(unbiased=True)) / math.sqrt(n) if n > 1 else float("nan")
+    return float(values.mean()), half
+
+
+def provenance() -> dict[str, Any]:
+    """Package versions, the machine, and the code that runs now (:func:`~experiments.rundir.source`)."""
+    versions = {"python": platform.python_version()}
+    for pkg in ("maml-toolkit", "torch", "numpy", "wandb", "learn2learn", "higher"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            versions[pkg] = importlib.metadata.version(pkg)
+    cpu = None  # the processor's model name (Linux), else the platform's word for it
+    with contextlib.suppress(OSError):
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None)
+    return {
+        "versions": versions,
+        **source(),
+        "host": platform.node(),
+        "cpu": cpu or platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+# ---------------------------------------------------------------------- wandb
 
 _MODES = ("offline", "online", "disabled")  # --wandb's choices
 # $WANDB_MODE's other values that wandb accepts ("shared": several processes log one run; a script's run is one).
@@ -120,3 +163,44 @@ def finish_wandb(run: Any, exit_code: int | None = None) -> None:
 
     run.finish(exit_code=exit_code)
     wandb.teardown()  # finish() can return before the offline .wandb file is complete; teardown waits for it
+
+
+# ---------------------------------------------------------------------- plots
+
+# A panel of the learning curves: its title, y label and scale, and the (metric, label) lines it draws; a
+# validation metric ("val/...") is drawn at the iterations that validated, as dots.
+Panel = tuple[str, str, str, Sequence[tuple[str, str]]]
+
+
+def pyplot() -> Any:
+    import matplotlib  # when a plot is drawn; Agg: files only, no display needed
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    """Writes ``fig`` to the PNG file ``path`` (atomically) and closes it."""
+    fig.tight_layout()
+    atomic_write(path, lambda p: fig.savefig(p, format="png", dpi=120))
+    pyplot().close(fig)
+
+
+def learning_curves(out: Path, history: list[dict[str, float]], panels: Sequence[Panel]) -> None:
+    """``learning_curves.png``: one panel per entry of ``panels``, over the logged rows ``history``."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(10, 3.5))
+    its = [r["iteration"] for r in history]
+    for ax, (title, ylabel, yscale, lines) in zip(axes, panels):
+        for key, label in lines:
+            if key.startswith("val/"):
+                val = [(r["iteration"], r[key]) for r in history if key in r]
+                if val:
+                    ax.plot(*zip(*val), "o-", label=label)
+            else:
+                ax.plot(its, [r.get(key, float("nan")) for r in history], label=label)
+        ax.set(xlabel="meta-iteration", ylabel=ylabel, yscale=yscale, title=title)
+        ax.legend()
+    save_figure(fig, out / "learning_curves.png")

@@ -21,7 +21,6 @@ import json
 import math
 import os
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -34,11 +33,18 @@ from typing import Any, NoReturn, TextIO
 
 import numpy as np
 
-from experiments.cli import UsageError
-from experiments.files import atomic_write
-from experiments.lock import lock_folder, unlock_folders
-from experiments.rundir import METRICS_FILE
-from experiments.sweep_file import (
+from experiments.harness.folder import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_TERMINATED,
+    EXIT_USAGE,
+    METRICS_FILE,
+    FolderLock,
+    UsageError,
+    atomic_write,
+)
+from experiments.sweep.trials import (
     DONE,
     REPO_ROOT,
     Sweep,
@@ -52,7 +58,7 @@ from experiments.sweep_file import (
 
 __all__ = ["load_sweep", "best_metric", "format_table", "summarize", "dry_run", "main"]
 
-STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM)  # our scripts' exit codes when stopped with a checkpoint
+STOPPED = (EXIT_INTERRUPTED, EXIT_TERMINATED)  # our scripts' exit codes when stopped with a checkpoint
 SAME_TRIALS = ("method", "parameters", "command", "program")  # what --resume needs unchanged (a grid may add values)
 
 
@@ -129,17 +135,17 @@ def run_sweep(
         raise
 
 
-def open_out(out: Path | None, sweep: Sweep, resume: bool) -> tuple[Path, list[Trial], int | None]:
-    """The sweep's folder, created and locked; on ``--resume`` also its trials (cut ones pending again) and seed."""
+def open_out(out: Path | None, sweep: Sweep, resume: bool, lock: FolderLock) -> tuple[Path, list[Trial], int | None]:
+    """The sweep's folder, created and taken with ``lock``; on ``--resume`` also its trials (cut ones pending again) and seed."""
     out = (out or Path("runs") / "sweeps" / f"{sweep.name}-{datetime.now():%Y%m%d-%H%M%S}").resolve()
     if not resume:
         if (out / "sweep.json").exists() or any(out.glob("trial-*")):
             raise UsageError(f"{out} already holds a sweep; pass --resume to continue it, or a new --out folder")
         out.mkdir(parents=True, exist_ok=True)
-        lock_folder(out, "the sweep folder")
+        lock.take(out, "the sweep folder")
         return out, [], None
     if out.is_dir():
-        lock_folder(out, "the sweep folder")  # before reading sweep.json: a runner still going there rewrites it
+        lock.take(out, "the sweep folder")  # before reading sweep.json: a runner still going there rewrites it
     try:
         report = json.loads((out / "sweep.json").read_text())
     except (OSError, ValueError):
@@ -281,11 +287,12 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None, stderr
         raise UsageError(message)
 
     parser.error = usage  # type: ignore[method-assign]
+    lock = FolderLock()
     try:
         args = parser.parse_args(argv)
         if args.summarize is not None:
             print(summarize(args.summarize)[1], end="", file=stdout)
-            return 0
+            return EXIT_OK
         if args.sweep is None or min(args.jobs, 1 if args.count is None else args.count) < 1:
             raise UsageError("pass a sweep file (or --summarize DIR); --count and --jobs must be >= 1")
         sweep = load_sweep(args.sweep)
@@ -294,20 +301,20 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None, stderr
         if limit is None and method != "grid":
             raise UsageError(f"a {method} search does not end by itself: pass --count N or set run_cap")
         check_parameters(sweep)
-        out, trials, recorded = (None, [], None) if args.dry_run else open_out(args.out, sweep, args.resume)
+        out, trials, recorded = (None, [], None) if args.dry_run else open_out(args.out, sweep, args.resume, lock)
         seed = next(s for s in (args.seed, recorded, random.SystemRandom().randrange(2**31)) if s is not None)
         random.seed(seed + len(trials))  # the engine's random source (numpy's for bayes); fresh draws on --resume
         np.random.seed((seed + len(trials)) % 2**32)
         if out is None:
             dry_run(sweep, limit, seed, stdout)
-            return 0
+            return EXIT_OK
         print(f"[sweep] {sweep.name}: {method} search, seed {seed}, in {out}", file=stderr, flush=True)
         try:
             run_sweep(sweep, out, trials, limit, args.jobs, seed, stderr)
         except KeyboardInterrupt:
             print(format_table(trials, sweep), file=stdout)
             print("[sweep] interrupted; the same command plus --resume continues it", file=stderr)
-            return 130
+            return EXIT_INTERRUPTED
         print(format_table(trials, sweep), file=stdout)
         if "seed" in sweep.config["parameters"]:
             summary, markdown = summarize(out)
@@ -316,16 +323,8 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None, stderr
             print(f"\n{markdown}", end="", file=stdout)
     except UsageError as error:
         print(f"error: {error}", file=stderr)
-        return 2
+        return EXIT_USAGE
     finally:
-        unlock_folders()  # the sweep's folder, for a caller that goes on (tests)
+        lock.release()  # the sweep's folder, for a caller that goes on (tests)
     print(f"[sweep] {len(trials)} trial(s) in {out / 'sweep.json'}", file=stderr)
-    return 1 if trials and all(trial.state != "finished" for trial in trials) else 0
-
-
-if __name__ == "__main__":
-    # Ctrl-C and SIGTERM (``kill``, a cluster's pre-emption) stop the sweep by KeyboardInterrupt: trials stopped,
-    # resumable; SIGINT too when inherited as ignored (a shell's background job), as the trials must be stopped.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    sys.exit(main())
+    return EXIT_FAILED if trials and all(trial.state != "finished" for trial in trials) else EXIT_OK

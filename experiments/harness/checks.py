@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from experiments.cli import flag, show
+from experiments.harness.cli import flag, show
 from maml import COMPILED_MODES, UNROLLED_MODES
 
 __all__ = ["MAX_STEPS", "MAX_CG_ITERATIONS", "check_config", "check_given"]

@@ -20,8 +20,8 @@ from typing import Any
 
 import yaml
 
-from experiments.cli import UsageError, flag, suggest
-from experiments.config_file import DuplicateKey, UniqueKeys
+from experiments.harness.cli import DuplicateKey, UniqueKeys, flag, suggest
+from experiments.harness.folder import PR_SET_PDEATHSIG, UsageError
 
 with warnings.catch_warnings():  # the engine's pydantic deprecation warnings
     warnings.simplefilter("ignore")
@@ -30,10 +30,9 @@ with warnings.catch_warnings():  # the engine's pydantic deprecation warnings
 __all__ = ["REPO_ROOT", "DONE", "Sweep", "Trial"]
 __all__ += ["load_sweep", "next_trial", "build_command", "check_parameters", "start_trial"]
 
-REPO_ROOT = Path(__file__).resolve().parents[1]  # finds a program named from the root; sweep.json's paths are relative
+REPO_ROOT = Path(__file__).resolve().parents[2]  # finds a program named from the root; sweep.json's paths are relative
 MACROS = ("${env}", "${interpreter}", "${program}", "${args}")  # wandb's default command; the only macros supported
 DONE = ("finished", "failed")  # trials that ran to their end: --resume keeps them
-_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 @dataclass
@@ -226,7 +225,7 @@ def start_trial(sweep: Sweep, trial: Trial, out: Path, threads: int | None) -> s
     folder.mkdir(parents=True, exist_ok=True)
     # SIGTERM to the trial when the runner dies, however (kill -9 too): no trial goes on writing into a resumed sweep
     linux = sys.platform == "linux"
-    pdeathsig = functools.partial(ctypes.CDLL(None).prctl, _PR_SET_PDEATHSIG, signal.SIGTERM) if linux else None
+    pdeathsig = functools.partial(ctypes.CDLL(None).prctl, PR_SET_PDEATHSIG, signal.SIGTERM) if linux else None
     with open(folder / "output.log", "ab") as log:
         return subprocess.Popen(
             trial.command,

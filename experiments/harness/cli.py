@@ -4,7 +4,8 @@ tyro makes the flags from the config dataclasses (``config.parse_args``): each f
 flag (``--inner_lr`` too, as a W&B sweep passes it) and a YAML key. tyro reports bad input in a
 multi-line box, so :func:`check_argv` first reads the command line with tyro's own value readers
 (:data:`REGISTRY`) and turns what tyro would reject into a one-line :class:`UsageError`; ``--config``
-files go through the same readers (:func:`read_items`).
+files go through the same readers (:func:`read_items`, :func:`load_yaml`). It imports no torch: the sweep
+reads its YAML with :class:`UniqueKeys` too.
 """
 
 from __future__ import annotations
@@ -13,15 +14,16 @@ import difflib
 import types
 import typing
 from collections.abc import Collection, Sequence
+from pathlib import Path
 from typing import Any
 
 import tyro
+import yaml
 
-__all__ = ["UsageError", "REGISTRY", "flag", "show", "suggest", "spec_of", "read_items", "check_argv", "tyro_cli"]
+from experiments.harness.folder import UsageError
 
-
-class UsageError(Exception):
-    """Bad input from the user: the script prints the message and exits with code 2."""
+__all__ = ["REGISTRY", "flag", "show", "suggest", "spec_of", "read_items", "check_argv", "tyro_cli"]
+__all__ += ["DuplicateKey", "UniqueKeys", "load_yaml"]
 
 
 def flag(name: str) -> str:
@@ -211,3 +213,66 @@ def tyro_cli(tp: Any, args: Sequence[str], default: Any, **kwargs: Any) -> Any:
         config=(tyro.conf.OmitArgPrefixes, tyro.conf.FlagCreatePairsOff),
         **kwargs,
     )
+
+
+# ---------------------------------------------------------------------- --config files
+
+
+class DuplicateKey(yaml.constructor.ConstructorError):
+    """A key given twice in one YAML mapping: ``key``, and ``problem_mark`` where it stands the second time."""
+
+    def __init__(self, key: Any, mark: yaml.Mark) -> None:
+        super().__init__(None, None, f"the key {key!r} is given twice; keep one", mark)
+        self.key = key
+
+
+class UniqueKeys(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (yaml.safe_load keeps the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<:` merges another mapping: no key of its own
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise DuplicateKey(key, key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def load_yaml(path: Path, cls: type) -> dict[str, Any]:
+    """The keys of a ``--config`` file, read as their flags are.
+
+    Raises:
+        UsageError: no such file, not YAML, not a mapping, an unknown key (with close matches),
+            a list for a single value or the reverse, or a value its flag would refuse.
+    """
+    if not path.is_file():
+        raise UsageError(f"--config {path}: no such file.")
+    try:
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=UniqueKeys) or {}
+    except UnicodeDecodeError as e:
+        raise UsageError(f"--config {path}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8.") from None
+    except yaml.MarkedYAMLError as e:  # one line: where, and what
+        mark = e.problem_mark
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise UsageError(f"--config {path}: not valid YAML{at}: {e.problem}.") from None
+    except yaml.YAMLError as e:
+        raise UsageError(f"--config {path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"--config {path}: must be a mapping of config keys to values, got {type(data).__name__}.")
+    types_ = typing.get_type_hints(cls)
+    items = []
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in types_:
+            raise UsageError(
+                f"--config {path}: unknown key {key!r}{suggest(name, list(types_))}. Known keys: {', '.join(types_)}."
+            )
+        listed = typing.get_origin(types_[name]) is tuple
+        if isinstance(value, dict) or isinstance(value, list) != listed:
+            should = f"a list (e.g. [{show(value)}])" if listed else "a single value"
+            raise UsageError(f"--config {path}: {name} must be {should}, got {value!r}.")
+        items.append((name, [show(value)]))
+    return read_items(items, types_, name=str, where=f"--config {path}: ")

@@ -14,34 +14,28 @@ its exit code::
 from __future__ import annotations
 
 import dataclasses
-import logging
+import json
 import os
-import signal
 import sys
-import threading
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 import maml
-from experiments import STARTING, peers, recipes, release_start_up_signals, torchrun
-from experiments.cli import UsageError
-from experiments.config import parse_args
-from experiments.divergence import DivergenceWatch, stop_on_divergence
-from experiments.lock import unlock_folders
-from experiments.memory import Need, check_fits, parameter_bytes
-from experiments.results import finish
-from experiments.run_options import RunOptions
-from experiments.rundir import prepare_out, source, take_out
-from experiments.runtime import Terminated
-from experiments.tracking import init_wandb
-from experiments.trainer import Trainer
+from experiments.harness import devices, lifecycle, recipes
+from experiments.harness.config import RunFlags, RunOptions, parse_args
+from experiments.harness.divergence import DivergenceWatch, stop_on_divergence
+from experiments.harness.folder import FolderLock, UsageError, atomic_write
+from experiments.harness.lifecycle import main
+from experiments.harness.report import finish_wandb, init_wandb, provenance, wandb_mode
+from experiments.harness.rundir import DATA_KEYS, prepare_out, source, take_out
+from experiments.harness.trainer import Trainer
 
-__all__ = ["Model", "Tasks", "Results", "Fitted", "Experiment", "fit", "main"]
+__all__ = ["Model", "Tasks", "Results", "Fitted", "Experiment", "fit", "main", "finish"]
+__all__ += ["Need", "parameter_bytes", "free_bytes", "check_fits", "FLOAT_BYTES"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +45,8 @@ class Model:
     module: nn.Module
     loss: Callable[[Tensor, Tensor], Tensor]  # (outputs, targets) of one task -> a scalar
     meta_only: Collection[str] = ()  # names of parameters that only the outer loop learns
-    engine: Literal[peers.ENGINES] = "maml"  # type: ignore[valid-type]  # learn2learn: the peer computes the training steps
+    # What computes the training steps in place of this toolkit's learner (experiments.peers.Learn2LearnMAML); None: it
+    engine: Callable[[maml.MetaLearner], Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,21 +115,50 @@ def fit(experiment: Experiment, argv: Sequence[str] | None = None) -> None:
         UsageError: bad flags, config file, device, data or ``--out`` (nothing is written then).
         SystemExit: 1 when training diverged (after one line); 130 or 143 when stopped by a signal.
     """
-    _STAGE[:] = ["start-up"]
-    cfg, opts = parse_args(
+    with FolderLock() as lock:  # --out is this run's until it ends (the process may go on: tests, notebooks)
+        _fit(experiment, argv, lock)
+
+
+def setup(name: str, cfg: Any, flags: RunFlags) -> tuple[Any, RunOptions]:
+    """What the parsed command line asks of this machine, done once at start-up: the compiled step's default (where
+    a C++ compiler is found), the wandb mode, the threads, the device and, under torchrun, the process group.
+
+    Raises:
+        UsageError: a ``$WANDB_MODE`` that is no mode, a bad ``--threads`` or ``--device``, or a process group that
+            cannot be joined on it.
+    """
+    if cfg.compile is None:  # auto: the compiled step where it applies and a C++ compiler is found
+        cfg = dataclasses.replace(cfg, compile=cfg.mode in maml.COMPILED_MODES and devices.cxx() is not None)
+        if not cfg.compile and cfg.mode in maml.COMPILED_MODES:
+            print(
+                "note: no C++ compiler found (g++, c++ or $CXX), so the meta-step runs eager, 2-4x slower on "
+                "small models; install one, or pass --compile false to silence this",
+                file=sys.stderr,
+            )
+    device = devices.parse_device(flags.device)
+    wandb = wandb_mode(flags.wandb)
+    devices.set_threads(flags.threads)
+    device, rank, size = devices.join_processes(device)
+    return cfg, RunOptions(name, flags.out, flags.resume, flags.overwrite, wandb, device, flags.config, rank, size)
+
+
+def _fit(experiment: Experiment, argv: Sequence[str] | None, lock: FolderLock) -> None:
+    lifecycle._STAGE[:] = ["start-up"]
+    cfg, flags = parse_args(
         experiment.name, experiment.config, argv, experiment.description, experiment.check, threads=experiment.threads
     )
+    cfg, opts = setup(experiment.name, cfg, flags)
     if experiment.resolve is not None:
         cfg = experiment.resolve(cfg)
-    torchrun.check_shards(cfg.meta_batch, opts)
+    devices.check_shards(cfg.meta_batch, opts.world_size)
     if experiment.needs is not None:  # sizes whose tensors cannot fit: one line, before anything is written
         check_fits(experiment.needs(cfg, parameter_bytes(lambda: experiment.model(cfg).module)), opts.device)
-    resumed = prepare_out(opts, cfg)  # before writing anything; a resume's code is checked against its start's
+    resumed = prepare_out(opts, cfg, lock)  # before writing anything; a resume's code is checked against its start's
     # The code is recorded as the run starts: one changed and reverted before its end would pass for clean there.
     began = resumed["git_history"] if resumed else [{"at": "start", "iteration": 0, **source()}] if opts.main else []
     data = experiment.load(cfg) if experiment.load is not None else None
     if opts.main:
-        take_out(opts, cfg)  # clears an --overwrite'n run's files, then writes config.yaml
+        take_out(opts, cfg, lock)  # clears an --overwrite'n run's files, then writes config.yaml
         for note in experiment.notes(cfg, data) if experiment.notes is not None else ():
             print(note, file=sys.stderr)
 
@@ -156,7 +180,7 @@ def fit(experiment: Experiment, argv: Sequence[str] | None = None) -> None:
         implicit=maml.Implicit(cfg.implicit_lam, cfg.cg_iterations) if cfg.mode == "implicit" else None,
     )
     optimizer = recipes.meta_optimizer(learner, cfg.meta_lr, cfg.rate_meta_lr, cfg.meta_optimizer)
-    trained = peers.Learn2LearnMAML(learner) if model.engine == "learn2learn" else learner
+    trained = learner if model.engine is None else model.engine(learner)
     reptile = cfg.mode == "reptile" and cfg.meta_optimizer == "sgd"  # the step towards the adapted weights
     watch = DivergenceWatch(trained, resumed["iteration"] if resumed else 0, cfg.meta_lr, cfg.inner_lr, reptile)
     tasks = experiment.tasks(cfg, data, opts.device)
@@ -178,11 +202,11 @@ def fit(experiment: Experiment, argv: Sequence[str] | None = None) -> None:
     )
     name = experiment.run_name(cfg) if experiment.run_name is not None else experiment.name
     wandb_run = init_wandb(opts, cfg, name, resumed["wandb_id"] if resumed else None) if opts.main else None
-    _STAGE[:] = ["training", str(opts.out)]
+    lifecycle._STAGE[:] = ["training", str(opts.out)]
     # A NaN/Inf: one line naming the loop and the flag, exit code 1.
     with stop_on_divergence(opts.out, wandb_run, opts.main):
         trainer.run(opts, cfg, resumed, wandb_run)
-    _STAGE[0] = "the final evaluation"
+    lifecycle._STAGE[0] = "the final evaluation"
     if not opts.main:
         return  # rank 0 tests and writes the results
     with stop_on_divergence(opts.out, wandb_run):
@@ -191,120 +215,100 @@ def fit(experiment: Experiment, argv: Sequence[str] | None = None) -> None:
     print(results.summary)
 
 
-_STAGE: list[str] = ["start-up"]  # where fit() is, for the line a stop prints: [stage, --out once known]
+def finish(
+    opts: RunOptions, cfg: Any, run: Any, trainer: Trainer, test: dict[str, dict[str, Any]], metric: str, **extra: Any
+) -> None:
+    """Puts the test metric in the wandb summary, writes results.json, and closes the wandb run."""
+    for key, r in test.items():
+        run.summary[f"test/{metric}_{key}"] = r[metric]
+        run.summary[f"test/{metric}_{key}_ci95"] = r["ci95"]
+    config = dataclasses.asdict(cfg)
+    # No path of this machine in a result file: the data's path relative to the working directory, its fingerprint.
+    data = {
+        k: {"path": os.path.relpath(v), "fingerprint": trainer.data_files.get(k, {}).get("fingerprint")}
+        for k in DATA_KEYS
+        if isinstance(v := config.get(k), str)
+    }
+    config.update({k: d["path"] for k, d in data.items()})
+    results = {
+        "experiment": opts.experiment,
+        "config": config,
+        **({"data_files": data} if data else {}),
+        **extra,
+        "test": test,
+        "final_val": trainer.final_val,
+        "best_val": trainer.best,
+        "iterations": trainer.iterations,
+        "train_seconds": round(trainer.train_seconds, 1),
+        "device": str(opts.device),
+        "processes": opts.world_size,
+        "git_history": trainer.git_history,  # the code at the start and at each resume; at the end: provenance()
+        **provenance(),
+    }
+    atomic_write(opts.out / "results.json", lambda p: p.write_text(json.dumps(results, indent=2) + "\n"))
+    finish_wandb(run)
 
 
-def _terminated(signum: int, frame: Any) -> None:
-    raise Terminated  # SIGTERM outside the training loop unwinds as Ctrl-C does (atomic writes leave nothing half-done)
+# ---------------------------------------------------------------------- memory
+# Whether a run's tensors can fit, checked before anything is written: a size flag set far too high ends in one
+# line, not a traceback. Each Need is a lower bound every mode reaches: a refused run cannot fit.
+
+FLOAT_BYTES = 4  # float32, the experiments' dtype
 
 
-def _ending_line(lost: str | None = None) -> str:
-    """What a stop (or the end of another process, ``lost`` naming gloo's reason) leaves, and what to run next."""
-    stage, *out = _STAGE
-    if stage == "start-up":
-        if lost is None:
-            return STARTING
-        left = "before training, nothing to resume: run the same command again (once what ended it is fixed)."
-    elif stage == "the final evaluation":
-        left = f"training is complete in {out[0]}: the same command plus --resume evaluates it."
-    elif (Path(out[0]) / "checkpoint.pt").is_file():  # a stop in training is at once: the last checkpoint is whole
-        left = f"the last checkpoint in {out[0]} is whole: the same command plus --resume goes on."
-    elif lost is None:
-        return "stopped at once, before the first checkpoint: nothing to resume; run the same command again."
-    elif torchrun.process_rank() == 0:
-        left = "no checkpoint was written yet: run the same command again."
-    else:  # rank 0 writes the checkpoints, maybe on a disk this machine does not see
-        left = (
-            f"rank 0 keeps the checkpoints in {out[0]} on its machine: the same command plus --resume goes on from "
-            f"the last one (without --resume if there is none)."
-        )
-    if lost is None:
-        return f"stopped {'at once' if stage == 'training' else 'during ' + stage}; {left}"
-    return (
-        f"error (rank {torchrun.process_rank()}): another process of this torchrun run ended during a collective "
-        f"(gloo: {lost}); {left}"
-    )
+@dataclasses.dataclass(frozen=True)
+class Need:
+    """Memory a run holds at one moment: what it is, the flags it grows with, and at least how many bytes."""
+
+    what: str  # e.g. "the training meta-batch's images"
+    flags: str  # e.g. "--meta-batch, --ways, --shots, --query"
+    bytes: int | None  # None: more than PyTorch can count (sizes whose product overflows)
 
 
-def _leaving() -> None:
-    """Ignores Ctrl-C and SIGTERM from here on: this process is already ending (torchrun sends the survivors SIGTERM)."""
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_IGN)
-
-
-def _exit_skipping_teardown(code: int) -> None:
-    """Ends a torchrun process now: gloo's threads may still release a collective's tensors, and one that takes the
-    GIL during the interpreter's teardown aborts a complete run (SIGABRT; pytorch/pytorch#179291)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    logging.shutdown()
-    os._exit(code)
-
-
-def main(run: Callable[[Sequence[str] | None], None], argv: Sequence[str] | None = None) -> None:
-    """Runs an experiment's entry point: a UsageError is one line and exit code 2, a stop one line and 130 or 143.
-
-    Under torchrun it leaves the process group however the run ends: a collective that fails because another process
-    ended is one line and exit code 1; the death of torchrun's launcher stops this process as SIGTERM does.
-    """
-    together: int | None = None  # the exit code of an end that every rank reaches at the same point
-    lost: str | None = None  # gloo's reason, when another process ended during a collective
-    main_thread = threading.current_thread() is threading.main_thread()
-    if main_thread:
-        release_start_up_signals()  # Ctrl-C raises KeyboardInterrupt from here on
-    sigterm = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
+def parameter_bytes(build: Callable[[], nn.Module]) -> int | None:
+    """The bytes of the parameters of ``build()``, built on the meta device; None where the sizes overflow."""
     try:
-        if main_thread and "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun's agent, its parent
-            torchrun.leave_with_launcher()  # (its SIGTERM, if the launcher is gone already, raises Terminated here)
-        run(argv)
-        together = 0
-    except KeyboardInterrupt as e:  # Ctrl-C (or SIGTERM) outside the training loop, or a second one in it
-        lost = torchrun.peer_lost(e)  # torchrun's SIGTERM, come while a failed collective's error unwound
-        if lost is None:
-            print(f"\n{_ending_line()}", file=sys.stderr)
-            raise SystemExit(143 if isinstance(e, Terminated) else 130) from None
-        _leaving()
-    except UsageError as e:
-        # Under torchrun one process per machine says an error that all meet alike; one of its own, the process.
-        if isinstance(e, torchrun.RankUsageError):
-            print(f"error (rank {torchrun.process_rank()}): {e}", file=sys.stderr)
-        elif torchrun.prints_usage_errors():
-            print(f"error: {e}", file=sys.stderr)
-        else:
-            torchrun.outwait_printer()
-        raise SystemExit(2) from None
+        with torch.device("meta"):
+            net = build()
     except RuntimeError as e:
-        lost = torchrun.peer_lost(e)
-        if lost is None:
-            raise
-        _leaving()
-    except SystemExit as e:
-        if e.code in (130, 143):  # the stop that every rank voted for after one iteration
-            together = e.code
+        if "overflow" in str(e):
+            return None
         raise
-    finally:
-        if main_thread and lost is None:
-            signal.signal(signal.SIGTERM, sigterm)
-        unlock_folders()  # a script run in a process that goes on (tests, notebooks)
-        if dist.is_available() and dist.is_initialized():
-            if together is not None:
-                # Ranks > 0 finish before rank 0 (which evaluates and writes): they wait for it, so that
-                # no rank tears down its gloo connections while another still uses them.
-                try:
-                    dist.barrier()
-                except RuntimeError as e:
-                    reason = torchrun.peer_lost(e)
-                    if reason is None:
-                        raise
-                    _leaving()
-                    if not (together == 0 and dist.get_rank() == 0):  # rank 0 wrote the results: nothing is lost
-                        lost = reason
-            if lost is not None:
-                print(_ending_line(lost), file=sys.stderr)
-            dist.destroy_process_group()
-            if lost is not None or together is not None:
-                _exit_skipping_teardown(1 if lost is not None else together)
-    if lost is not None:  # (a collective's error comes from a process group: not reached)
-        print(_ending_line(lost), file=sys.stderr)
-        raise SystemExit(1)
+    return sum(p.numel() * p.element_size() for p in net.parameters())
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """The GPU's free memory, or the host's available memory and free swap (Linux); None where it cannot be read."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        return (int(fields["MemAvailable"].split()[0]) + int(fields.get("SwapFree", "0 kB").split()[0])) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def _size(n: float) -> str:
+    for unit in ("bytes", "KB", "MB", "GB", "TB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} PB"
+
+
+def check_fits(needs: Sequence[Need], device: torch.device) -> None:
+    """Raises UsageError naming the flags of the largest need when it exceeds ``device``'s free memory."""
+    free = free_bytes(device)
+    if free is None or not needs:
+        return
+    worst = max(needs, key=lambda n: float("inf") if n.bytes is None else n.bytes)
+    if worst.bytes is not None and worst.bytes <= free:
+        return
+    amount = "more than PyTorch can count" if worst.bytes is None else f"at least {_size(worst.bytes)}"
+    which = "the one set too high" if ", " in worst.flags else "it"
+    where = "this machine" if device.type == "cpu" else str(device)
+    raise UsageError(
+        f"{worst.flags}: {worst.what} need {amount}, and {where} has {_size(free)} of memory free; lower {which}."
+    )

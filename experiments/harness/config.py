@@ -1,5 +1,5 @@
-"""What a run is given: the hyperparameters (:class:`ExperimentConfig`), how to run (:class:`RunFlags`), and
-:func:`parse_args`, which reads them from the command line and ``--config`` YAML.
+"""What a run is given: the hyperparameters (:class:`ExperimentConfig`), how to run (:class:`RunFlags`, resolved
+into :class:`RunOptions`), and :func:`parse_args`, which reads them from the command line and ``--config`` YAML.
 
 Each field is a flag and a YAML key, and its attribute docstring is its ``--help`` text.
 """
@@ -13,16 +13,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import torch
 import tyro
 
 import maml
-from experiments import cli, recipes, runtime, torchrun, tracking
-from experiments.checks import check_given
-from experiments.cli import UsageError
-from experiments.config_file import load_yaml
-from experiments.run_options import RunOptions
+from experiments.harness import cli, recipes
+from experiments.harness.checks import check_given
+from experiments.harness.folder import UsageError
 
-__all__ = ["RunFlags", "ExperimentConfig", "parse_args"]
+__all__ = ["RunFlags", "RunOptions", "ExperimentConfig", "parse_args"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +45,30 @@ class RunFlags:
     """torch device, e.g. cpu or cuda"""
     threads: int | None = None
     """CPU threads of this process (null: PyTorch's, one per core)"""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """How to run, as opposed to what to train (the experiment's config dataclass).
+
+    Under ``torchrun``, ``rank`` and ``world_size`` place this process among the ones that
+    share each meta-batch, and ``device`` is its own (``cuda:LOCAL_RANK`` for ``--device cuda``).
+    """
+
+    experiment: str
+    out: Path
+    resume: bool
+    overwrite: bool
+    wandb: str
+    device: torch.device
+    config_file: Path | None
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def main(self) -> bool:
+        """Whether this process is rank 0, the one that logs and writes under ``--out``."""
+        return self.rank == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,15 +151,15 @@ def parse_args(
     description: str,
     validate: Callable[[Any], None],
     threads: int | None = None,
-) -> tuple[Any, RunOptions]:
-    """Parses the command line into the experiment's config dataclass and the run options.
+) -> tuple[Any, RunFlags]:
+    """Parses the command line into the experiment's config dataclass and the run flags, and nothing else: what
+    the flags ask of the machine (device, threads, wandb, the process group) is :func:`experiments.harness.fit.setup`'s.
 
     Precedence: the dataclass defaults, the recipe of ``--algorithm``, ``--config FILE``, then flags.
     ``threads`` is the experiment's default ``--threads`` (None: PyTorch's).
 
     Raises:
-        UsageError: unknown flag or key (with close matches), wrong type, invalid value, or a
-            ``$WANDB_MODE`` that is no mode.
+        UsageError: unknown flag or key (with close matches), wrong type, or invalid value.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     types_ = {**typing.get_type_hints(RunFlags), **typing.get_type_hints(cls)}
@@ -144,7 +167,7 @@ def parse_args(
     base = cls()
     given: dict[str, Path | None] = {}  # the keys the user set, by a flag (None) or in --config (its path)
     if flagged is not None:  # (for --help, the defaults of the dataclass)
-        from_yaml = load_yaml(flagged["config"], cls) if flagged.get("config") is not None else {}
+        from_yaml = cli.load_yaml(flagged["config"], cls) if flagged.get("config") is not None else {}
         algorithm = {**vars(cls()), **from_yaml, **flagged}["algorithm"]
         preset = {**vars(cls()), **recipes.recipe(experiment, algorithm)}
         base = cls(**{**preset, **from_yaml})
@@ -168,21 +191,9 @@ def parse_args(
         description=description,
     )
     run, cfg = args.run, getattr(args, experiment)
-    if cfg.compile is None:  # auto: the compiled step where it applies and a C++ compiler is found
-        cfg = dataclasses.replace(cfg, compile=cfg.mode in maml.COMPILED_MODES and runtime.cxx() is not None)
-        if not cfg.compile and cfg.mode in maml.COMPILED_MODES:
-            print(
-                "note: no C++ compiler found (g++, c++ or $CXX), so the meta-step runs eager, 2-4x slower on "
-                "small models; install one, or pass --compile false to silence this",
-                file=sys.stderr,
-            )
     try:
         validate(cfg)
         check_given(cfg, given)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    device = runtime.parse_device(run.device)
-    wandb = tracking.wandb_mode(run.wandb)
-    runtime.set_threads(run.threads)
-    device, rank, world_size = torchrun.join_processes(device)
-    return cfg, RunOptions(experiment, run.out, run.resume, run.overwrite, wandb, device, run.config, rank, world_size)
+    return cfg, run
