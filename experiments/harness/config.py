@@ -102,6 +102,8 @@ class ExperimentConfig:
     """how the tasks of a meta-batch run: auto (the faster of the two, timed on the first batch), vmap or loop"""
     learn_inner_lr: Literal["scalar", "per_parameter", "per_layer_per_step"] | None = None
     """learned inner rates: scalar, per_parameter (Meta-SGD) or per_layer_per_step (MAML++); null: fixed"""
+    memory_budget: str | None = None
+    """the tensor bytes a training step may hold (6GiB, 500MB, or 0.8 of the device's free memory): the engine plans the tasks per backward pass (second/first order) or the tasks replayed together and the segments (checkpointed) to fit; null: second and first order hold every task at once, checkpointed plans on one task's second-order step"""
     backward_chunk: int | None = None
     """tasks per backward pass (learner.backward: the same meta-gradient, one chunk's inner-loop graph in memory at a time); null: the whole meta-batch in one"""
     clip_meta_grad: float | None = None

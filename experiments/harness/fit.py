@@ -157,33 +157,25 @@ def _fit(experiment: Experiment, argv: Sequence[str] | None, lock: FolderLock) -
     # The code is recorded as the run starts: one changed and reverted before its end would pass for clean there.
     began = resumed["git_history"] if resumed else [{"at": "start", "iteration": 0, **source()}] if opts.main else []
     data = experiment.load(cfg) if experiment.load is not None else None
+    torch.manual_seed(cfg.seed)
+    model = experiment.model(cfg)
+    net = model.module.to(opts.device)
+    learner = engine_learner(cfg, model, net)
+    tasks = experiment.tasks(cfg, data, opts.device)
+    if cfg.memory_budget is not None:  # planned on a batch of its own (the run's draws stay the run's): one line
+        try:
+            learner.plan_for(maml.shard(tasks.sample(torch.Generator().manual_seed(cfg.seed))).to(opts.device))
+        except ValueError as e:
+            raise UsageError(f"--memory-budget {cfg.memory_budget}: {e}") from None
     if opts.main:
         take_out(opts, cfg, lock)  # clears an --overwrite'n run's files, then writes config.yaml
         for note in experiment.notes(cfg, data) if experiment.notes is not None else ():
             print(note, file=sys.stderr)
 
-    torch.manual_seed(cfg.seed)
-    model = experiment.model(cfg)
-    net = model.module.to(opts.device)
-    learner = maml.MetaLearner(
-        net,
-        model.loss,
-        inner_lr=cfg.inner_lr,
-        steps=cfg.steps,
-        mode=cfg.mode,
-        batching=cfg.batching,
-        learn_inner_lr=cfg.learn_inner_lr,
-        compile=cfg.compile,
-        adapt=recipes.adapt_set(net, cfg.adapt, model.meta_only),
-        inner_optimizer=cfg.inner_optimizer,
-        inner_optimizer_options={"betas": cfg.inner_adam_betas} if cfg.inner_optimizer == "adam" else None,
-        implicit=maml.Implicit(cfg.implicit_lam, cfg.cg_iterations) if cfg.mode == "implicit" else None,
-    )
     optimizer = recipes.meta_optimizer(learner, cfg.meta_lr, cfg.rate_meta_lr, cfg.meta_optimizer)
     trained = learner if model.engine is None else model.engine(learner)
     reptile = cfg.mode == "reptile" and cfg.meta_optimizer == "sgd"  # the step towards the adapted weights
     watch = DivergenceWatch(trained, resumed["iteration"] if resumed else 0, cfg.meta_lr, cfg.inner_lr, reptile)
-    tasks = experiment.tasks(cfg, data, opts.device)
     trainer = Trainer(
         learner=trained,
         optimizer=optimizer,
@@ -197,6 +189,7 @@ def _fit(experiment: Experiment, argv: Sequence[str] | None, lock: FolderLock) -
         device=opts.device,
         schedule=recipes.Schedule.of(cfg),
         backward_chunk=cfg.backward_chunk,
+        planned=cfg.memory_budget is not None,
         clip_value=cfg.clip_meta_grad,
         git_history=began,
     )
@@ -213,6 +206,29 @@ def _fit(experiment: Experiment, argv: Sequence[str] | None, lock: FolderLock) -
         results = experiment.test(Fitted(cfg, opts, data, net, learner, trainer))
     finish(opts, cfg, wandb_run, trainer, results.test, results.metric, **results.extra)
     print(results.summary)
+
+
+def engine_learner(cfg: Any, model: Model, net: torch.nn.Module) -> maml.MetaLearner:
+    """The run's learner, built from its config; an option the engine refuses (a ``--memory-budget`` that is no
+    size, or one for a mode that plans nothing) is a usage error: one line, exit code 2, nothing written."""
+    try:
+        return maml.MetaLearner(
+            net,
+            model.loss,
+            inner_lr=cfg.inner_lr,
+            steps=cfg.steps,
+            mode=cfg.mode,
+            batching=cfg.batching,
+            learn_inner_lr=cfg.learn_inner_lr,
+            compile=cfg.compile,
+            adapt=recipes.adapt_set(net, cfg.adapt, model.meta_only),
+            inner_optimizer=cfg.inner_optimizer,
+            inner_optimizer_options={"betas": cfg.inner_adam_betas} if cfg.inner_optimizer == "adam" else None,
+            implicit=maml.Implicit(cfg.implicit_lam, cfg.cg_iterations) if cfg.mode == "implicit" else None,
+            memory_budget=cfg.memory_budget,
+        )
+    except (TypeError, ValueError) as e:
+        raise UsageError(str(e)) from None
 
 
 def finish(
@@ -242,6 +258,7 @@ def finish(
         "train_seconds": round(trainer.train_seconds, 1),
         "device": str(opts.device),
         "processes": opts.world_size,
+        **({"memory_plan": str(plan)} if (plan := getattr(trainer.learner, "plan", None)) is not None else {}),
         "git_history": trainer.git_history,  # the code at the start and at each resume; at the end: provenance()
         **provenance(),
     }

@@ -64,6 +64,7 @@ class Trainer:
     schedule: Schedule | None = None  # per-iteration meta-lr, derivative order and step weights (recipes)
     select: tuple[str, Literal["max", "min"]] | None = None
     backward_chunk: int | None = None  # tasks per backward pass (learner.backward); None: meta_loss().backward()
+    planned: bool = False  # a memory budget plans the step: learner.backward(batch) in the chunks it fits
     clip_value: float | None = None  # each meta-gradient entry clamped to [-clip_value, clip_value] before the step
     best: dict[str, float] = dataclasses.field(default_factory=dict)
     history: list[dict[str, float]] = dataclasses.field(default_factory=list)
@@ -194,11 +195,13 @@ class Trainer:
         t0 = time.perf_counter()
         weights = None if self.schedule is None else self.schedule.apply(iteration, self.learner, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
-        if self.backward_chunk is None:
+        if self.backward_chunk is None and not self.planned:
             out = self.run_batch(batch, step_weights=weights)
             out.loss.backward()
         else:  # learner.backward: the same .grad, one chunk of tasks' graph in memory at a time
-            out = self.run_batch(batch, step_weights=weights, backward_chunk=self.backward_chunk)
+            out = self.run_batch(batch, step_weights=weights, backward=True, backward_chunk=self.backward_chunk)
+        if iteration == 0 and opts.main and getattr(self.learner, "plan", None) is not None:
+            print(f"memory plan: {self.learner.plan}", file=sys.stderr)  # the first step's, as the engine planned it
         if sharded:
             # One all-reduce carries the meta-gradients, the meta-loss and whether a rank was signalled: all
             # ranks stop after the same iteration on the shared vote (none left in a collective).
@@ -251,13 +254,18 @@ class Trainer:
         return row
 
     def run_batch(
-        self, batch: maml.TaskBatch, phase: str | None = None, backward_chunk: int | None = None, **kwargs: Any
+        self,
+        batch: maml.TaskBatch,
+        phase: str | None = None,
+        backward: bool = False,
+        backward_chunk: int | None = None,
+        **kwargs: Any,
     ) -> maml.MetaOutput:
-        """``learner.run(batch, **kwargs)``, or with ``backward_chunk`` ``learner.backward`` that many tasks at a time;
+        """``learner.run(batch, **kwargs)``, or with ``backward`` ``learner.backward`` ``backward_chunk`` tasks at a time;
         the engine's NaN/Inf check raises Diverged, explained. ``phase``: None in training (the watch keeps the
         losses), else what runs after the iteration (``"the validation"``, ``"the final test"``)."""
         try:
-            if backward_chunk is None:
+            if not backward:
                 out = self.learner.run(batch, **kwargs)
             else:
                 out = self.learner.backward(batch, chunk=backward_chunk, return_output=True, **kwargs)

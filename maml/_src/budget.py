@@ -22,8 +22,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import re
-from collections.abc import Callable
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +53,7 @@ _UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
 # second-order step, 25 tasks, holds 2 MiB).
 DEFAULT_FLOOR = 16 * 2**20
 _CPU = torch._C._autograd.DeviceType.CPU
+_PROFILER_LINE = re.compile(r"^(USDT|ERROR):\S+ \S+ \d+:\d+ (SyncActivityProfilerHandler|DeviceProperties)\.cpp")
 
 
 def fmt(n: float) -> str:
@@ -70,8 +74,6 @@ def free_bytes(device: torch.device) -> int:
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
-    import os
-
     return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
@@ -83,17 +85,19 @@ def budget_bytes(value: Any, device: torch.device) -> int | None:
     """
     if value is None:
         return None
-    forms = "bytes (an int), a string such as '6GiB' or '500MB', or a fraction of the free memory in (0, 1]"
+    forms = "bytes (an int), a string such as '6GiB' or '500MB', or a fraction of the free memory in (0, 1] ('0.8')"
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise TypeError(f"memory_budget must be {forms}, got {value!r} ({type(value).__name__}).")
     if isinstance(value, str):
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
         if not match or match.group(2).lower() not in _UNITS:
             raise ValueError(f"memory_budget={value!r} is not a size; it must be {forms}.")
-        value = float(match.group(1)) * _UNITS[match.group(2).lower()]
-        if value < 1:
+        number, unit = float(match.group(1)), match.group(2).lower()
+        if not unit and "." in match.group(1):  # "0.8", as a command line gives it: a fraction
+            return budget_bytes(number, device)
+        if number * _UNITS[unit] < 1:
             raise ValueError(f"memory_budget={value!r} is under one byte; it must be {forms}.")
-        return int(value)
+        return int(number * _UNITS[unit])
     if isinstance(value, float):
         if not 0 < value <= 1:
             raise ValueError(f"memory_budget={value!r}: a float is a fraction of the free memory, in (0, 1].")
@@ -122,7 +126,7 @@ def peak_bytes(fn: Callable[[], object], device: torch.device) -> int:
         return torch.cuda.max_memory_allocated(device) - base
     if device.type != "cpu" or torch.autograd.profiler._is_profiler_enabled:
         return saved_bytes(fn)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _profiler_lines_dropped(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type() == _CPU]
     live = peak = 0
@@ -130,6 +134,30 @@ def peak_bytes(fn: Callable[[], object], device: torch.device) -> int:
         live += e.nbytes()
         peak = max(peak, live)
     return peak
+
+
+@contextlib.contextmanager
+def _profiler_lines_dropped() -> Iterator[None]:
+    """Drops the lines PyTorch's profiler library writes to the process's stderr as it starts and stops.
+
+    Kineto writes ``USDT: ... profiler_start`` and, in a CUDA build without a GPU, ``ERROR: ...
+    gpuGetDeviceCount failed``, from C++ and past every setting, for a probe the user never asked
+    for. What else reaches file descriptor 2 meanwhile is written back.
+    """
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = [line for line in captured.read().decode(errors="replace").splitlines(keepends=True)
+                    if not _PROFILER_LINE.search(line)]  # fmt: skip
+            sys.stderr.write("".join(kept))
 
 
 def saved_bytes(fn: Callable[[], object]) -> int:

@@ -312,6 +312,22 @@ class MetaLearner:
         """
         return self._plan
 
+    def plan_for(self, batch: TaskBatch) -> Plan | None:
+        """The plan of a training step on ``batch`` (as :attr:`plan` will show it), without taking the step.
+
+        Measures one task on a new configuration, as the first training call would; a budget too
+        small for one task raises here, before any training. ``None`` where nothing is planned.
+
+        Raises:
+            ValueError: ``memory_budget`` is below what one task holds, naming the smallest that runs.
+        """
+        if not isinstance(batch, TaskBatch):
+            raise TypeError(f"batch must be a maml.TaskBatch, got {type(batch).__name__}.")
+        with torch.enable_grad():
+            plan = self._planned(batch)
+        self._plan = plan if plan is not None else self._plan
+        return plan
+
     @property
     def adapted(self) -> tuple[str, ...]:
         """The names of the parameters the inner loop updates (of the model as it is now)."""
@@ -379,8 +395,8 @@ class MetaLearner:
             batch: ``T`` tasks.
             step_weights: as in :meth:`meta_loss`.
             chunk: tasks per backward pass (default: ``chunk_size`` if set, else what fits
-                ``memory_budget`` (:attr:`plan`) if set, else one task with the loop batching and
-                all of them with ``"vmap"``).
+                ``memory_budget`` (:attr:`plan`; the checkpointed mode's planned step: all), else
+                one task with the loop batching and all of them with ``"vmap"``).
             return_output: return what :meth:`run` returns for the whole batch (the chunks'
                 outputs joined along the task dimension, all detached) instead of the loss alone:
                 a training loop's metrics come with the gradient.
@@ -392,8 +408,11 @@ class MetaLearner:
         per_chunk = functools.partial(modes.tasks_per_chunk, self.chunk_size, self.resolved_batching)
         if chunk is None and self.chunk_size is None and isinstance(batch, TaskBatch) and torch.is_grad_enabled():
             plan = self._planned(batch)
-            if plan is not None and plan.checkpoint_every is None:  # a budget's chunks of second or first order
-                out = backward_in_chunks(run, batch, chunk, lambda tasks: plan.tasks, return_output=return_output)
+            if (
+                plan is not None
+            ):  # a budget's chunks of second or first order; the checkpointed mode's segments fit whole
+                per_task = plan.tasks if plan.checkpoint_every is None else batch.num_tasks
+                out = backward_in_chunks(run, batch, chunk, lambda tasks: per_task, return_output=return_output)
                 self._plan = plan  # the whole batch's, not its last chunk's
                 return out
         return backward_in_chunks(run, batch, chunk, per_chunk, return_output=return_output)

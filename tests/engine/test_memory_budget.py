@@ -42,11 +42,12 @@ def image_batch(tasks: int = 6, dtype: torch.dtype = torch.float32) -> maml.Task
 
 @pytest.mark.parametrize(
     "value, expected",
-    [(2048, 2048), ("6GiB", 6 * 2**30), ("500MB", 500 * 10**6), ("1.5 KiB", 1536), (" 3mib ", 3 * MiB)],
+    [(2048, 2048), ("6GiB", 6 * 2**30), ("500MB", 500 * 10**6), ("1.5 KiB", 1536), (" 3mib ", 3 * MiB), ("4096", 4096)],
 )
 def test_a_budget_is_bytes_a_size_or_a_fraction(value, expected):
     assert budget.budget_bytes(value, torch.device("cpu")) == expected
-    assert 0 < budget.budget_bytes(0.5, torch.device("cpu")) < budget.budget_bytes(1.0, torch.device("cpu"))
+    half, whole = (budget.budget_bytes(f, torch.device("cpu")) for f in (0.5, 1.0))
+    assert 0 < half < whole and budget.budget_bytes("0.5", torch.device("cpu")) == pytest.approx(half, rel=0.05)
 
 
 @pytest.mark.parametrize(

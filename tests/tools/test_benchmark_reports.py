@@ -34,7 +34,7 @@ def test_a_memory_worker_keeps_the_callers_pythonpath_after_the_repository(
     monkeypatch.setattr(memory.subprocess, "run", fake_run)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     args = argparse.Namespace(
-        device="cpu", batching="loop", threads=1, repeats=0, limit_gib=1.0, shots=1, chunk_size=None
+        device="cpu", batching="loop", threads=1, repeats=0, limit_gib=1.0, shots=1, chunk_size=None, memory_budget=None
     )
     assert memory.run_worker("higher", 1, 1, args) == {"method": "higher"}
     assert seen["env"]["PYTHONPATH"].split(os.pathsep) == [str(memory.REPO), str(tmp_path)]
