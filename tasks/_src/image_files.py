@@ -128,7 +128,7 @@ def as_array(value: Any, what: str, help: str) -> np.ndarray:
     try:
         return np.asarray(value)
     except (ValueError, RecursionError) as exc:
-        raise ValueError(f"{what} is not a flat list of numbers ({exc}); {help}") from None
+        raise ValueError(f"{what}: not a flat list of numbers ({exc}); {help}") from None
 
 
 def as_images(array: Any, side: int, path: Path, help: str) -> np.ndarray:

@@ -533,7 +533,7 @@ def test_labels_nested_too_deep_are_one_line_naming_the_file(tmp_path: Path) -> 
     with pytest.raises(ValueError) as info:
         tasks.FC100(tmp_path, class_counts=SMALL)
     message = str(info.value)
-    assert "\n" not in message and f"{path}: the labels is not a flat list of numbers" in message
+    assert "\n" not in message and f"{path}: the labels: not a flat list of numbers" in message
 
 
 @pytest.mark.parametrize(

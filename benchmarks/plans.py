@@ -1,0 +1,143 @@
+"""Does the plan a memory budget picks run as fast as the fastest plan that fits the budget?
+
+    .venv/bin/python -m benchmarks.plans                                  # the committed table's run
+    .venv/bin/python -m benchmarks.plans --budgets 150MiB 400MiB --steps 5 --json results/benchmarks/plans.json
+
+For each mode that plans (second order, checkpointed) and each budget, on the MAML Omniglot
+max-pool net (benchmarks.sampling.omniglot_net, 28x28, 8 tasks 5-way 5-shot, 15 query images a
+class): the learner with ``memory_budget`` plans its step (``learner.plan``), then every other plan
+the engine can run is tried by hand, second order as ``backward(batch, chunk=c)``
+and the checkpointed mode as ``chunk_size=c``, for ``c`` in 1, 2, 4, 8, each batched by ``vmap`` and
+in a loop. Each one's tensor peak (``benchmarks.tensor_peak``) decides whether it fits the budget;
+each that fits is timed (the median CPU time of ``--repeats`` steps of one thread, after a warm-up
+step), and the planned step's time is set against the fastest. The planned step's own peak is
+reported beside its budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a file: the repository's packages first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import maml  # noqa: E402
+from benchmarks.memory import INNER_LR, QUERY, SHOTS, TASKS, WAYS, synthetic_batch  # noqa: E402
+from benchmarks.report import write_report  # noqa: E402
+from benchmarks.sampling import omniglot_net  # noqa: E402
+from benchmarks.tensor_peak import peak_tensor_bytes  # noqa: E402
+
+MODES = ("second_order", "checkpointed")
+CHUNKS = (1, 2, 4, 8)  # tasks at once: a backward chunk (second order) or a replayed chunk (checkpointed)
+
+
+def learner(mode: str, steps: int, batching: str = "auto", **options: Any) -> maml.MetaLearner:
+    """A learner of ``mode`` on the Omniglot net, from seed 0 (every candidate starts from the same weights)."""
+    torch.manual_seed(0)
+    return maml.MetaLearner(
+        omniglot_net(WAYS), F.cross_entropy, INNER_LR, steps, mode=mode, batching=batching, **options
+    )
+
+
+def seconds(step: Callable[[], object], repeats: int) -> float:
+    """The median CPU time of ``repeats`` calls of ``step`` after one untimed call."""
+    step()
+    times = []
+    for _ in range(repeats):
+        start = time.process_time()
+        step()
+        times.append(time.process_time() - start)
+    return statistics.median(times)
+
+
+def candidates(mode: str, steps: int, batch: maml.TaskBatch) -> list[tuple[str, Callable[[], object]]]:
+    """The plans of ``mode`` tried by hand: a name and its training step."""
+    out = []
+    for batching in ("vmap", "loop"):
+        if mode == "second_order":
+            lrn = learner(mode, steps, batching)
+            for chunk in CHUNKS:
+                out.append(
+                    (f"backward(chunk={chunk}), {batching}", lambda lrn=lrn, c=chunk: lrn.backward(batch, chunk=c))
+                )
+        else:
+            for chunk in CHUNKS:
+                lrn = learner(mode, steps, batching, chunk_size=chunk)
+                out.append((f"chunk_size={chunk}, {batching}", lambda lrn=lrn: lrn.meta_loss(batch).backward()))
+    return out
+
+
+def measure(mode: str, steps: int, budget: str, batch: maml.TaskBatch, repeats: int) -> dict[str, Any]:
+    """The planned step against every candidate that fits ``budget``."""
+    planned = learner(mode, steps, memory_budget=budget)
+    step = lambda: planned.backward(batch)  # noqa: E731
+    step()  # plans (and times "auto") at its first call
+    row: dict[str, Any] = {"mode": mode, "budget": budget, "plan": str(planned.plan)}
+    row["budget_bytes"] = planned.plan.budget
+    row["peak_mib"] = peak_tensor_bytes(step) / 2**20
+    row["seconds"] = seconds(step, repeats)
+    tried = []
+    for name, candidate in candidates(mode, steps, batch):
+        candidate()  # warm: kernels, and "auto" has nothing to choose here
+        peak = peak_tensor_bytes(candidate)
+        fits = peak <= planned.plan.budget
+        tried.append(
+            {
+                "plan": name,
+                "peak_mib": peak / 2**20,
+                "fits": fits,
+                **({"seconds": seconds(candidate, repeats)} if fits else {}),
+            }
+        )
+        print(
+            f"  {mode} {budget}: {name}: {peak / 2**20:,.0f} MiB"
+            + (f", {tried[-1]['seconds']:.2f} s" if fits else ", over"),
+            file=sys.stderr,
+        )
+    fitting = [t for t in tried if t["fits"]]
+    best = min(fitting, key=lambda t: t["seconds"]) if fitting else None
+    row["tried"] = tried
+    if best is not None:
+        row.update(fastest=best["plan"], fastest_seconds=best["seconds"], ratio=row["seconds"] / best["seconds"])
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budgets", nargs="+", default=["150MiB", "400MiB"], help="(default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=5, help="inner steps (default: %(default)s)")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--repeats", type=int, default=2, help="timed steps per plan (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=1, help="(default: %(default)s)")
+    parser.add_argument("--json", type=Path, help="write the results, with device, versions and commit, here")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    batch = synthetic_batch(TASKS, torch.Generator().manual_seed(0), torch.device("cpu"))
+    rows = []
+    for mode in args.modes:
+        for budget in args.budgets:
+            rows.append(measure(mode, args.steps, budget, batch, args.repeats))
+            r = rows[-1]
+            print(
+                f"{mode} {budget}: planned {r['plan']}: {r['seconds']:.2f} s, {r['peak_mib']:,.0f} MiB; fastest that "
+                f"fits: {r.get('fastest')} {r.get('fastest_seconds', float('nan')):.2f} s",
+                file=sys.stderr,
+            )
+            if args.json is not None:
+                write_report(args.json, "plans", sys.argv[1:] if argv is None else argv, "cpu", args.threads,
+                             setting={"tasks": TASKS, "ways": WAYS, "shots": SHOTS, "query": QUERY, "steps": args.steps,
+                                      "repeats": args.repeats}, rows=rows)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
