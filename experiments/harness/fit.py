@@ -164,9 +164,11 @@ def _fit(experiment: Experiment, argv: Sequence[str] | None, lock: FolderLock) -
     tasks = experiment.tasks(cfg, data, opts.device)
     if cfg.memory_budget is not None:  # planned on a batch of its own (the run's draws stay the run's): one line
         try:
-            learner.plan_for(maml.shard(tasks.sample(torch.Generator().manual_seed(cfg.seed))).to(opts.device))
+            plan = learner.plan_for(maml.shard(tasks.sample(torch.Generator().manual_seed(cfg.seed))).to(opts.device))
         except ValueError as e:
             raise UsageError(f"--memory-budget {cfg.memory_budget}: {e}") from None
+        if opts.main:
+            print(f"memory plan: {plan}", file=sys.stderr)
     if opts.main:
         take_out(opts, cfg, lock)  # clears an --overwrite'n run's files, then writes config.yaml
         for note in experiment.notes(cfg, data) if experiment.notes is not None else ():
@@ -189,7 +191,6 @@ def _fit(experiment: Experiment, argv: Sequence[str] | None, lock: FolderLock) -
         device=opts.device,
         schedule=recipes.Schedule.of(cfg),
         backward_chunk=cfg.backward_chunk,
-        planned=cfg.memory_budget is not None,
         clip_value=cfg.clip_meta_grad,
         git_history=began,
     )

@@ -23,6 +23,7 @@ from experiments.harness.lifecycle import catch_stop_signals
 from experiments.harness.recipes import Schedule
 from experiments.harness.report import finish_wandb
 from experiments.harness.rundir import DATA_KEYS, data_identity, write_state
+from maml import TaskBatch
 
 __all__ = ["Trainer", "Logbook"]
 
@@ -64,7 +65,6 @@ class Trainer:
     schedule: Schedule | None = None  # per-iteration meta-lr, derivative order and step weights (recipes)
     select: tuple[str, Literal["max", "min"]] | None = None
     backward_chunk: int | None = None  # tasks per backward pass (learner.backward); None: meta_loss().backward()
-    planned: bool = False  # a memory budget plans the step: learner.backward(batch) in the chunks it fits
     clip_value: float | None = None  # each meta-gradient entry clamped to [-clip_value, clip_value] before the step
     best: dict[str, float] = dataclasses.field(default_factory=dict)
     history: list[dict[str, float]] = dataclasses.field(default_factory=list)
@@ -195,13 +195,11 @@ class Trainer:
         t0 = time.perf_counter()
         weights = None if self.schedule is None else self.schedule.apply(iteration, self.learner, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
-        if self.backward_chunk is None and not self.planned:
+        if self.backward_chunk is None and getattr(self.learner, "memory_budget", None) is None:
             out = self.run_batch(batch, step_weights=weights)
             out.loss.backward()
-        else:  # learner.backward: the same .grad, one chunk of tasks' graph in memory at a time
-            out = self.run_batch(batch, step_weights=weights, backward=True, backward_chunk=self.backward_chunk)
-        if iteration == 0 and opts.main and getattr(self.learner, "plan", None) is not None:
-            print(f"memory plan: {self.learner.plan}", file=sys.stderr)  # the first step's, as the engine planned it
+        else:  # learner.backward: the same .grad, one chunk (given, or what the memory budget fits) at a time
+            out = self.run_batch(batch, step_weights=weights, backward=True, chunk=self.backward_chunk)
         if sharded:
             # One all-reduce carries the meta-gradients, the meta-loss and whether a rank was signalled: all
             # ranks stop after the same iteration on the shared vote (none left in a collective).
@@ -254,23 +252,17 @@ class Trainer:
         return row
 
     def run_batch(
-        self,
-        batch: maml.TaskBatch,
-        phase: str | None = None,
-        backward: bool = False,
-        backward_chunk: int | None = None,
-        **kwargs: Any,
+        self, batch: TaskBatch, phase: str | None = None, backward: bool = False, chunk: int | None = None, **kw: Any
     ) -> maml.MetaOutput:
-        """``learner.run(batch, **kwargs)``, or with ``backward`` ``learner.backward`` ``backward_chunk`` tasks at a time;
-        the engine's NaN/Inf check raises Diverged, explained. ``phase``: None in training (the watch keeps the
-        losses), else what runs after the iteration (``"the validation"``, ``"the final test"``)."""
+        """``learner.run``, or ``learner.backward`` ``chunk`` tasks at a time (None: planned); a NaN/Inf: Diverged, explained.
+        ``phase``: None in training (the watch keeps the losses), else ``"the validation"`` or ``"the final test"``."""
         try:
             if not backward:
-                out = self.learner.run(batch, **kwargs)
+                out = self.learner.run(batch, **kw)
             else:
-                out = self.learner.backward(batch, chunk=backward_chunk, return_output=True, **kwargs)
+                out = self.learner.backward(batch, chunk=chunk, return_output=True, **kw)
         except FloatingPointError:  # the engine's check: an inner loss is NaN/Inf
-            raise self.watch.diverged(batch, phase, kwargs.get("steps")) from None
+            raise self.watch.diverged(batch, phase, kw.get("steps")) from None
         if phase is None:
             self.watch.record(out)
         return out
