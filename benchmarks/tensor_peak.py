@@ -22,30 +22,16 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+
+from maml._src.budget import peak_bytes
 
 __all__ = ["peak_tensor_bytes"]
 
-_CPU = torch._C._autograd.DeviceType.CPU
-
 
 def peak_tensor_bytes(fn: Callable[[], object], device: torch.device | str = "cpu") -> int:
-    """Runs ``fn()`` and returns the peak of the bytes of tensors it allocated on ``device`` that were alive at once."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        fn()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - base
-    if device.type != "cpu":
-        raise ValueError(f"device={device}: the tensor peak is measured on the CPU or a CUDA GPU.")
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type() == _CPU]
-    live = peak = 0
-    for e in sorted(events, key=lambda e: e.start_ns()):
-        live += e.nbytes()
-        peak = max(peak, live)
-    return peak
+    """Runs ``fn()`` and returns the peak of the bytes of tensors it allocated on ``device`` that were alive at once.
+
+    The engine's own measure (its memory planner's, ``maml._src.budget.peak_bytes``), so that a
+    benchmark and a plan count the same bytes.
+    """
+    return peak_bytes(fn, torch.device(device))
