@@ -8,42 +8,10 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import os
-import signal
 import sys
 from pathlib import Path
-from typing import Any
 
-from experiments.harness.folder import EXIT_USAGE, exit_code
-
-_FIT_SCRIPTS = ("experiments.sine", "experiments.omniglot", "experiments.images")  # fit.main takes the signals over
-STARTING = "stopped during start-up, before training: nothing to resume; run the same command again."
-
-
-def _stop_while_importing(signum: int, frame: Any) -> None:
-    print(f"\n{STARTING}", file=sys.stderr, flush=True)
-    os._exit(exit_code(signum))  # nothing is written yet; no traceback to unwind
-
-
-def _catch_stops_while_importing() -> None:
-    """Ctrl-C or SIGTERM while ``python -m experiments.sine`` (or another fit script) imports torch: one line."""
-    argv = getattr(sys, "orig_argv", [])
-    run = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else ""
-    if run not in _FIT_SCRIPTS or sys.argv[:1] != ["-m"]:
-        return
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler):  # not ignored (nohup, &)
-            signal.signal(sig, _stop_while_importing)
-
-
-def release_start_up_signals() -> None:
-    """Gives Ctrl-C back to ``KeyboardInterrupt`` and SIGTERM to its default, where the import-time handler holds them."""
-    for sig, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL)):
-        if signal.getsignal(sig) is _stop_while_importing:
-            signal.signal(sig, default)
-
-
-_catch_stops_while_importing()
+from experiments.harness.folder import EXIT_USAGE
 
 
 def _shadowing(name: str, home: Path) -> str | None:

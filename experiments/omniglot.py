@@ -13,6 +13,11 @@ them in 4 rotations, and reports the test accuracy of the last and best-validati
 
 from __future__ import annotations
 
+from experiments.harness.lifecycle import Lifecycle, catch_start_up_stops
+
+if __name__ == "__main__":  # run as a script: a Ctrl-C or SIGTERM while torch imports (seconds) is one line
+    catch_start_up_stops()
+
 import dataclasses
 import math
 import os
@@ -258,9 +263,9 @@ EXPERIMENT = fit.Experiment(
 )
 
 
-def run(argv: Sequence[str] | None = None) -> None:
+def run(argv: Sequence[str] | None = None, life: Lifecycle | None = None) -> None:
     """The script, with the command line ``argv`` (default: ``sys.argv[1:]``)."""
-    fit.fit(EXPERIMENT, argv)
+    fit.fit(EXPERIMENT, argv, life)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,11 @@ Adam at 0.001), then evaluates on 600 fresh tasks at 1, 5 and 10 inner steps for
 
 from __future__ import annotations
 
+from experiments.harness.lifecycle import Lifecycle, catch_start_up_stops
+
+if __name__ == "__main__":  # run as a script: a Ctrl-C or SIGTERM while torch imports (seconds) is one line
+    catch_start_up_stops()
+
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -188,9 +193,9 @@ EXPERIMENT = fit.Experiment(
 )
 
 
-def run(argv: Sequence[str] | None = None) -> None:
+def run(argv: Sequence[str] | None = None, life: Lifecycle | None = None) -> None:
     """The script, with the command line ``argv`` (default: ``sys.argv[1:]``)."""
-    fit.fit(EXPERIMENT, argv)
+    fit.fit(EXPERIMENT, argv, life)
 
 
 def _table(results: dict[str, Any], cfg: SineConfig) -> str:

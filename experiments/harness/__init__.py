@@ -1,6 +1,6 @@
 """What the fit scripts (``experiments.sine``, ``.omniglot``, ``.images``) share, one module per story.
 
 :mod:`~experiments.harness.fit` runs an :class:`~experiments.harness.fit.Experiment` from the command line to
-``results.json``; :mod:`~experiments.harness.lifecycle` turns how the run ends into one line and an exit code
+``results.json``; :class:`~experiments.harness.lifecycle.Lifecycle` turns how the run ends into one line and an exit code
 (:mod:`~experiments.harness.folder`). docs/experiments.md ("Where the code is") names every module.
 """

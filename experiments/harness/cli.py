@@ -1,11 +1,10 @@
 """The command line of the experiment scripts: how a flag's words become a value, and the one-line errors.
 
-tyro makes the flags from the config dataclasses (``config.parse_args``): each field is a kebab-case
-flag (``--inner_lr`` too, as a W&B sweep passes it) and a YAML key. tyro reports bad input in a
-multi-line box, so :func:`check_argv` first reads the command line with tyro's own value readers
-(:data:`REGISTRY`) and turns what tyro would reject into a one-line :class:`UsageError`; ``--config``
-files go through the same readers (:func:`read_items`, :func:`load_yaml`). It imports no torch: the sweep
-reads its YAML with :class:`UniqueKeys` too.
+Each field of the config dataclasses (``config.parse_args``) is a kebab-case flag (``--inner_lr`` too, as a
+W&B sweep passes it) and a YAML key. The command line is parsed once, by :func:`read_argv`, with tyro's value
+readers (:data:`REGISTRY`): what it refuses is a one-line :class:`UsageError` (tyro's own errors are a multi-line
+box), and tyro itself only renders ``--help`` (:func:`tyro_cli`). ``--config`` files go through the same readers
+(:func:`read_items`, :func:`load_yaml`). It imports no torch: the sweep reads its YAML with :class:`UniqueKeys` too.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ import yaml
 
 from experiments.harness.folder import UsageError
 
-__all__ = ["REGISTRY", "flag", "show", "suggest", "spec_of", "read_items", "check_argv", "tyro_cli"]
+__all__ = ["REGISTRY", "flag", "show", "suggest", "spec_of", "read_items", "read_argv", "tyro_cli"]
 __all__ += ["DuplicateKey", "UniqueKeys", "load_yaml"]
 
 
@@ -150,8 +149,9 @@ def _stops_values(token: str) -> bool:
     return token == "--" or (token.startswith("-") and token.lstrip("-")[:1].isalpha() and not negative)
 
 
-def check_argv(argv: Sequence[str], types_: dict[str, Any], switches: Collection[str] = ()) -> dict[str, Any] | None:
-    """The values of the flags in ``argv``, read and split among the flags as tyro will; None when it asks for ``--help``.
+def read_argv(argv: Sequence[str], types_: dict[str, Any], switches: Collection[str] = ()) -> dict[str, Any] | None:
+    """The values of the flags in ``argv``, read and split among the flags as tyro reads them; None when it asks for
+    ``--help``.
 
     ``types_``: each key's type (``inner_lr``); ``switches``: the keys whose flag takes no value (``--resume``).
 
@@ -204,7 +204,7 @@ def check_argv(argv: Sequence[str], types_: dict[str, Any], switches: Collection
 
 
 def tyro_cli(tp: Any, args: Sequence[str], default: Any, **kwargs: Any) -> Any:
-    """``tyro.cli`` with this package's readers and flag names (no prefixes, no ``--no-`` pairs)."""
+    """``tyro.cli`` with this package's readers and flag names (no prefixes, no ``--no-`` pairs): ``--help``."""
     return tyro.cli(
         tp,
         args=list(args),

@@ -164,35 +164,35 @@ def parse_args(
         UsageError: unknown flag or key (with close matches), wrong type, or invalid value.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    types_ = {**typing.get_type_hints(RunFlags), **typing.get_type_hints(cls)}
-    flagged = cli.check_argv(argv, types_, switches=("resume", "overwrite"))
-    base = cls()
-    given: dict[str, Path | None] = {}  # the keys the user set, by a flag (None) or in --config (its path)
-    if flagged is not None:  # (for --help, the defaults of the dataclass)
-        from_yaml = cli.load_yaml(flagged["config"], cls) if flagged.get("config") is not None else {}
-        algorithm = {**vars(cls()), **from_yaml, **flagged}["algorithm"]
-        preset = {**vars(cls()), **recipes.recipe(experiment, algorithm)}
-        base = cls(**{**preset, **from_yaml})
-        # A run's config.yaml holds every key: only a value other than the default or the recipe's counts as set.
-        given = {k: flagged["config"] for k, v in from_yaml.items() if v != preset.get(k)}
-        given |= {k: None for k in flagged}
-    args_cls = dataclasses.make_dataclass(
-        "Args", [("run", RunFlags), (experiment, Annotated[cls, tyro.conf.FlagConversionOff])]
-    )
-    argv = [a for a in argv if a != "--"]  # the end of the flags, with nothing after it (check_argv saw to that)
+    run_keys = typing.get_type_hints(RunFlags)
+    types_ = {**run_keys, **typing.get_type_hints(cls)}
+    flagged = cli.read_argv(argv, types_, switches=("resume", "overwrite"))  # the one parse of argv
+    run_defaults = RunFlags(out=Path("runs") / experiment, threads=threads)
+    if flagged is None:  # --help: tyro renders it from the dataclasses (their defaults), and exits
+        args_cls = dataclasses.make_dataclass(
+            "Args", [("run", RunFlags), (experiment, Annotated[cls, tyro.conf.FlagConversionOff])]
+        )
+        cli.tyro_cli(
+            args_cls,
+            ["--help"],
+            args_cls(run_defaults, cls()),
+            prog=f"python -m experiments.{experiment}",
+            description=description,
+        )
+    assert flagged is not None  # (tyro exits after the help)
     if any(
         a == "--out=" or (a == "--out" and i + 1 < len(argv) and not argv[i + 1].strip()) for i, a in enumerate(argv)
     ):
         # Path("") is the current folder, where --overwrite would delete run files: say so instead.
         raise UsageError('--out is empty; pass a folder, e.g. --out runs/try (or "." for this one).')
-    args = cli.tyro_cli(
-        args_cls,
-        argv,
-        args_cls(RunFlags(out=Path("runs") / experiment, threads=threads), base),
-        prog=f"python -m experiments.{experiment}",
-        description=description,
-    )
-    run, cfg = args.run, getattr(args, experiment)
+    from_yaml = cli.load_yaml(flagged["config"], cls) if flagged.get("config") is not None else {}
+    algorithm = {**vars(cls()), **from_yaml, **flagged}["algorithm"]
+    preset = {**vars(cls()), **recipes.recipe(experiment, algorithm)}
+    # A run's config.yaml holds every key: only a value other than the default or the recipe's counts as set.
+    given: dict[str, Path | None] = {k: flagged["config"] for k, v in from_yaml.items() if v != preset.get(k)}
+    given |= {k: None for k in flagged if k not in run_keys}
+    run = dataclasses.replace(run_defaults, **{k: v for k, v in flagged.items() if k in run_keys})
+    cfg = cls(**{**preset, **from_yaml, **{k: v for k, v in flagged.items() if k not in run_keys}})
     try:
         validate(cfg)
         check_given(cfg, given)

@@ -7,13 +7,13 @@ import contextlib
 import os
 import shutil
 import socket
+import threading
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import maml
-from experiments.harness import lifecycle
 from experiments.harness.folder import UsageError
 from experiments.harness.lifecycle import RankUsageError, Terminated
 
@@ -85,11 +85,11 @@ def check_device(device: torch.device) -> None:
     raise (RankUsageError if grouped and device.index is not None else UsageError)(message)
 
 
-def join_processes(device: torch.device) -> tuple[torch.device, int, int]:
+def join_processes(device: torch.device, joined: threading.Event | None = None) -> tuple[torch.device, int, int]:
     """Under ``torchrun``, joins its process group: this process's device, rank and world size (alone: ``(device, 0, 1)``).
 
     gloo on CPU; NCCL on GPUs, each process on ``cuda:LOCAL_RANK``. UsageError for a device the backends cannot serve,
-    one GPU for several processes, or fewer GPUs than processes.
+    one GPU for several processes, or fewer GPUs than processes. ``joined`` (the lifecycle's) is set once joined.
     """
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return device, 0, 1
@@ -128,7 +128,8 @@ def join_processes(device: torch.device) -> tuple[torch.device, int, int]:
     # gloo's init returns on a process whose connections are made while another still makes its own: one
     # that then stopped on a usage error would break the other's init. All leave together.
     dist.barrier()
-    lifecycle._JOINED.set()
+    if joined is not None:
+        joined.set()
     return device, dist.get_rank(), dist.get_world_size()
 
 

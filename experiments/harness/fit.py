@@ -4,8 +4,8 @@ A script gives its own parts in an :class:`Experiment` (config, data, :class:`Mo
 returning :class:`Results`); :func:`fit` does the rest, and :func:`main` turns how a run ends into one line and
 its exit code::
 
-    def run(argv=None):
-        fit.fit(fit.Experiment("sine", SineConfig, "...", check, model=..., tasks=..., test=...), argv)
+    def run(argv=None, life=None):
+        fit.fit(fit.Experiment("sine", SineConfig, "...", check, model=..., tasks=..., test=...), argv, life)
 
     if __name__ == "__main__":
         fit.main(run)
@@ -25,11 +25,11 @@ import torch
 from torch import Tensor, nn
 
 import maml
-from experiments.harness import devices, lifecycle, recipes
+from experiments.harness import devices, recipes
 from experiments.harness.config import RunFlags, RunOptions, parse_args
 from experiments.harness.divergence import DivergenceWatch, stop_on_divergence
-from experiments.harness.folder import FolderLock, UsageError, atomic_write
-from experiments.harness.lifecycle import main
+from experiments.harness.folder import UsageError, atomic_write
+from experiments.harness.lifecycle import Lifecycle, main
 from experiments.harness.report import finish_wandb, init_wandb, provenance, wandb_mode
 from experiments.harness.rundir import DATA_KEYS, prepare_out, source, take_out
 from experiments.harness.trainer import Trainer
@@ -106,8 +106,10 @@ class Experiment:
     needs: Callable[[Any, int | None], Sequence[Need]] | None = None
 
 
-def fit(experiment: Experiment, argv: Sequence[str] | None = None) -> None:
-    """Runs ``experiment`` with the command line ``argv`` (default: ``sys.argv[1:]``), from parsing to results.json.
+def fit(experiment: Experiment, argv: Sequence[str] | None = None, life: Lifecycle | None = None) -> None:
+    """Runs ``experiment`` with the command line ``argv`` (default: ``sys.argv[1:]``), from parsing to results.json,
+    in the :class:`~experiments.harness.lifecycle.Lifecycle` ``life`` (:func:`main`'s; None: a fresh one, whose
+    lock and stage serve without its exit codes: a notebook, a test).
 
     Under ``torchrun`` every process trains its share of each meta-batch; rank 0 alone writes, logs and tests.
 
@@ -115,11 +117,12 @@ def fit(experiment: Experiment, argv: Sequence[str] | None = None) -> None:
         UsageError: bad flags, config file, device, data or ``--out`` (nothing is written then).
         SystemExit: 1 when training diverged (after one line); 130 or 143 when stopped by a signal.
     """
-    with FolderLock() as lock:  # --out is this run's until it ends (the process may go on: tests, notebooks)
-        _fit(experiment, argv, lock)
+    life = Lifecycle() if life is None else life
+    with life.lock:  # --out is this run's until it ends (the process may go on: tests, notebooks)
+        _fit(experiment, argv, life)
 
 
-def setup(name: str, cfg: Any, flags: RunFlags) -> tuple[Any, RunOptions]:
+def setup(name: str, cfg: Any, flags: RunFlags, life: Lifecycle | None = None) -> tuple[Any, RunOptions]:
     """What the parsed command line asks of this machine, done once at start-up: the compiled step's default (where
     a C++ compiler is found), the wandb mode, the threads, the device and, under torchrun, the process group.
 
@@ -138,16 +141,16 @@ def setup(name: str, cfg: Any, flags: RunFlags) -> tuple[Any, RunOptions]:
     device = devices.parse_device(flags.device)
     wandb = wandb_mode(flags.wandb)
     devices.set_threads(flags.threads)
-    device, rank, size = devices.join_processes(device)
+    device, rank, size = devices.join_processes(device, life.joined if life is not None else None)
     return cfg, RunOptions(name, flags.out, flags.resume, flags.overwrite, wandb, device, flags.config, rank, size)
 
 
-def _fit(experiment: Experiment, argv: Sequence[str] | None, lock: FolderLock) -> None:
-    lifecycle._STAGE[:] = ["start-up"]
+def _fit(experiment: Experiment, argv: Sequence[str] | None, life: Lifecycle) -> None:
+    lock = life.lock
     cfg, flags = parse_args(
         experiment.name, experiment.config, argv, experiment.description, experiment.check, threads=experiment.threads
     )
-    cfg, opts = setup(experiment.name, cfg, flags)
+    cfg, opts = setup(experiment.name, cfg, flags, life)
     if experiment.resolve is not None:
         cfg = experiment.resolve(cfg)
     devices.check_shards(cfg.meta_batch, opts.world_size)
@@ -196,11 +199,11 @@ def _fit(experiment: Experiment, argv: Sequence[str] | None, lock: FolderLock) -
     )
     name = experiment.run_name(cfg) if experiment.run_name is not None else experiment.name
     wandb_run = init_wandb(opts, cfg, name, resumed["wandb_id"] if resumed else None) if opts.main else None
-    lifecycle._STAGE[:] = ["training", str(opts.out)]
+    life.training(opts.out)
     # A NaN/Inf: one line naming the loop and the flag, exit code 1.
     with stop_on_divergence(opts.out, wandb_run, opts.main):
         trainer.run(opts, cfg, resumed, wandb_run)
-    lifecycle._STAGE[0] = "the final evaluation"
+    life.evaluating()
     if not opts.main:
         return  # rank 0 tests and writes the results
     with stop_on_divergence(opts.out, wandb_run):

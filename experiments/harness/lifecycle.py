@@ -1,6 +1,8 @@
-"""How a run ends: Ctrl-C and SIGTERM, the stop that every torchrun process honours after the same iteration, the
-end of another process or of torchrun's launcher, and the one line and exit code (:mod:`~experiments.harness.folder`)
-each leaves: :func:`main`.
+"""How a run ends, owned by one object, :class:`Lifecycle`: Ctrl-C and SIGTERM, the stop that every torchrun process
+honours after the same iteration (:func:`catch_stop_signals`), the end of another process or of torchrun's launcher,
+the folder lock, the stage a stop interrupts, and the one line and exit code (:mod:`~experiments.harness.folder`)
+each leaves. Nothing here is installed when the module is imported, and it imports no torch until a run needs it:
+a script calls :func:`catch_start_up_stops` before importing torch, and :func:`main` runs it in a Lifecycle.
 """
 
 from __future__ import annotations
@@ -14,11 +16,9 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
-import torch.distributed as dist
-
-from experiments import STARTING, release_start_up_signals
 from experiments.harness.folder import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -26,23 +26,64 @@ from experiments.harness.folder import (
     EXIT_TERMINATED,
     EXIT_USAGE,
     PR_SET_PDEATHSIG,
+    FolderLock,
     UsageError,
+    exit_code,
 )
 
-__all__ = ["STOP_PATIENCE_S", "Terminated", "catch_stop_signals", "RankUsageError", "process_rank"]
-__all__ += ["prints_usage_errors", "outwait_printer", "peer_lost", "leave_with_launcher", "main"]
-
-_JOINED = (
-    threading.Event()
-)  # set once devices.join_processes has joined the process group (leave_with_launcher reads it)
-_PARENT_AT_IMPORT = os.getppid()  # under torchrun, the launcher's agent (unless it died already)
-
+__all__ = ["STOP_PATIENCE_S", "STARTING", "Terminated", "catch_start_up_stops", "catch_stop_signals", "Lifecycle"]
+__all__ += ["RankUsageError", "process_rank", "prints_usage_errors", "outwait_printer", "peer_lost", "main"]
 
 STOP_PATIENCE_S = 20.0  # how long a stop request waits for the running iteration to end
+LAUNCHER_GRACE_S = 5.0  # how long a process whose launcher died may take to stop by its SIGTERM handler
+STARTING = "stopped during start-up, before training: nothing to resume; run the same command again."
 
 
 class Terminated(KeyboardInterrupt):
     """A stop by SIGTERM that unwinds at once: as Ctrl-C does, but the script exits with 143 instead of 130."""
+
+
+class RankUsageError(UsageError):
+    """A usage error that this process alone meets under torchrun (its GPU): it prints it, where one process per
+    machine prints the errors that all meet alike."""
+
+
+def _distributed() -> Any:
+    """``torch.distributed``, imported when a run needs it (this module is imported before torch, see above)."""
+    import torch.distributed as dist
+
+    return dist
+
+
+def _grouped() -> bool:
+    """Whether this process is in a process group (torchrun's, once joined)."""
+    dist = _distributed()
+    return dist.is_available() and dist.is_initialized()
+
+
+# ---------------------------------------------------------------------- start-up
+
+
+class _StartUp:
+    """The handler of Ctrl-C and SIGTERM while a script imports torch: one line, and the exit code, at once (nothing
+    is written yet; no traceback to unwind). It keeps the parent's pid read as the script started (torchrun's
+    launcher, unless it died already), which the :class:`Lifecycle` taking the signals over reads."""
+
+    def __init__(self) -> None:
+        self.parent = os.getppid()
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        print(f"\n{STARTING}", file=sys.stderr, flush=True)
+        os._exit(exit_code(signum))
+
+
+def catch_start_up_stops() -> None:
+    """Called by a script run as such (``if __name__ == "__main__"``) before it imports torch: a Ctrl-C or SIGTERM
+    during the seconds that takes is one line. A signal that is ignored (nohup, ``&``) stays ignored."""
+    handler = _StartUp()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler):
+            signal.signal(sig, handler)
 
 
 def catch_stop_signals(main: bool = True, patience: float | None = None) -> tuple[list[int], Callable[[], None]]:
@@ -77,16 +118,9 @@ def catch_stop_signals(main: bool = True, patience: float | None = None) -> tupl
     return stop, restore
 
 
-class RankUsageError(UsageError):
-    """A usage error that this process alone meets under torchrun (its GPU): it prints it, where one process per
-    machine prints the errors that all meet alike."""
-
-
 def process_rank() -> int:
     """This process's rank under torchrun (0 alone): the process group's, or before it exists torchrun's RANK."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", "0"))
+    return _distributed().get_rank() if _grouped() else int(os.environ.get("RANK", "0"))
 
 
 def prints_usage_errors() -> bool:
@@ -129,73 +163,11 @@ def peer_lost(error: BaseException) -> str | None:
     return None
 
 
-LAUNCHER_GRACE_S = 5.0  # how long a process whose launcher died may take to stop by its SIGTERM handler
-
-
-def leave_with_launcher() -> None:
-    """Makes the death of this process's parent, torchrun's agent, stop it as ``kill`` (SIGTERM) does.
-
-    torchrun starts each process in a session of its own: a launcher killed by SIGKILL passes nothing on, and its
-    processes would train on, holding ``--out``. On Linux the kernel sends SIGTERM (``prctl(PR_SET_PDEATHSIG)``);
-    elsewhere a thread polls the parent's pid. A parent that died before the request (the kernel sends nothing then)
-    is seen by the pid read at import (not by a pid of 1: in a container, torchrun is often PID 1). The thread also
-    ends a process still joining the group (inside C++, where no signal handler runs) :data:`LAUNCHER_GRACE_S` later.
-    Call it after installing the SIGTERM handler.
-    """
-    linux = sys.platform.startswith("linux")
-    if linux:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) == 0 and os.getppid() != _PARENT_AT_IMPORT:
-            os.kill(os.getpid(), signal.SIGTERM)  # the launcher died before the request
-    elif os.name != "posix":
-        return
-
-    def watch() -> None:
-        while os.getppid() == _PARENT_AT_IMPORT:
-            time.sleep(1.0)
-        if not linux:  # (on Linux the kernel has sent it)
-            signal.raise_signal(signal.SIGTERM)  # the main thread runs the handler
-        time.sleep(LAUNCHER_GRACE_S)
-        if not _JOINED.is_set():  # stuck joining: no handler can run
-            print(f"\n{STARTING}", file=sys.stderr, flush=True)
-            os._exit(EXIT_TERMINATED)
-
-    threading.Thread(target=watch, name="leave-with-launcher", daemon=True).start()
-
-
-_STAGE: list[str] = ["start-up"]  # where fit() is, for the line a stop prints: [stage, --out once known]
+# ---------------------------------------------------------------------- the run
 
 
 def _terminated(signum: int, frame: Any) -> None:
     raise Terminated  # SIGTERM outside the training loop unwinds as Ctrl-C does (atomic writes leave nothing half-done)
-
-
-def _ending_line(lost: str | None = None) -> str:
-    """What a stop (or the end of another process, ``lost`` naming gloo's reason) leaves, and what to run next."""
-    stage, *out = _STAGE
-    if stage == "start-up":
-        if lost is None:
-            return STARTING
-        left = "before training, nothing to resume: run the same command again (once what ended it is fixed)."
-    elif stage == "the final evaluation":
-        left = f"training is complete in {out[0]}: the same command plus --resume evaluates it."
-    elif (Path(out[0]) / "checkpoint.pt").is_file():  # a stop in training is at once: the last checkpoint is whole
-        left = f"the last checkpoint in {out[0]} is whole: the same command plus --resume goes on."
-    elif lost is None:
-        return "stopped at once, before the first checkpoint: nothing to resume; run the same command again."
-    elif process_rank() == 0:
-        left = "no checkpoint was written yet: run the same command again."
-    else:  # rank 0 writes the checkpoints, maybe on a disk this machine does not see
-        left = (
-            f"rank 0 keeps the checkpoints in {out[0]} on its machine: the same command plus --resume goes on from "
-            f"the last one (without --resume if there is none)."
-        )
-    if lost is None:
-        return f"stopped {'at once' if stage == 'training' else 'during ' + stage}; {left}"
-    return (
-        f"error (rank {process_rank()}): another process of this torchrun run ended during a collective "
-        f"(gloo: {lost}); {left}"
-    )
 
 
 def _leaving() -> None:
@@ -214,68 +186,162 @@ def _exit_skipping_teardown(code: int) -> None:
     os._exit(code)
 
 
-def main(run: Callable[[Sequence[str] | None], None], argv: Sequence[str] | None = None) -> None:
-    """Runs an experiment's entry point: a UsageError is one line and exit code 2, a stop one line and 130 or 143.
+class Lifecycle:
+    """One run from its start to its exit code, as a context: ``with Lifecycle() as life: ...``.
 
-    Under torchrun it leaves the process group however the run ends: a collective that fails because another process
-    ended is one line and exit code 1; the death of torchrun's launcher stops this process as SIGTERM does.
+    It holds what decides how the run ends: the signals (SIGTERM unwinds as Ctrl-C does, :class:`Terminated`), the
+    folder lock of ``--out`` (:attr:`lock`), the stage a stop interrupts (:meth:`training`, :meth:`evaluating`),
+    under torchrun the launcher's pid and whether the process group is joined. Leaving the context turns how the
+    block ended into one line and an exit code (``SystemExit``): a UsageError 2, a stop 130 or 143, a collective
+    that failed because another process ended 1; under torchrun it leaves the process group however the run ends.
     """
-    together: int | None = None  # the exit code of an end that every rank reaches at the same point
-    lost: str | None = None  # gloo's reason, when another process ended during a collective
-    main_thread = threading.current_thread() is threading.main_thread()
-    if main_thread:
-        release_start_up_signals()  # Ctrl-C raises KeyboardInterrupt from here on
-    sigterm = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
-    try:
-        if main_thread and "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun's agent, its parent
-            leave_with_launcher()  # (its SIGTERM, if the launcher is gone already, raises Terminated here)
-        run(argv)
-        together = EXIT_OK
-    except KeyboardInterrupt as e:  # Ctrl-C (or SIGTERM) outside the training loop, or a second one in it
-        lost = peer_lost(e)  # torchrun's SIGTERM, come while a failed collective's error unwound
+
+    def __init__(self) -> None:
+        held = signal.getsignal(signal.SIGTERM)
+        # torchrun's agent, read as the script started (before importing torch) where catch_start_up_stops ran.
+        self.parent = held.parent if isinstance(held, _StartUp) else os.getppid()
+        self.lock = FolderLock()  # --out is this run's until it ends
+        self.joined = threading.Event()  # set once the process group is joined (the launcher's watch reads it)
+        self.stage = "start-up"
+        self.out: Path | None = None
+        self.main_thread = threading.current_thread() is threading.main_thread()
+        self._sigterm: Any = None
+
+    def training(self, out: Path) -> None:
+        """From here a stop is at once, and leaves the last checkpoint in ``out``."""
+        self.stage, self.out = "training", out
+
+    def evaluating(self) -> None:
+        """Training is complete: a stop leaves it to ``--resume`` to evaluate."""
+        self.stage = "the final evaluation"
+
+    def __enter__(self) -> Lifecycle:
+        if self.main_thread:
+            for sig, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL)):
+                if isinstance(signal.getsignal(sig), _StartUp):  # Ctrl-C raises KeyboardInterrupt from here on
+                    signal.signal(sig, default)
+            self._sigterm = signal.signal(signal.SIGTERM, _terminated)
+        return self
+
+    def leave_with_launcher(self) -> None:
+        """Makes the death of this process's parent, torchrun's agent, stop it as ``kill`` (SIGTERM) does.
+
+        torchrun starts each process in a session of its own: a launcher killed by SIGKILL passes nothing on, and its
+        processes would train on, holding ``--out``. On Linux the kernel sends SIGTERM (``prctl(PR_SET_PDEATHSIG)``);
+        elsewhere a thread polls the parent's pid. A parent that died before the request (the kernel sends nothing
+        then) is seen by the pid read as the script started, :attr:`parent` (not by a pid of 1: in a container,
+        torchrun is often PID 1). The thread also ends a process still joining the group (inside C++, where no signal
+        handler runs) :data:`LAUNCHER_GRACE_S` later. Call it after installing the SIGTERM handler.
+        """
+        linux = sys.platform.startswith("linux")
+        if linux:
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) == 0 and os.getppid() != self.parent:
+                os.kill(os.getpid(), signal.SIGTERM)  # the launcher died before the request
+        elif os.name != "posix":
+            return
+
+        def watch() -> None:
+            while os.getppid() == self.parent:
+                time.sleep(1.0)
+            if not linux:  # (on Linux the kernel has sent it)
+                signal.raise_signal(signal.SIGTERM)  # the main thread runs the handler
+            time.sleep(LAUNCHER_GRACE_S)
+            if not self.joined.is_set():  # stuck joining: no handler can run
+                print(f"\n{STARTING}", file=sys.stderr, flush=True)
+                os._exit(EXIT_TERMINATED)
+
+        threading.Thread(target=watch, name="leave-with-launcher", daemon=True).start()
+
+    def ending_line(self, lost: str | None = None) -> str:
+        """What a stop (or the end of another process, ``lost`` naming gloo's reason) leaves, and what to run next."""
+        stage, out = self.stage, self.out
+        if stage == "start-up":
+            if lost is None:
+                return STARTING
+            left = "before training, nothing to resume: run the same command again (once what ended it is fixed)."
+        elif stage == "the final evaluation":
+            left = f"training is complete in {out}: the same command plus --resume evaluates it."
+        elif (Path(str(out)) / "checkpoint.pt").is_file():  # a stop in training is at once: the last one is whole
+            left = f"the last checkpoint in {out} is whole: the same command plus --resume goes on."
+        elif lost is None:
+            return "stopped at once, before the first checkpoint: nothing to resume; run the same command again."
+        elif process_rank() == 0:
+            left = "no checkpoint was written yet: run the same command again."
+        else:  # rank 0 writes the checkpoints, maybe on a disk this machine does not see
+            left = (
+                f"rank 0 keeps the checkpoints in {out} on its machine: the same command plus --resume goes on from "
+                f"the last one (without --resume if there is none)."
+            )
         if lost is None:
-            print(f"\n{_ending_line()}", file=sys.stderr)
-            raise SystemExit(EXIT_TERMINATED if isinstance(e, Terminated) else EXIT_INTERRUPTED) from None
-        _leaving()
-    except UsageError as e:
-        # Under torchrun one process per machine says an error that all meet alike; one of its own, the process.
-        if isinstance(e, RankUsageError):
-            print(f"error (rank {process_rank()}): {e}", file=sys.stderr)
-        elif prints_usage_errors():
-            print(f"error: {e}", file=sys.stderr)
-        else:
-            outwait_printer()
-        raise SystemExit(EXIT_USAGE) from None
-    except RuntimeError as e:
-        lost = peer_lost(e)
-        if lost is None:
-            raise
-        _leaving()
-    except SystemExit as e:
-        if e.code in (EXIT_INTERRUPTED, EXIT_TERMINATED):  # the stop that every rank voted for after one iteration
-            together = e.code
-        raise
-    finally:
-        if main_thread and lost is None:
-            signal.signal(signal.SIGTERM, sigterm)
-        if dist.is_available() and dist.is_initialized():
-            if together is not None:
-                # Ranks > 0 finish before rank 0 (which evaluates and writes): they wait for it, so that
-                # no rank tears down its gloo connections while another still uses them.
-                try:
-                    dist.barrier()
-                except RuntimeError as e:
-                    reason = peer_lost(e)
-                    if reason is None:
-                        raise
-                    _leaving()
-                    if not (together == EXIT_OK and dist.get_rank() == 0):  # rank 0 wrote the results: nothing is lost
-                        lost = reason
+            return f"stopped {'at once' if stage == 'training' else 'during ' + stage}; {left}"
+        return (
+            f"error (rank {process_rank()}): another process of this torchrun run ended during a collective "
+            f"(gloo: {lost}); {left}"
+        )
+
+    def __exit__(self, kind: type | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        code: int | None = None  # the exit code decided here (None: the block's exception goes on)
+        together: int | None = None  # the exit code of an end that every rank reaches at the same point
+        lost: str | None = None  # gloo's reason, when another process ended during a collective
+        if error is None:
+            together = EXIT_OK
+        elif isinstance(error, (KeyboardInterrupt, RuntimeError)):
+            # Under torchrun, its SIGTERM may come while a failed collective's error unwinds.
+            lost = peer_lost(error)
             if lost is not None:
-                print(_ending_line(lost), file=sys.stderr)
-            dist.destroy_process_group()
-            if lost is not None or together is not None:
-                _exit_skipping_teardown(EXIT_FAILED if lost is not None else together)
-    if lost is not None:  # (a collective's error comes from a process group: not reached)
-        print(_ending_line(lost), file=sys.stderr)
-        raise SystemExit(EXIT_FAILED)
+                _leaving()
+            elif isinstance(error, KeyboardInterrupt):  # Ctrl-C or SIGTERM outside the loop, or a second one in it
+                print(f"\n{self.ending_line()}", file=sys.stderr)
+                code = EXIT_TERMINATED if isinstance(error, Terminated) else EXIT_INTERRUPTED
+        elif isinstance(error, UsageError):
+            # Under torchrun one process per machine says an error that all meet alike; one of its own, the process.
+            if isinstance(error, RankUsageError):
+                print(f"error (rank {process_rank()}): {error}", file=sys.stderr)
+            elif prints_usage_errors():
+                print(f"error: {error}", file=sys.stderr)
+            else:
+                outwait_printer()
+            code = EXIT_USAGE
+        elif isinstance(error, SystemExit) and error.code in (EXIT_INTERRUPTED, EXIT_TERMINATED):
+            together = error.code  # the stop that every rank voted for after one iteration
+        if self.main_thread and lost is None and self._sigterm is not None:
+            signal.signal(signal.SIGTERM, self._sigterm)
+        self.lock.release()
+        if _grouped():
+            self._leave_group(together, lost)
+        if lost is not None:  # (a collective's error comes from a process group: not reached)
+            print(self.ending_line(lost), file=sys.stderr)
+            code = EXIT_FAILED
+        if code is not None:
+            raise SystemExit(code) from None
+
+    def _leave_group(self, together: int | None, lost: str | None) -> None:
+        """Leaves the process group; an end the ranks reach together, or another process's, ends this one here."""
+        dist = _distributed()
+        if together is not None:
+            # Ranks > 0 finish before rank 0 (which evaluates and writes): they wait for it, so that
+            # no rank tears down its gloo connections while another still uses them.
+            try:
+                dist.barrier()
+            except RuntimeError as e:
+                reason = peer_lost(e)
+                if reason is None:
+                    raise
+                _leaving()
+                if not (together == EXIT_OK and dist.get_rank() == 0):  # rank 0 wrote the results: nothing is lost
+                    lost = reason
+        if lost is not None:
+            print(self.ending_line(lost), file=sys.stderr)
+        dist.destroy_process_group()
+        if lost is not None or together is not None:
+            _exit_skipping_teardown(EXIT_FAILED if lost is not None else together)
+
+
+def main(run: Callable[[Sequence[str] | None, Lifecycle], None], argv: Sequence[str] | None = None) -> None:
+    """Runs a script's entry point ``run(argv, life)`` in a :class:`Lifecycle`: a UsageError is one line and exit
+    code 2, a stop one line and 130 or 143; under torchrun the death of the launcher stops it as SIGTERM does."""
+    with Lifecycle() as life:
+        if life.main_thread and "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun's agent, its parent
+            life.leave_with_launcher()  # (its SIGTERM, if the launcher is gone already, raises Terminated here)
+        run(argv, life)

@@ -115,10 +115,10 @@ def test_a_usage_error_is_printed_once_per_machine_and_a_process_s_own_by_that_p
     """Every process meets an ordinary usage error alike: LOCAL_RANK 0 prints it. A RankUsageError (the GPU of
     one LOCAL_RANK) is printed by the process that meets it, naming its rank."""
 
-    def alike(argv: object) -> None:
+    def alike(argv: object, life: object) -> None:
         raise UsageError("--meta-batch 3 cannot be split evenly across 2 processes")
 
-    def own(argv: object) -> None:
+    def own(argv: object, life: object) -> None:
         raise RankUsageError("process LOCAL_RANK=1 needs the GPU cuda:1, but this machine has 1")
 
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)  # (under torchrun, rank 1 would wait to be ended)
@@ -284,12 +284,13 @@ def test_a_process_whose_launcher_died_before_it_asked_to_be_told_stops(tmp_path
     """The race that prctl alone would lose: the parent dies before the request, and the kernel sends nothing."""
     child = (
         "import os, signal, sys, time\n"
-        "from experiments.harness import lifecycle as torchrun\n"
+        "from experiments.harness.lifecycle import Lifecycle\n"
+        "life = Lifecycle()\n"  # reads its parent's pid
         "print('imported', flush=True)\n"
-        "while os.getppid() == torchrun._PARENT_AT_IMPORT:\n"  # the launcher dies here
+        "while os.getppid() == life.parent:\n"  # the launcher dies here
         "    time.sleep(0.01)\n"
         "signal.signal(signal.SIGTERM, lambda signum, frame: (print('SIGTERM', flush=True), os._exit(143)))\n"
-        "torchrun.leave_with_launcher()\n"
+        "life.leave_with_launcher()\n"
         "time.sleep(5)\n"
         "print('not stopped', flush=True)\n"
     )
