@@ -455,6 +455,34 @@ def _memory_table(report: dict[str, Any], axis: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plans(path: Path = REPO / "results/benchmarks/plans.json") -> str:
+    """``benchmarks/plans.py --json``: the plan a budget picks, its time and peak, and the fastest plan that fits."""
+    report = _json(path)
+    lines = [
+        "| mode | budget | the plan it picks | its time | its tensor peak | fastest plan that fits | its time | ratio |",
+        "|---|---:|---|---:|---:|---|---:|---:|",
+    ]
+    for r in report["rows"]:
+        fastest = (
+            f"{r['fastest']} | {r['fastest_seconds']:.2f} s | {r['ratio']:.2f}x" if "fastest" in r else "none | - | -"
+        )
+        lines.append(
+            f"| {r['mode']} | {r['budget']} | {r['plan'].split('; about')[0]} | {r['seconds']:.2f} s | "
+            f"{r['peak_mib']:,.0f} MiB | {fastest} |"
+        )
+    s = report["setting"]
+    lines += [
+        "",
+        f"One meta-training step (meta-loss and backward) of the MAML Omniglot max-pool net, {s['tasks']} tasks "
+        f"{s['ways']}-way {s['shots']}-shot, {s['query']} query images per class, {s['steps']} inner steps; times: the "
+        f"median CPU time of {s['repeats']} steps of {report['threads']} thread after a warm-up step; a plan fits when "
+        f"its tensor peak (profiler memory events) is at most the budget; the candidates: `backward(chunk=c)` and "
+        f"`chunk_size=c` for c in 1, 2, 4, 8, by `vmap` and in a loop. `{report['command']}`; torch "
+        f"{report['versions'].get('torch', '?')}; {provenance([report])}.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def image_sampling(path: Path = REPO / "results/benchmarks/image_sampling.json") -> str:
     """``benchmarks/image_sampling.py``: meta-batches a second of the image sampler against learn2learn's TaskDataset."""
     r = _json(path)
@@ -657,6 +685,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     ),
     "image_sampling": image_sampling,
     "memory_tasks": memory_tasks,
+    "memory_auto": functools.partial(memory, REPO / "results/benchmarks/memory_auto.json", ()),
     "flags-run": _flags_of("run"),
     "flags-sine": _flags_of("sine"),
     "flags-omniglot": _flags_of("omniglot"),
