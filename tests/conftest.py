@@ -41,11 +41,16 @@ def _compile_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyP
         monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
 
 
-# The tests that start processes of their own (the scripts, the wheel build) and those that compile with
-# inductor take seconds to minutes each (from an empty compile cache): they run first, so that under
-# pytest-xdist the short ones fill the cores around them at the end instead of one worker finishing a
-# long test alone (the longest first balances the workers best).
-_LONG_FIRST = ("tests/scripts/", "tests/tools/test_packaging.py", "tests/engine/test_compiled.py")
+# The tests that start processes of their own (the scripts, the engine's process group, the wheel build)
+# and those that compile with inductor take seconds to minutes each (from an empty compile cache): they run
+# first, so that under pytest-xdist the short ones fill the cores around them at the end instead of one
+# worker finishing a long test alone (the longest first balances the workers best).
+_LONG_FIRST = (
+    "tests/scripts/",
+    "tests/tools/test_packaging.py",
+    "tests/engine/test_compiled.py",
+    "tests/engine/test_distributed_helpers.py",
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -330,6 +330,38 @@ def run_sine(capsys: pytest.CaptureFixture[str], args: list[str], code: int = 0,
     return err
 
 
+# A sine run of a few iterations that fails before it trains or diverges: 4 tasks per meta-batch, a 1-8-8-1 net,
+# 4 validation and 4 test tasks of 10 query points, wandb disabled.
+TINY_SINE = [
+    "--compile",
+    "false",
+    "--hidden",
+    "8",
+    "--val-tasks",
+    "4",
+    "--eval-tasks",
+    "4",
+    "--eval-query",
+    "10",
+    "--meta-batch",
+    "4",
+    "--wandb",
+    "disabled",
+]
+
+
+def exits(capsys: pytest.CaptureFixture[str], run, argv: list[str], code: int) -> str:
+    """Runs a script in-process; returns its stderr, which must be one line, after checking the exit code."""
+    from experiments.harness.lifecycle import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(run, argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == code, err
+    assert err.count("\n") == 1 and err.startswith("error: "), err
+    return err.rstrip("\n")
+
+
 def one_error(err: str) -> str:
     """The one line a usage or environment error prints, last (after any progress lines); no traceback."""
     lines = [line for line in err.splitlines() if line.strip()]

@@ -3,7 +3,9 @@
 wandb's agent asks a server for each trial, so this module plays both parts: the ``sweeps`` package (grid,
 random, bayes), told of every trial so far, picks the next parameters; the trial runs the file's ``command`` as
 the agent builds it, plus ``--out OUT/trial-NNN --wandb offline``, and scores by the metric's best value in its
-own ``metrics.jsonl``. ``OUT/sweep.json`` records each trial as it starts and ends, for ``--resume``.
+own ``metrics.jsonl``. ``OUT/sweep.json`` records each trial as it starts and ends, for ``--resume``. A trial
+the program refuses as a usage error (exit code 2: a parameter it has no flag for, a value it refuses) is named
+with its log and the log's last line, and no more trials start.
 
 Usage:
     python -m experiments.sweep experiments/sweeps/sine-seeds.yaml --out runs/seeds [--jobs 2] [--resume]
@@ -50,7 +52,6 @@ from experiments.sweep.trials import (
     Sweep,
     Trial,
     build_command,
-    check_parameters,
     load_sweep,
     next_trial,
     start_trial,
@@ -75,6 +76,15 @@ def score(sweep: Sweep, trial_dir: Path) -> float | None:
     except (OSError, ValueError):
         return None
     return best_metric(rows, sweep.metric, sweep.goal)
+
+
+def last_line(log: Path) -> str:
+    """The last line a trial wrote to its log (a refused command's error), or ``no output``."""
+    try:
+        lines = log.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        lines = []
+    return lines[-1].strip() if lines else "no output"
 
 
 def run_sweep(
@@ -110,9 +120,14 @@ def run_sweep(
                 trial.state = "finished" if code == 0 else "killed" if code < 0 or code in STOPPED else "failed"
                 trial.error = None if code == 0 else f"killed by signal {-code}" if code < 0 else f"exit code {code}"
                 trial.wall_time = time.monotonic() - started
-                why = f" ({trial.error}; its output: {out / trial.name / 'output.log'})" if trial.error else ""
+                log = out / trial.name / "output.log"
+                why = f" ({trial.error}; its output: {log})" if trial.error else ""
                 got = f"no {sweep.metric} logged" if trial.metric is None else f"{sweep.metric}={trial.metric:.6g}"
                 note(f"{trial.name} {trial.state}{why} in {trial.wall_time:.1f}s: {got}")
+                if code == EXIT_USAGE:  # a flag the program does not take, a value it refuses: the next trials' too
+                    refused = f"{trial.name}'s command was refused ({last_line(log)})"
+                    note(f"{refused}; starting no more trials: fix the sweep's parameters or command")
+                    stop = True
                 if code == 0 and target is not None and trial.metric is not None:
                     if trial.metric >= target if sweep.goal == "maximize" else trial.metric <= target:
                         note(f"{trial.name} reached the target {sweep.metric}; starting no more trials")
@@ -300,7 +315,6 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None, stderr
         limit = min(filter(None, (args.count, sweep.config.get("run_cap"))), default=None)
         if limit is None and method != "grid":
             raise UsageError(f"a {method} search does not end by itself: pass --count N or set run_cap")
-        check_parameters(sweep)
         out, trials, recorded = (None, [], None) if args.dry_run else open_out(args.out, sweep, args.resume, lock)
         seed = next(s for s in (args.seed, recorded, random.SystemRandom().randrange(2**31)) if s is not None)
         random.seed(seed + len(trials))  # the engine's random source (numpy's for bayes); fresh draws on --resume

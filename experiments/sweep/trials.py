@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from experiments.harness.cli import DuplicateKey, UniqueKeys, flag, suggest
+from experiments.harness.cli import DuplicateKey, UniqueKeys
 from experiments.harness.folder import PR_SET_PDEATHSIG, UsageError
 
 with warnings.catch_warnings():  # the engine's pydantic deprecation warnings
@@ -28,7 +28,7 @@ with warnings.catch_warnings():  # the engine's pydantic deprecation warnings
     import sweeps
 
 __all__ = ["REPO_ROOT", "DONE", "Sweep", "Trial"]
-__all__ += ["load_sweep", "next_trial", "build_command", "check_parameters", "start_trial"]
+__all__ += ["load_sweep", "next_trial", "build_command", "start_trial"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]  # finds a program named from the root; sweep.json's paths are relative
 MACROS = ("${env}", "${interpreter}", "${program}", "${args}")  # wandb's default command; the only macros supported
@@ -192,27 +192,6 @@ def trial_env(sweep: Sweep, trial_dir: Path, threads: int | None) -> dict[str, s
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")])),
     }
     return env | ({"OMP_NUM_THREADS": str(threads)} if threads else {})
-
-
-def check_parameters(sweep: Sweep) -> None:
-    """Refuses a parameter that a Python program's ``--help`` lists no flag for (every trial would fail on it)."""
-    source = sweep.program.read_text(errors="replace") if sweep.program and sweep.program.suffix == ".py" else ""
-    if "${args}" not in sweep.command or not (sweep.ours or "argparse" in source):
-        return  # other programs are not checked
-    command = build_command(sweep, {}, Path("<out>"))[:-4] + ["--help"]  # without --out <out> --wandb offline
-    try:
-        env = trial_env(sweep, Path("help"), None)
-        shown = subprocess.run(command, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
-    except (OSError, subprocess.SubprocessError):
-        return
-    flags = sorted(set(re.findall(r"(?<![\w-])--[A-Za-z0-9][\w-]*", shown.stdout))) if shown.returncode == 0 else []
-    for name in sweep.config["parameters"] if flags else ():
-        if f"--{name}" not in flags and not (sweep.ours and flag(name) in flags):
-            raise UsageError(
-                f"{sweep.path}: the parameter {name!r} is not a flag of {sweep.config['program']}"
-                f"{suggest(f'--{name}', flags)}; "
-                f"every trial would fail on it. Rename it under parameters (the program's --help lists its flags)."
-            )
 
 
 def start_trial(sweep: Sweep, trial: Trial, out: Path, threads: int | None) -> subprocess.Popen[bytes]:

@@ -1,9 +1,9 @@
 """The MAML family, exact in every mode: adapt sets (ANIL, BOIL), MAML++ (per-layer per-step
 rates, multi-step loss), and momentum and Adam inner loops.
 
-Every meta-gradient is held, in float64, against an independent per-task reference written in this
-file (``reference``: one task at a time, ``torch.autograd.grad`` with ``create_graph=True``, the update
-rules restated here), against central finite differences of the engine's own meta-loss, and, for
+Every meta-gradient is held, in float64, against an independent per-task reference (``reference`` in
+tests/reference.py: one task at a time, ``torch.autograd.grad`` with ``create_graph=True``, the update
+rules restated there), against central finite differences of the engine's own meta-loss, and, for
 momentum and Adam, against ``higher``'s differentiable optimizers and the values of ``torch.optim``.
 The reference is itself checked against ``higher``, ``torch.optim`` and finite differences
 (the ``test_reference_*`` tests), so a disagreement points at the engine.
@@ -17,13 +17,13 @@ import warnings
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 from helpers import Case, build_case, directional_error, image_batch, regression_batch
+from reference import Config, Ref, rate_at, ref_rates, reference, resolve_adapt, rule_of, trainable
 from torch import Tensor, nn
 from torch.func import functional_call
 
@@ -101,9 +101,6 @@ def make(case: str, seed: int = 0) -> tuple[nn.Module, maml.TaskBatch, Callable[
 
 # ------------------------------------------------------------------------------- family configurations
 
-# A configuration is the family options of MetaLearner (adapt, learn_inner_lr, inner_optimizer,
-# inner_optimizer_options) plus "step_weights" (a tuple, passed to meta_loss / run as a tensor).
-Config = dict[str, Any]
 LEARNER_KEYS = ("adapt", "learn_inner_lr", "inner_optimizer", "inner_optimizer_options")
 
 SW3 = (0.2, 0.3, 0.5)
@@ -132,10 +129,6 @@ OPTIONS: dict[str, Config] = {
 CONV_OPTIONS = ["anil", "boil-nesterov-scalar-sw", "lslr-adam-sw"]
 
 
-def rule_of(cfg: Config) -> str:
-    return cfg.get("inner_optimizer", "sgd")
-
-
 def learner_kwargs(cfg: Config) -> dict[str, Any]:
     return {k: cfg[k] for k in LEARNER_KEYS if k in cfg}
 
@@ -154,168 +147,13 @@ def spread(rates: dict[str, Tensor]) -> None:
             rate.mul_(1 + 0.5 * torch.rand(rate.shape, generator=g, dtype=rate.dtype))
 
 
-# --------------------------------------------------------------------------- the independent reference
-
-
-class _Sqrt0(torch.autograd.Function):
-    """``sqrt(v)`` with derivative 0 where ``v == 0``.
-
-    Adam's second moment is 0 exactly where every gradient so far was 0, and there its first
-    moment is 0 too: the update ``m / (sqrt(v) + eps)`` does not depend on ``sqrt(v)`` to first
-    order, so 0 is the true contribution (autograd's would be ``0 * inf = nan``). The reference's
-    meta-gradient differentiates through this once, never twice.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, v: Tensor) -> Tensor:
-        root = v.sqrt()
-        ctx.save_for_backward(root)
-        return root
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, grad: Tensor) -> Tensor:
-        (root,) = ctx.saved_tensors
-        positive = root > 0
-        return torch.where(positive, grad / (2 * torch.where(positive, root, torch.ones_like(root))), 0.0)
-
-
-def ref_update(
-    cfg: Config, k: int, lr: float | Tensor, p: Tensor, g: Tensor, state: Any, sqrt: Callable = _Sqrt0.apply
-):
-    """One parameter's inner step ``k`` (0-based) of the rule: ``(new p, new state)``."""
-    rule, opts = rule_of(cfg), cfg.get("inner_optimizer_options") or {}
-    if rule == "sgd":
-        return p - lr * g, None
-    if rule == "momentum":  # torch.optim.SGD(momentum=mu, nesterov=...), dampening 0
-        mu, nesterov = opts.get("momentum", 0.9), opts.get("nesterov", False)
-        buf = g if k == 0 else mu * state + g
-        return p - lr * (g + mu * buf if nesterov else buf), buf
-    assert rule == "adam"  # torch.optim.Adam(betas, eps)
-    (b1, b2), eps = opts.get("betas", (0.9, 0.999)), opts.get("eps", 1e-8)
-    m, v = state if k else (torch.zeros_like(g), torch.zeros_like(g))
-    m = b1 * m + (1 - b1) * g
-    v = b2 * v + (1 - b2) * g * g
-    t = k + 1
-    return p - lr / (1 - b1**t) * m / (sqrt(v) / math.sqrt(1 - b2**t) + eps), (m, v)
-
-
-def trainable(model: nn.Module) -> list[str]:
-    return [n for n, p in model.named_parameters() if p.requires_grad]
-
-
-def resolve_adapt(adapt: Any, names: list[str]) -> list[str]:
-    if adapt is None:
-        return list(names)
-    if callable(adapt):
-        return [n for n in names if adapt(n)]
-    assert set(adapt) <= set(names)
-    return [n for n in names if n in set(adapt)]
+# ---------------------------------------------------------------------------- comparing meta-gradients
 
 
 def adapt_has(adapt: Any, key: str) -> bool:
     """Whether the adapt set (a list or a predicate) holds the parameter of a meta_params key."""
     name = key.removeprefix("model:")
     return adapt(name) if callable(adapt) else name in adapt
-
-
-def ref_rates(model: nn.Module, adapted: list[str], kind: str | None, inner_lr: float, steps: int) -> dict[str, Tensor]:
-    """The learnable rates, laid out as the API documents, at their initial value ``inner_lr``."""
-    params = dict(model.named_parameters())
-    if kind is None:
-        return {}
-    if kind == "scalar":
-        return {"inner_lr": torch.tensor(inner_lr, dtype=DTYPE, requires_grad=True)}
-    if kind == "per_parameter":
-        return {n: torch.full_like(params[n], inner_lr).requires_grad_() for n in adapted}
-    assert kind == "per_layer_per_step"
-    return {n: torch.full((steps,), inner_lr, dtype=DTYPE, requires_grad=True) for n in adapted}
-
-
-def rate_at(rates: dict[str, Tensor], kind: str | None, inner_lr: float, name: str, k: int) -> float | Tensor:
-    if kind is None:
-        return inner_lr
-    if kind == "scalar":
-        return rates["inner_lr"]
-    if kind == "per_parameter":
-        return rates[name]
-    return rates[name][min(k, rates[name].shape[0] - 1)]  # more steps than built: the last step's rate
-
-
-@dataclass
-class Ref:
-    loss: Tensor  # the meta-loss, differentiable w.r.t. the model's trainable parameters and ``rates``
-    step_query_losses: Tensor | None  # (steps, T) values, with step weights
-    query_losses: Tensor  # (T,) values after the last step
-    fast: list[dict[str, Tensor]]  # per task: the adapted parameters' fast weights (values)
-    rates: dict[str, Tensor]
-
-
-def reference(
-    model: nn.Module,
-    loss_fn: Callable[[Tensor, Tensor], Tensor],
-    batch: maml.TaskBatch,
-    cfg: Config,
-    *,
-    inner_lr: float,
-    steps: int,
-    first_order: bool,
-    rates: dict[str, Tensor] | None = None,
-    eval_steps: int | None = None,
-    adapted: list[str] | None = None,
-    sqrt: Callable = _Sqrt0.apply,
-) -> Ref:
-    """The meta-loss one task at a time: ``steps`` (or ``eval_steps``) inner steps of the rule on the
-    support loss, gradients by ``torch.autograd.grad`` (``create_graph=True``, or detached for first
-    order, so the rule's state is built from constants too), then the query loss after the last
-    step (or the step-weighted query losses after every step), averaged over the tasks.
-
-    ``rates``: the learnable rates (default: built here from ``cfg`` at ``inner_lr`` for ``steps``).
-    ``adapted``: the adapted parameters' names (default: ``cfg["adapt"]`` over the trainable ones).
-    """
-    named = dict(model.named_parameters())
-    buffers = dict(model.named_buffers())
-    if adapted is None:
-        adapted = resolve_adapt(cfg.get("adapt"), trainable(model))
-    kind = cfg.get("learn_inner_lr")
-    if rates is None:
-        rates = ref_rates(model, adapted, kind, inner_lr, steps)
-    n_steps = steps if eval_steps is None else eval_steps
-    sw = cfg.get("step_weights")
-    assert sw is None or len(sw) == n_steps
-    tasks = batch.num_tasks
-
-    def loss_at(fast: dict[str, Tensor], x: Tensor, y: Tensor) -> Tensor:
-        return loss_fn(functional_call(model, {**named, **fast, **buffers}, (x,), strict=True), y)
-
-    total: Tensor | float = 0.0
-    per_step = torch.zeros(n_steps, tasks, dtype=DTYPE)
-    last = torch.zeros(tasks, dtype=DTYPE)
-    fasts = []
-    for t in range(tasks):
-        sx, sy, qx, qy = batch.support_x[t], batch.support_y[t], batch.query_x[t], batch.query_y[t]
-        fast = {n: named[n] for n in adapted}
-        state: dict[str, Any] = {n: None for n in adapted}
-        for k in range(n_steps):
-            grads = torch.autograd.grad(
-                loss_at(fast, sx, sy), [fast[n] for n in adapted], create_graph=not first_order, retain_graph=True
-            )
-            new = {}
-            for n, g in zip(adapted, grads):
-                g = g.detach() if first_order else g
-                new[n], state[n] = ref_update(cfg, k, rate_at(rates, kind, inner_lr, n, k), fast[n], g, state[n], sqrt)
-            fast = new
-            if sw is not None:
-                q = loss_at(fast, qx, qy)
-                per_step[k, t] = q.detach()
-                total = total + sw[k] * q / tasks
-        q = loss_at(fast, qx, qy)
-        last[t] = q.detach()
-        if sw is None:
-            total = total + q / tasks
-        fasts.append({n: v.detach() for n, v in fast.items()})
-    assert isinstance(total, Tensor)
-    return Ref(total, per_step if sw is not None else None, last, fasts, rates)
 
 
 def meta_params(model: nn.Module, rates: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -16,7 +16,6 @@ import pytest
 import torch
 from helpers import REPO, SMALL_SINE, assert_logged, checkpoint, env, finished, script
 
-import maml
 from experiments.harness import fit
 from experiments.harness.devices import check_shards
 from experiments.harness.folder import UsageError, lock_holder
@@ -156,11 +155,6 @@ def test_a_failed_collective_is_told_from_other_errors():
     assert peer_lost(RuntimeError("[gloo/transport/tcp/pair.cc:598] Read timeout [127.0.0.1]:5012")) is None
     assert peer_lost(RuntimeError("[Errno 32] Broken pipe")) is None
     assert peer_lost(ValueError(gloo)) is None
-
-
-def test_collectives_in_a_real_process_group(tmp_path):
-    printed = finished(torchrun(["tests/scripts/distributed_program.py"], tmp_path))
-    assert printed.count(": ok") == PROCESSES
 
 
 def endless_sine(out: Path, iterations: int = 100_000) -> list[str]:
@@ -307,40 +301,6 @@ def test_a_process_whose_launcher_died_before_it_asked_to_be_told_stops(tmp_path
     while said.read_text().count("\n") < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert said.read_text() == "imported\nSIGTERM\n"
-
-
-def test_shard_splits_the_tasks_into_equal_contiguous_shares():
-    x = torch.arange(12.0).view(12, 1, 1)
-    batch = maml.TaskBatch(x, x, x, x)
-    shares = [maml.shard(batch, rank=r, world_size=3) for r in range(3)]
-    assert [s.num_tasks for s in shares] == [4, 4, 4]
-    for field in ("support_x", "support_y", "query_x", "query_y"):
-        assert torch.equal(torch.cat([getattr(s, field) for s in shares]), getattr(batch, field))
-    # Without a process group: the whole batch, and nothing to average.
-    assert maml.shard(batch) is batch
-    p = torch.nn.Parameter(torch.ones(2))
-    p.grad = torch.full((2,), 3.0)
-    extras = torch.tensor([1.0])
-    assert maml.all_reduce_grads([p], extras) is extras and p.grad.tolist() == [3.0, 3.0]
-    assert maml.all_reduce_mean(extras) is extras
-
-
-def test_shard_errors_say_how_to_fix_them():
-    x = torch.zeros(10, 1, 1)
-    batch = maml.TaskBatch(x, x, x, x)
-    message = (
-        "a meta-batch of 10 tasks cannot be split evenly across 4 processes (world size): every process must "
-        "adapt the same number of tasks"
-    )
-    with pytest.raises(ValueError, match=re.escape(message)) as error:
-        maml.shard(batch, rank=0, world_size=4)
-    assert "multiple of 4 (e.g. 8 or 12)" in str(error.value) and "divides 10 (1, 2, 5, 10)" in str(error.value)
-    with pytest.raises(ValueError, match=re.escape("rank=2 is out of range for world_size=2")):
-        maml.shard(batch, rank=2, world_size=2)
-    with pytest.raises(TypeError, match="batch must be a maml.TaskBatch"):
-        maml.shard(x)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=re.escape("extras must be a 1-D tensor")):
-        maml.all_reduce_grads([], torch.zeros(2, 2))
 
 
 def test_the_scripts_check_the_meta_batch_against_the_number_of_processes(tmp_path):

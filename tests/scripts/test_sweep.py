@@ -539,19 +539,31 @@ def test_best_metric_follows_the_goal() -> None:
     assert sweep_cli.best_metric([{"loss": 1.0}], "val/acc", "minimize") is None
 
 
-def test_dry_run_checks_parameter_names_against_the_programs_flags(tmp_path: Path) -> None:
-    path = write_sweep(tmp_path, "misspelled", parameters={"x": {"values": [1.0]}, "fail_above": {"value": 3.0}})
-    stderr = io.StringIO()
-    assert sweep_cli.main([str(path), "--dry-run"], io.StringIO(), stderr) == 2
-    assert stderr.getvalue() == (
-        f"error: {path}: the parameter 'fail_above' is not a flag of tests/scripts/sweep_program.py (did you mean "
-        f"--fail-above?); every trial would fail on it. Rename it under parameters (the program's --help lists its "
-        f"flags).\n"
-    )
-    assert not (tmp_path / "out").exists()
+def refusal(stderr: str, out: Path, error: str) -> None:
+    """The sweep stopped after its first trial, refused by the program: the runner names the trial's log and quotes
+    the program's one-line error from it, in one line."""
+    log = out / "trial-001" / "output.log"
+    assert f"[sweep] trial-001 failed (exit code 2; its output: {log}) in " in stderr
+    lines = [line for line in stderr.splitlines() if "was refused" in line]
+    assert lines == [
+        f"[sweep] trial-001's command was refused ({error}); starting no more trials: fix the sweep's parameters or "
+        "command"
+    ], stderr
+    assert log.read_text().strip().splitlines()[-1] == error
+    assert [trial["name"] for trial in report(out)] == ["trial-001"] and not (out / "trial-002").exists()
 
 
-def test_dry_run_checks_an_experiment_scripts_flags_which_take_underscores(tmp_path: Path) -> None:
+def test_an_unknown_parameter_fails_in_its_trial_whose_log_the_runner_names(tmp_path: Path) -> None:
+    path = write_sweep(tmp_path, "misspelled", parameters={"x": {"values": [1.0, 2.0]}, "fail_above": {"value": 3.0}})
+    result = run_cli([str(path), "--out", str(tmp_path / "out")], tmp_path, SWEEP_PROGRAM_LOG=str(tmp_path / "log"))
+    assert result.returncode == 1, result.stderr  # every trial (the one) failed
+    refusal(result.stderr, tmp_path / "out", "sweep_program.py: error: unrecognized arguments: --fail_above=3.0")
+    assert not (tmp_path / "log").exists()  # the program refused the command before it started
+
+
+def test_an_experiment_script_names_the_unknown_parameter_and_its_close_flags_in_the_runners_line(
+    tmp_path: Path,
+) -> None:
     command = ["${env}", "${interpreter}", "-m", "experiments.sine", "${args}"]
     path = write_sweep(
         tmp_path,
@@ -561,15 +573,11 @@ def test_dry_run_checks_an_experiment_scripts_flags_which_take_underscores(tmp_p
         metric={"name": "val/mse"},
         parameters={"inner-rl": {"values": [0.01, 0.1]}, "meta_batch": {"value": 5}},
     )
-    stderr = io.StringIO()
-    assert sweep_cli.main([str(path), "--dry-run"], io.StringIO(), stderr) == 2
-    message = stderr.getvalue()
-    assert message.startswith(
-        f"error: {path}: the parameter 'inner-rl' is not a flag of experiments/sine.py (did you mean --inner-lr, "
-    )
-    assert message.endswith(
-        "?); every trial would fail on it. Rename it under parameters (the program's --help lists its flags).\n"
-    )
+    result = run_cli([str(path), "--out", str(tmp_path / "out")], tmp_path)
+    assert result.returncode == 1, result.stderr
+    log = (tmp_path / "out" / "trial-001" / "output.log").read_text().strip().splitlines()
+    assert log[-1].startswith("error: unknown flag --inner-rl (did you mean --inner-lr, "), log
+    refusal(result.stderr, tmp_path / "out", log[-1])
     fixed = write_sweep(
         tmp_path,
         "sine-ok",

@@ -1,8 +1,8 @@
 """Checks maml.shard, maml.all_reduce_grads and maml.all_reduce_mean inside a real gloo group.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/scripts/distributed_program.py
+    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/engine/distributed_program.py
 
-Run by tests/scripts/test_distributed.py; every rank asserts, so the launch exits 0 only if all hold.
+Run by tests/engine/test_distributed_helpers.py; every rank asserts, so the launch exits 0 only if all hold.
 """
 
 from __future__ import annotations

@@ -1,0 +1,131 @@
+"""What the Omniglot script says about its splits: a split too small for the flags is a one-line usage error
+(exit code 2) naming the flag and the split, with nothing written; an empty validation or test share is a
+note, and the run trains without it. The runs are in-process and tiny, with wandb disabled.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import exits, omniglot_root
+
+from experiments import omniglot
+from experiments.harness.lifecycle import main
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cache")  # Omniglot decoded once for the module
+
+
+@pytest.fixture(autouse=True)
+def _quiet(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, cache: Path) -> None:
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("MAML_CACHE_DIR", str(cache))
+
+
+def omniglot_args(tmp_path: Path, *extra: str) -> list[str]:
+    return [
+        "--data",
+        str(omniglot_root()),
+        "--iterations",
+        "1",
+        "--meta-batch",
+        "1",
+        "--filters",
+        "4",
+        "--query",
+        "2",
+        "--log-every",
+        "1",
+        "--val-every",
+        "1",
+        "--val-tasks",
+        "2",
+        "--eval-tasks",
+        "2",
+        "--eval-steps",
+        "1",
+        "--out",
+        str(tmp_path / "run"),
+        "--wandb",
+        "disabled",
+        *extra,
+    ]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            ["--ways", "120"],  # every split in 4 rotations (the reference's): 26 validation characters are 104 classes
+            "--ways 120: the validation split holds only 104 classes (26 characters of 1 alphabet, 4 rotations each; "
+            "--split-by alphabet --split-fractions 0.6,0.15,0.25); lower --ways to at most 104, or give the validation "
+            "split more characters: a larger share in --split-fractions or --split-by character.",
+        ),
+        (
+            ["--split-fractions", "0.99,0.01,0"],
+            "--split-by alphabet --split-fractions 0.99,0.01,0: there are only 8 alphabets (Balinese, Early_Aramaic, "
+            "Greek, Japanese_(katakana), Korean, Latin, Sanskrit, Tagalog), too few to give the validation part any; set "
+            "its fraction to 0 or split by a finer unit.",
+        ),
+        (
+            ["--split-fractions", "0,0.5,0.5"],
+            "--split-fractions 0,0.5,0.5 gives the train split no characters; meta-training needs a train share > 0, "
+            "e.g. 0.6,0.15,0.25.",
+        ),
+        (
+            ["--split-fractions", "0.5,0.6,0"],
+            "--split-fractions 0.5,0.6,0 sums to 1.1; the three shares (train, validation, test) must sum to 1, e.g. "
+            "0.6,0.15,0.25.",
+        ),
+        (
+            ["--split-fractions", "0.5,0.5"],
+            "--split-fractions 0.5,0.5 must be three shares >= 0 (train, validation, test) that sum to 1, e.g. "
+            "0.6,0.15,0.25.",
+        ),
+    ],
+    ids=["ways-on-validation", "too-few-alphabets", "no-train", "sum", "two-shares"],
+)
+def test_a_split_problem_names_the_flag_and_the_split(capsys, tmp_path, extra, message):
+    err = exits(capsys, omniglot.run, omniglot_args(tmp_path, *extra), 2)
+    assert err == f"error: {message}"
+    assert not (tmp_path / "run").exists()
+
+
+def notes(err: str) -> list[str]:
+    return [line for line in err.splitlines() if not line.startswith("meta-train")]  # without the progress lines
+
+
+def test_a_zero_test_share_trains_validates_and_skips_the_test(capsys, tmp_path):
+    main(omniglot.run, omniglot_args(tmp_path, "--split-fractions", "0.75,0.25,0"))
+    captured = capsys.readouterr()
+    assert notes(captured.err) == [
+        "note: --split-fractions 0.75,0.25,0 gives the test split no characters; the run skips the final test."
+    ]
+    assert captured.out == (
+        f"no final test: --split-fractions 0.75,0.25,0 gives the test split no characters "
+        f"(results.json has test: {{}}); the model is in {tmp_path / 'run' / 'checkpoint.pt'}.\n"
+    )
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["test"] == {}
+    assert results["test_skipped"] == "--split-fractions 0.75,0.25,0 gives the test split no characters"
+    assert results["data"]["characters"][2] == 0 and "val/accuracy" in results["final_val"]
+    assert not (tmp_path / "run" / "task_grid.png").exists()
+
+
+def test_a_zero_validation_share_trains_without_validation(capsys, tmp_path):
+    main(omniglot.run, omniglot_args(tmp_path, "--split-fractions", "1,0,0"))
+    captured = capsys.readouterr()
+    assert notes(captured.err) == [
+        "note: --split-fractions 1,0,0 gives the validation split no characters; the run trains without validation.",
+        "note: --split-fractions 1,0,0 gives the test split no characters; the run skips the final test.",
+    ]
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["final_val"] == {} and results["test"] == {} and results["data"]["characters"] == [242, 0, 0]
+    history = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["history"]
+    assert len(history) == 1 and not any(key.startswith("val/") for key in history[0])
