@@ -156,11 +156,12 @@ class TaskForward:
         """Runs the tasks on ``device`` one after another from now on (vmap cannot batch the model)."""
         self._chosen[device] = "loop"
 
-    def choose(self, fast: Params, consts: Params, data: Sequence[tuple[Tensor, Tensor]]) -> None:
-        """With ``"auto"``, settles the batching on the device of ``data``: the loop where it is clearly faster on it.
+    def choose(self, fast: Params, consts: Params, data: Sequence[tuple[Tensor, Tensor]], prefer: str = "vmap") -> None:
+        """With ``"auto"``, settles the batching on the device of ``data``: the other where it is clearly faster on it.
 
-        "Clearly": by :data:`LOOP_MARGIN` (:func:`time_batchings`); otherwise ``"vmap"``, so that
-        where the two are close, timing noise rarely decides. A configuration (device, model
+        "Clearly": by :data:`LOOP_MARGIN` (:func:`time_batchings`); otherwise ``prefer`` (``"vmap"``;
+        a checkpointed plan prefers the loop, whose tasks replay one at a time and hold less), so
+        that where the two are close, timing noise rarely decides. A configuration (device, model
         architecture, loss, shapes) is timed once per process: its learners batch alike and agree
         to the bit. Across processes a choice near the margin can differ (``cudnn.benchmark``'s
         caveat): an explicit ``"vmap"`` or ``"loop"`` makes two runs agree to the bit.
@@ -177,10 +178,12 @@ class TaskForward:
             shapes(fast.values()),
             shapes(consts.values()),
             shapes(t for pair in data for t in pair),
+            prefer,
         )
         if key not in _CHOICES:
             seconds = time_batchings(self, fast, consts, data)
-            _CHOICES[key] = "loop" if seconds["loop"] * LOOP_MARGIN < seconds["vmap"] else "vmap"
+            other = "loop" if prefer == "vmap" else "vmap"
+            _CHOICES[key] = other if seconds[other] * LOOP_MARGIN < seconds[prefer] else prefer
         self._chosen[device] = _CHOICES[key]
 
     @property
