@@ -122,8 +122,8 @@ class MetaLearner:
         batching: ``"vmap"`` (tasks as one batched call), ``"loop"`` (one task after another) or
             ``"auto"``: the loop where it is 1.5x faster on the first batch of more than one task on
             each device, else ``"vmap"`` (kept by :meth:`state_dict`); one task runs unbatched, the
-            checkpointed mode takes the loop untimed (it holds less), and a model vmap cannot batch
-            (recurrent layers) the loop. All give the same meta-gradients to float rounding; pass
+            checkpointed mode follows its memory plan (``memory_budget``; given its ``chunk_size``,
+            the loop, untimed: it holds less), and a model vmap cannot batch (recurrent layers) the loop. All give the same meta-gradients to float rounding; pass
             ``"vmap"`` or ``"loop"`` for bit-identical reruns.
         chunk_size: tasks processed together: with ``"vmap"``, at most this many tasks per
             batched call; with ``"checkpointed"``, per recomputed segment (default: every task
