@@ -160,8 +160,8 @@ class TaskForward:
         """With ``"auto"``, settles the batching on the device of ``data``: the other where it is clearly faster on it.
 
         "Clearly": by :data:`LOOP_MARGIN` (:func:`time_batchings`); otherwise ``prefer`` (``"vmap"``;
-        a checkpointed plan prefers the loop, whose tasks replay one at a time and hold less), so
-        that where the two are close, timing noise rarely decides. A configuration (device, model
+        a memory plan prefers the loop, whose tasks hold less each), so that where the two are
+        close, timing noise rarely decides. A configuration (device, model
         architecture, loss, shapes) is timed once per process: its learners batch alike and agree
         to the bit. Across processes a choice near the margin can differ (``cudnn.benchmark``'s
         caveat): an explicit ``"vmap"`` or ``"loop"`` makes two runs agree to the bit.

@@ -650,8 +650,8 @@ class MetaLearner:
 
     def _plan_of(self, problem: Problem) -> Plan | None:
         """Plans ``problem``'s step (:class:`planner.Planner`); with ``batching="auto"``, times vmap against the
-        loop on as many tasks as the plan runs at once, and plans again if the loop wins (a checkpointed plan
-        takes vmap only where it is clearly faster: its tasks replayed together hold more than one at a time)."""
+        loop on as many tasks as the plan runs at once, and plans again if the loop wins. A plan takes vmap only
+        where it is clearly faster: batched tasks hold more each, and a budget fits fewer of them."""
         device = problem.batch.support_x.device
         settled = self._forward.settled(device)
         batching = self._forward.resolve(device) if settled else "vmap"
@@ -672,9 +672,8 @@ class MetaLearner:
             one = {k: v.detach()[None].expand(made.tasks, *v.shape) for k, v in problem.params.items()}
             shared = {k: v.detach() for k, v in problem.consts.items()}
             data = [(part.support_x, part.support_y), (part.query_x, part.query_y)]
-            prefer = "loop" if modes.TABLE[self._mode].plans == "segments" else "vmap"
             with unfused_layers():
-                self._forward.choose(one, shared, data, prefer=prefer)
+                self._forward.choose(one, shared, data, prefer="loop")
             if self._forward.resolve(device) != batching:
                 made = plan(self._forward.resolve(device))
         elif made is not None and not settled and modes.TABLE[self._mode].plans == "segments":
