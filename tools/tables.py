@@ -686,6 +686,8 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "image_sampling": image_sampling,
     "memory_tasks": memory_tasks,
     "memory_auto": functools.partial(memory, REPO / "results/benchmarks/memory_auto.json", ()),
+    "memory_budget": functools.partial(memory, REPO / "results/benchmarks/memory_budget.json", ()),
+    "plans": plans,
     "flags-run": _flags_of("run"),
     "flags-sine": _flags_of("sine"),
     "flags-omniglot": _flags_of("omniglot"),
