@@ -23,7 +23,7 @@ from .budget import Plan
 from .chunked import backward_in_chunks
 from .forward import LossFn, Params, TaskForward, check_finite, unfused_layers
 from .implicit import Implicit
-from .loop import InnerLoop, MetaOutput, Problem
+from .loop import InnerLoop, MetaOutput, Problem, per_task
 from .options import Batching, CheckpointHvp, InnerOptimizer, LearnInnerLr, Mode
 from .planner import Planner
 from .probe import Probe
@@ -663,13 +663,12 @@ class MetaLearner:
                 memory_budget=self.memory_budget,
                 batching=batching,
                 every=self.checkpoint_every,
-                hvp=lambda: self._checkpoint_hvp,
             )
 
         made = plan(batching)
         if made is not None and not settled and made.tasks > 1:
             part = problem.batch[: made.tasks]
-            one = {k: v.detach()[None].expand(made.tasks, *v.shape) for k, v in problem.params.items()}
+            one = per_task({k: v.detach() for k, v in problem.params.items()}, made.tasks)
             shared = {k: v.detach() for k, v in problem.consts.items()}
             data = [(part.support_x, part.support_y), (part.query_x, part.query_y)]
             with unfused_layers():
@@ -704,8 +703,7 @@ class MetaLearner:
         checks.examples(inputs[0].shape[1], inputs[1].shape[1] if len(inputs) > 1 else None, steps)
         if params is None:  # the model's own: frozen since the learner was built?
             checks.still_trainable(adapted)
-        elif (
-            torch.is_grad_enabled()
-        ):  # given constants (detached): the inner loop differentiates from them all the same
+        elif torch.is_grad_enabled():
+            # Given constants (detached): the inner loop differentiates from them all the same.
             adapted = {k: v if v.requires_grad else v.detach().requires_grad_() for k, v in adapted.items()}
         return adapted, consts, steps

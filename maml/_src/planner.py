@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -50,7 +49,6 @@ class Planner:
         memory_budget: Any,
         batching: str,
         every: int | None,
-        hvp: Callable[[], str],
     ) -> Plan | None:
         """The plan of a training call on ``p.batch``; ``None`` where the mode plans nothing.
 
@@ -60,7 +58,6 @@ class Planner:
             memory_budget: the learner's option, as given (``budget.budget_bytes`` reads it).
             batching: how the learner batches tasks on this device: ``"vmap"`` or ``"loop"``.
             every: the learner's ``checkpoint_every`` (``None``: the segment length is planned).
-            hvp: the learner's ``checkpoint_hvp``.
         """
         kind = modes.TABLE[mode].plans
         device = p.batch.support_x.device
@@ -68,14 +65,14 @@ class Planner:
         if kind is None or (kind == "chunks" and limit is None):
             return None
         tasks, steps = p.batch.num_tasks, p.steps
-        key = repr((str(device), mode, steps, hvp(), _shapes(p)))
+        key = repr((str(device), mode, steps, _shapes(p)))
         m = self.measured.get(key)
         if m is None:
-            m = self.measured[key] = self._measure(p, mode, kind, hvp())
+            m = self.measured[key] = self._measure(p, mode, kind)
         if kind == "chunks":
             plan = budget.plan_chunks(limit, tasks, m["one"], batching, mode, steps)
             if plan.tasks > 1 and batching == "vmap":
-                m = self._batched(key, p, mode, hvp(), limit)
+                m = self._batched(key, p, mode, limit)
                 plan = budget.plan_chunks(limit, tasks, m["batched"], batching, mode, steps)
             return plan
         default = limit is None
@@ -90,25 +87,25 @@ class Planner:
 
         plan = segments(m["one"])
         if plan.tasks > 1 and batching == "vmap":
-            plan = segments(self._batched(key, p, mode, hvp(), limit)["batched"])
+            plan = segments(self._batched(key, p, mode, limit)["batched"])
         return plan
 
-    def _measure(self, p: Problem, mode: str, kind: str, hvp: str) -> dict[str, int]:
+    def _measure(self, p: Problem, mode: str, kind: str) -> dict[str, int]:
         """One task's peaks: the step at the call's steps (chunks) or one replayed step (segments)."""
-        one = _peak(p, mode, 1, 1, "loop", hvp)
+        one = _peak(p, mode, 1, 1, "loop")
         if kind == "segments":
             return {"one": one, "iterate": _iterate_bytes(p)}
-        per_step = max(_peak(p, mode, 1, 2, "loop", hvp) - one, 0) if p.steps >= 2 else 0
-        return {"one": one + (max(p.steps, 1) - 1) * per_step, "per_step": per_step, "at_one": one}
+        per_step = max(_peak(p, mode, 1, 2, "loop") - one, 0) if p.steps >= 2 else 0
+        return {"one": one + (max(p.steps, 1) - 1) * per_step, "at_one": one}
 
-    def _batched(self, key: str, p: Problem, mode: str, hvp: str, limit: int) -> dict[str, int]:
+    def _batched(self, key: str, p: Problem, mode: str, limit: int) -> dict[str, int]:
         """The per-task need of batched tasks: two tasks by ``vmap`` at one step, scaled, where the budget has room."""
         m = self.measured[key]
         if "batched" not in m:
             at_one = m.get("at_one", m["one"])
             if p.batch.num_tasks < 2 or 2 * at_one * _ROOM > limit:
                 return {**m, "batched": math.ceil(m["one"] * _ROOM)}  # no room to probe: the bound it would allow
-            two = _peak(p, mode, 2, 1, "vmap", hvp)
+            two = _peak(p, mode, 2, 1, "vmap")
             m["batched"] = math.ceil(m["one"] * max(1.0, two / (2 * at_one)))
         return m
 
@@ -128,7 +125,7 @@ def _iterate_bytes(p: Problem) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _peak(p: Problem, mode: str, tasks: int, steps: int, batching: str, hvp: str) -> int:
+def _peak(p: Problem, mode: str, tasks: int, steps: int, batching: str) -> int:
     """The tensor peak of ``mode``'s training step (meta-loss and its gradient) on ``tasks`` tasks of ``p`` at ``steps``.
 
     The gradient is taken by ``torch.autograd.grad``, so no ``.grad`` changes; random draws
@@ -137,8 +134,8 @@ def _peak(p: Problem, mode: str, tasks: int, steps: int, batching: str, hvp: str
     f = p.loop.forward
     loop = dataclasses.replace(p.loop, forward=TaskForward(f.model, f.loss_fn, batching, None))
     problem = p._replace(loop=loop, batch=p.batch[:tasks], steps=steps)
-    # Reverse-over-reverse whatever the learner's checkpoint_hvp: forward-over-reverse holds less (no second-order
-    # graph), so its plan errs towards less memory, and torch.func refuses the hooks of budget.saved_bytes.
+    # Reverse-over-reverse whatever the learner's checkpoint_hvp, so one measurement serves both: forward-over-reverse
+    # holds less (no second-order graph), so its plan errs towards less memory; torch.func refuses saved_bytes' hooks.
     call = modes.Call(
         problem, None, chunk=tasks, checkpoint_every=1, checkpoint_hvp="reverse_over_reverse", implicit=Implicit()
     )
