@@ -133,7 +133,8 @@ class MetaLearner:
             ``"per_layer_per_step"`` (MAML++'s LSLR: one learnable rate per adapted parameter
             tensor and inner step; more steps than ``steps`` reuse the last step's rate).
             Learnable rates are in :meth:`parameters` and receive meta-gradients.
-        checkpoint_every: with ``"checkpointed"``, inner steps per recomputed segment (default
+        checkpoint_every: with ``"checkpointed"``, inner steps per recomputed segment (default:
+            planned, the shortest that fit the memory budget; with ``chunk_size`` given,
             ``round(sqrt(steps * tasks / chunk_size))``, which keeps the fewest fast weights).
         checkpoint_hvp: with ``"checkpointed"``, how the backward pass differentiates the replayed
             steps, both exact: ``"reverse_over_reverse"`` (default) or ``"forward_over_reverse"``
@@ -164,12 +165,12 @@ class MetaLearner:
             (``"6GiB"``, ``"500MB"``) or a fraction of the device's free memory (``0.8``). Within
             it the learner plans what would otherwise be guessed (:attr:`plan`): in second and
             first order the tasks whose graphs :meth:`backward` holds at once (:meth:`meta_loss`
-            refuses a batch over it, naming ``backward``); in the checkpointed mode the tasks
-            replayed together, batched if faster, and the segment length. It plans from one task's
+            refuses a batch over it, naming ``backward``); in the checkpointed mode the most tasks
+            replayed together (batched if faster), then the shortest segments. It plans from one task's
             tensor peak, measured before the first training step of each configuration. Default:
             none in second and first order (every task at once); in the checkpointed mode one
             task's second-order step (bounded above by ``steps`` replays of one step), at least
-            16 MiB and at most every task's (``docs/memory-and-speed.md``); with ``chunk_size``
+            16 MiB (``docs/memory-and-speed.md``); with ``chunk_size``
             given, the checkpointed mode plans nothing and replays that many tasks in a loop.
         inner_optimizer_options: a named rule's options: momentum ``{"momentum": 0.9, "nesterov": False}``,
             adam ``{"betas": (0.9, 0.999), "eps": 1e-8}``.

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from . import budget, checkpointed, modes
+from . import budget, modes
 from .budget import Plan
 from .forward import TaskForward
 from .implicit import Implicit
@@ -78,11 +78,11 @@ class Planner:
         default = limit is None
         if default:  # one task's second-order step (at most replaying each of its steps), at least the floor
             one_task = max(steps, 1) * m["one"]
-            limit = min(max(budget.DEFAULT_FLOOR, one_task), tasks * one_task)  # never above every task's step
+            limit = max(budget.DEFAULT_FLOOR, one_task)
 
         def segments(replay: int) -> Plan:
             return budget.plan_checkpointed(
-                limit, default, tasks, steps, replay, m["iterate"], every, checkpointed.segment_steps, batching
+                limit, default, tasks, steps, replay, m["iterate"], every, batching
             )  # fmt: skip
 
         plan = segments(m["one"])

@@ -145,6 +145,24 @@ def test_the_step_stays_within_its_budget(mode, hvp, tasks_budget):
     assert learner.plan.estimate <= limit
 
 
+def test_a_checkpointed_plan_takes_the_most_tasks_then_the_shortest_segments_that_fit():
+    """A segment of e steps replays e - 1 for values: the shortest that fit are the fastest (maml._src.budget)."""
+    kb = 1024  # 8 tasks, 20 steps; replaying one task's step holds 100 KiB, one task's iterate 1 KiB
+
+    def plan(limit: int, batching: str = "loop", every: int | None = None) -> tuple[int, int | None]:
+        p = budget.plan_checkpointed(limit * kb, False, 8, 20, 100 * kb, kb, every, batching)
+        assert p.estimate == budget.checkpointed_peak(8, 20, p.tasks, p.checkpoint_every, 100 * kb, kb) <= limit * kb
+        return p.tasks, p.checkpoint_every
+
+    assert plan(10_000) == (1, 1)  # room for every step's iterates: no values replay
+    assert plan(140) == (1, 5)  # 4 * 8 kept + 5 + 100: the shortest that fits
+    assert plan(10_000, "vmap") == (8, 1)
+    assert plan(700, "vmap") == (4, 1)  # 5 tasks fit (665 KiB) in as many calls (two) as 4, which hold less
+    assert plan(10_000, "vmap", every=4) == (8, 4)  # the user's checkpoint_every stands
+    with pytest.raises(ValueError, match=r"pass at least memory_budget=129024\.$"):
+        plan(100)  # the least one task can hold: 2 segments of 10 steps, 126 KiB
+
+
 def test_a_budget_below_one_task_names_the_smallest_that_runs():
     learner = maml.MetaLearner(conv_net(), F.cross_entropy, inner_lr=0.1, steps=4, memory_budget="1KiB")
     with pytest.raises(
