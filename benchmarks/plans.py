@@ -7,11 +7,12 @@ For each mode that plans (second order, checkpointed) and each budget, on the MA
 max-pool net (benchmarks.sampling.omniglot_net, 28x28, 8 tasks 5-way 5-shot, 15 query images a
 class): the learner with ``memory_budget`` plans its step (``learner.plan``), then every other plan
 the engine can run is tried by hand, second order as ``backward(batch, chunk=c)``
-and the checkpointed mode as ``chunk_size=c``, for ``c`` in 1, 2, 4, 8, each batched by ``vmap`` and
-in a loop. Each one's tensor peak (``benchmarks.tensor_peak``) decides whether it fits the budget;
-each that fits is timed (the median CPU time of ``--repeats`` steps of one thread, after a warm-up
-step), and the planned step's time is set against the fastest. The planned step's own peak is
-reported beside its budget.
+and the checkpointed mode as ``chunk_size=c`` with segments of one step (``checkpoint_every=1``)
+and of the length that holds least (``chunk_size``'s default), for ``c`` in 1, 2, 4, 8, each
+batched by ``vmap`` and in a loop. Each one's tensor peak (``benchmarks.tensor_peak``) decides
+whether it fits a budget; each that fits the largest is timed once (the median CPU time of
+``--repeats`` steps of one thread, after a warm-up step), and the planned step's time is set
+against the fastest that fits its budget. The planned step's own peak is reported beside its budget.
 """
 
 from __future__ import annotations
@@ -69,15 +70,32 @@ def candidates(mode: str, steps: int, batch: maml.TaskBatch) -> list[tuple[str, 
                 out.append(
                     (f"backward(chunk={chunk}), {batching}", lambda lrn=lrn, c=chunk: lrn.backward(batch, chunk=c))
                 )
-        else:
-            for chunk in CHUNKS:
-                lrn = learner(mode, steps, batching, chunk_size=chunk)
-                out.append((f"chunk_size={chunk}, {batching}", lambda lrn=lrn: lrn.meta_loss(batch).backward()))
+            continue
+        for chunk in CHUNKS:
+            for every in (1, None):
+                lrn = learner(mode, steps, batching, chunk_size=chunk, checkpoint_every=every)
+                segments = "segments of 1 step" if every else "fewest fast weights"
+                step = lambda lrn=lrn: lrn.meta_loss(batch).backward()  # noqa: E731
+                out.append((f"chunk_size={chunk}, {segments}, {batching}", step))
+    return out
+
+
+def tried(mode: str, steps: int, batch: maml.TaskBatch, largest: int, repeats: int) -> list[dict[str, Any]]:
+    """Every candidate's tensor peak, and the time of each whose peak is at most ``largest`` bytes."""
+    out = []
+    for name, candidate in candidates(mode, steps, batch):
+        candidate()  # warm: kernels, and "auto" has nothing to choose here
+        peak = peak_tensor_bytes(candidate)
+        out.append(
+            {"plan": name, "peak_bytes": peak, **({"seconds": seconds(candidate, repeats)} if peak <= largest else {})}
+        )
+        timed = f", {out[-1]['seconds']:.2f} s" if "seconds" in out[-1] else ", over every budget"
+        print(f"  {mode}: {name}: {peak / 2**20:,.0f} MiB{timed}", file=sys.stderr)
     return out
 
 
 def measure(mode: str, steps: int, budget: str, batch: maml.TaskBatch, repeats: int) -> dict[str, Any]:
-    """The planned step against every candidate that fits ``budget``."""
+    """The planned step: its plan, tensor peak and time."""
     planned = learner(mode, steps, memory_budget=budget)
     step = lambda: planned.backward(batch)  # noqa: E731
     step()  # plans (and times "auto") at its first call
@@ -85,28 +103,19 @@ def measure(mode: str, steps: int, budget: str, batch: maml.TaskBatch, repeats: 
     row["budget_bytes"] = planned.plan.budget
     row["peak_mib"] = peak_tensor_bytes(step) / 2**20
     row["seconds"] = seconds(step, repeats)
-    tried = []
-    for name, candidate in candidates(mode, steps, batch):
-        candidate()  # warm: kernels, and "auto" has nothing to choose here
-        peak = peak_tensor_bytes(candidate)
-        fits = peak <= planned.plan.budget
-        tried.append(
-            {
-                "plan": name,
-                "peak_mib": peak / 2**20,
-                "fits": fits,
-                **({"seconds": seconds(candidate, repeats)} if fits else {}),
-            }
-        )
-        print(
-            f"  {mode} {budget}: {name}: {peak / 2**20:,.0f} MiB"
-            + (f", {tried[-1]['seconds']:.2f} s" if fits else ", over"),
-            file=sys.stderr,
-        )
-    fitting = [t for t in tried if t["fits"]]
-    best = min(fitting, key=lambda t: t["seconds"]) if fitting else None
-    row["tried"] = tried
-    if best is not None:
+    return row
+
+
+def against(row: dict[str, Any], candidates: list[dict[str, Any]]) -> dict[str, Any]:
+    """``row`` with every candidate, whether it fits the row's budget, and the fastest that does."""
+    fits = lambda t: t["peak_bytes"] <= row["budget_bytes"]  # noqa: E731
+    row["tried"] = [
+        {"plan": t["plan"], "peak_mib": t["peak_bytes"] / 2**20, "fits": fits(t), **({"seconds": t["seconds"]} if fits(t) else {})}
+        for t in candidates
+    ]  # fmt: skip
+    fitting = [t for t in row["tried"] if t["fits"]]
+    if fitting:
+        best = min(fitting, key=lambda t: t["seconds"])
         row.update(fastest=best["plan"], fastest_seconds=best["seconds"], ratio=row["seconds"] / best["seconds"])
     return row
 
@@ -124,11 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     batch = synthetic_batch(TASKS, torch.Generator().manual_seed(0), torch.device("cpu"))
     rows = []
     for mode in args.modes:
-        for budget in args.budgets:
-            rows.append(measure(mode, args.steps, budget, batch, args.repeats))
-            r = rows[-1]
+        planned = [measure(mode, args.steps, budget, batch, args.repeats) for budget in args.budgets]
+        found = tried(mode, args.steps, batch, max(r["budget_bytes"] for r in planned), args.repeats)
+        for r in planned:
+            rows.append(against(r, found))
             print(
-                f"{mode} {budget}: planned {r['plan']}: {r['seconds']:.2f} s, {r['peak_mib']:,.0f} MiB; fastest that "
+                f"{mode} {r['budget']}: planned {r['plan']}: {r['seconds']:.2f} s, {r['peak_mib']:,.0f} MiB; fastest that "
                 f"fits: {r.get('fastest')} {r.get('fastest_seconds', float('nan')):.2f} s",
                 file=sys.stderr,
             )
