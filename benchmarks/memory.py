@@ -142,13 +142,15 @@ def synthetic_batch(tasks: int, generator: torch.Generator, device: torch.device
 
 
 def engine_step(method: str, steps: int, batch: maml.TaskBatch, args: argparse.Namespace) -> Built:
-    options: dict[str, Any] = {}
-    if method == FORWARD_OVER_REVERSE:
-        method, options = "checkpointed", {"checkpoint_hvp": "forward_over_reverse"}
-    if method == EVERY_STEP:  # one-step segments: every task's fast weights at every step
-        method, options = "checkpointed", {"checkpoint_every": 1}
-    mode = method.removesuffix("_chunk1").removesuffix("_chunked")
+    mode: str | maml.Mode = method.removesuffix("_chunk1").removesuffix("_chunked")
     chunk_size = 1 if method.endswith("_chunk1") else args.chunk_size
+    if method == FORWARD_OVER_REVERSE:
+        mode = maml.Checkpointed(hvp="forward_over_reverse")
+    if method == EVERY_STEP:  # one-step segments: every task's fast weights at every step
+        mode = maml.Checkpointed(every=1)
+    spec = maml.Mode.of(mode)
+    if isinstance(spec, maml.Checkpointed):  # its tasks replayed together are its own option
+        mode, chunk_size = maml.Checkpointed(**{**spec.options(), "tasks": chunk_size}), None
     model = omniglot_net(WAYS).to(args.device)
     learner = maml.MetaLearner(
         model,
@@ -158,8 +160,7 @@ def engine_step(method: str, steps: int, batch: maml.TaskBatch, args: argparse.N
         mode=mode,
         batching=args.batching,
         chunk_size=chunk_size,
-        memory_budget=args.memory_budget if mode in maml.UNROLLED_MODES else None,  # the modes that plan
-        **options,
+        memory_budget=args.memory_budget if maml.Mode.of(mode).plans else None,  # the modes that plan
     )
     optimizer = torch.optim.Adam(learner.parameters(), lr=META_LR)
 

@@ -7,8 +7,8 @@ For each mode that plans (second order, checkpointed) and each budget, on the MA
 max-pool net (benchmarks.sampling.omniglot_net, 28x28, 8 tasks 5-way 5-shot, 15 query images a
 class): the learner with ``memory_budget`` plans its step (``learner.plan``), then every other plan
 the engine can run is tried by hand, second order as ``backward(batch, chunk=c)``
-and the checkpointed mode as ``chunk_size=c`` with segments of one step (``checkpoint_every=1``)
-and of the length that holds least (``chunk_size``'s default), for ``c`` in 1, 2, 4, 8, each
+and the checkpointed mode as ``maml.Checkpointed(tasks=c)`` with segments of one step (``every=1``)
+and of the length that holds least (the default with ``tasks``), for ``c`` in 1, 2, 4, 8, each
 batched by ``vmap`` and in a loop. Each one's tensor peak (``benchmarks.tensor_peak``) decides
 whether it fits a budget; each that fits the largest is timed once (the median CPU time of
 ``--repeats`` steps of one thread, after a warm-up step), and the planned step's time is set
@@ -41,7 +41,7 @@ MODES = ("second_order", "checkpointed")
 CHUNKS = (1, 2, 4, 8)  # tasks at once: a backward chunk (second order) or a replayed chunk (checkpointed)
 
 
-def learner(mode: str, steps: int, batching: str = "auto", **options: Any) -> maml.MetaLearner:
+def learner(mode: str | maml.Mode, steps: int, batching: str = "auto", **options: Any) -> maml.MetaLearner:
     """A learner of ``mode`` on the Omniglot net, from seed 0 (every candidate starts from the same weights)."""
     torch.manual_seed(0)
     return maml.MetaLearner(
@@ -73,10 +73,10 @@ def candidates(mode: str, steps: int, batch: maml.TaskBatch) -> list[tuple[str, 
             continue
         for chunk in CHUNKS:
             for every in (1, None):
-                lrn = learner(mode, steps, batching, chunk_size=chunk, checkpoint_every=every)
+                lrn = learner(maml.Checkpointed(every=every, tasks=chunk), steps, batching)
                 segments = "segments of 1 step" if every else "fewest fast weights"
                 step = lambda lrn=lrn: lrn.meta_loss(batch).backward()  # noqa: E731
-                out.append((f"chunk_size={chunk}, {segments}, {batching}", step))
+                out.append((f"tasks={chunk}, {segments}, {batching}", step))
     return out
 
 

@@ -204,7 +204,7 @@ def with_steps(wl: Workload, steps: int) -> Workload:
 
 
 def engine(
-    mode: str,
+    mode: str | maml.Mode,
     batching: str,
     *,
     compile: bool = False,
@@ -214,6 +214,7 @@ def engine(
     **options: Any,
 ) -> Method:
     """This engine; ``anil``: adapt only the head; ``options``: more MetaLearner arguments (the family rows)."""
+    spec = maml.Mode.of(mode)
 
     def build(model: nn.Module, wl: Workload) -> tuple[list[Tensor], Backward]:
         learner = maml.MetaLearner(
@@ -230,10 +231,10 @@ def engine(
         return list(learner.parameters()), lambda batch: learner.meta_loss(batch).backward()
 
     if name is None:
-        name = f"maml {mode} {batching}" + " compiled" * compile + " channels_last" * channels_last
-        if "checkpoint_hvp" in options:
-            name += f" {options['checkpoint_hvp']}"
-    return Method(name, mode == "first_order", build, channels_last, engine(mode, batching) if compile else None)
+        name = f"maml {spec.name} {batching}" + " compiled" * compile + " channels_last" * channels_last
+        if "hvp" in spec.options():
+            name += f" {spec.options()['hvp']}"
+    return Method(name, spec.name == "first_order", build, channels_last, engine(mode, batching) if compile else None)
 
 
 def head(model: nn.Module) -> list[str]:
@@ -364,11 +365,11 @@ FAMILY: list[Method] = [
     *pair(family("maml Adam", inner_optimizer="adam"), higher_innerloop("adam")),
 ]
 
-# The checkpointed mode's two backward passes (checkpoint_hvp) beside second order, first order and the peers.
+# The checkpointed mode's two backward passes (Checkpointed.hvp) beside second order, first order and the peers.
 HVP: list[Method] = [
     engine("second_order", "auto"),
-    engine("checkpointed", "auto"),  # checkpoint_hvp="reverse_over_reverse", the default
-    engine("checkpointed", "auto", checkpoint_hvp="forward_over_reverse"),
+    engine("checkpointed", "auto"),  # hvp="reverse_over_reverse", the default
+    engine(maml.Checkpointed(hvp="forward_over_reverse"), "auto"),
     engine("first_order", "auto"),
     learn2learn(first_order=False),
     learn2learn(first_order=True),

@@ -11,11 +11,10 @@ from ._src.batch import TaskBatch
 from ._src.curvature import MetaCurvature
 from ._src.distributed import all_reduce_grads, all_reduce_mean, shard, shard_size
 from ._src.functional import call
-from ._src.implicit import Implicit
 from ._src.learner import MetaLearner
 from ._src.loop import MetaOutput
-from ._src.modes import COMPILED_MODES, MODES, UNROLLED_MODES
-from ._src.options import BATCHINGS, CHECKPOINT_HVPS
+from ._src.modes import CHECKPOINT_HVPS, COMPILED_MODES, MODES, UNROLLED_MODES, Checkpointed, Implicit, Mode
+from ._src.options import BATCHINGS
 from ._src.rates import LEARN_INNER_LR
 from ._src.rules import INNER_OPTIMIZERS, SGD, Adam, AdamState, Momentum, MomentumState, UpdateRule
 
@@ -30,9 +29,11 @@ __all__ = [
     "SGD",
     "Adam",
     "AdamState",
+    "Checkpointed",
     "MetaCurvature",
     "MetaLearner",
     "MetaOutput",
+    "Mode",
     "Momentum",
     "MomentumState",
     "TaskBatch",

@@ -125,12 +125,9 @@ def perturbed(model: nn.Module) -> nn.Module:
 EXACT_PATHS = [
     pytest.param({"batching": "loop"}, id="loop"),
     pytest.param({"mode": "checkpointed"}, id="checkpointed"),
-    pytest.param({"mode": "checkpointed", "checkpoint_every": 2}, id="checkpointed-every2"),
-    pytest.param({"mode": "checkpointed", "checkpoint_hvp": "forward_over_reverse"}, id="checkpointed-fwd"),
-    pytest.param(
-        {"mode": "checkpointed", "checkpoint_hvp": "forward_over_reverse", "checkpoint_every": 2},
-        id="checkpointed-fwd-every2",
-    ),
+    pytest.param({"mode": maml.Checkpointed(every=2)}, id="checkpointed-every2"),
+    pytest.param({"mode": maml.Checkpointed(hvp="forward_over_reverse")}, id="checkpointed-fwd"),
+    pytest.param({"mode": maml.Checkpointed(every=2, hvp="forward_over_reverse")}, id="checkpointed-fwd-every2"),
     pytest.param({"compile": True}, id="compiled"),
 ]
 

@@ -221,14 +221,13 @@ def engine_learner(cfg: Any, model: Model, net: torch.nn.Module) -> maml.MetaLea
             model.loss,
             inner_lr=cfg.inner_lr,
             steps=cfg.steps,
-            mode=cfg.mode,
+            mode=maml.Implicit(cfg.implicit_lam, cfg.cg_iterations) if cfg.mode == "implicit" else cfg.mode,
             batching=cfg.batching,
             learn_inner_lr=cfg.learn_inner_lr,
             compile=cfg.compile,
             adapt=recipes.adapt_set(net, cfg.adapt, model.meta_only),
             inner_optimizer=cfg.inner_optimizer,
             inner_optimizer_options={"betas": cfg.inner_adam_betas} if cfg.inner_optimizer == "adam" else None,
-            implicit=maml.Implicit(cfg.implicit_lam, cfg.cg_iterations) if cfg.mode == "implicit" else None,
             memory_budget=cfg.memory_budget,
         )
     except (TypeError, ValueError) as e:

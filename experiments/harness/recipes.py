@@ -213,6 +213,6 @@ class Schedule:
         for group in optimizer.param_groups:
             group["lr"] = self.lr(iteration) * group.get("scale", 1.0)
         mode = self.mode_at(iteration)
-        if learner.mode != mode:
+        if learner.mode.name != mode:  # by name: a mode's options (iMAML's lam) stay as built
             learner.mode = mode
         return self.step_weights(iteration)

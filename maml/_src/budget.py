@@ -258,7 +258,7 @@ def plan_checkpointed(
     so the loop replays one. Of the chunk sizes that take as many calls, the smallest is kept (a
     chunk of 13 rather than 18 for 25 tasks): it holds less, and may allow shorter segments.
 
-    ``every``: the learner's ``checkpoint_every`` if set (only the chunk is planned). Where nothing
+    ``every``: the mode's ``Checkpointed(every=...)`` if set (only the chunk is planned). Where nothing
     fits, a default budget takes one task at a time at the segment length that holds least (what
     the mode held before it planned); an explicit one refuses.
 

@@ -2,8 +2,8 @@
 
 The forward pass runs the inner loop for values only, step by step over every chunk of tasks,
 in the order the eager path runs (so dropout draws the same masks), and keeps the fast weights
-and the rule's state every ``checkpoint_every`` steps, plus each step's random-number state.
-The autograd graph is then one node per segment (``checkpoint_every`` steps of one chunk of
+and the rule's state every ``every`` steps (``maml.Checkpointed(every=...)``), plus each step's random-number state.
+The autograd graph is then one node per segment (``every`` steps of one chunk of
 tasks) and one per chunk's query loss, whose gradient with respect to the last fast weights the
 forward pass takes at once (the backward pass scales it by the losses' cotangents). A segment
 node's backward replays its steps for values from its kept input, keeping that chunk's iterate
@@ -21,7 +21,7 @@ steps for values, so with ``e > 1`` each step's forward pass runs about once mor
 ``e = 1``: the learner's plan (``budget.plan_checkpointed``) takes the shortest segments that fit.
 
 How a node's backward pulls the cotangents back through a step is the learner's
-``checkpoint_hvp``: ``"reverse_over_reverse"`` (the default) replays it with
+``maml.Checkpointed(hvp=...)``: ``"reverse_over_reverse"`` (the default) replays it with
 ``create_graph=True`` and differentiates the replay with ``torch.autograd.grad``, as above;
 ``"forward_over_reverse"`` takes the support loss's Hessian-vector products by
 ``torch.func.jvp`` over ``torch.func.grad`` and the update rule's Jacobian by autograd on the
@@ -553,7 +553,7 @@ def _chunk_graph(
 
 
 def segment_steps(steps: int, tasks: int, chunk: int) -> int:
-    """The default ``checkpoint_every``: the segment length that keeps the fewest iterates (module docstring).
+    """The default ``every`` where nothing is planned: the segment length that keeps the fewest iterates (module docstring).
 
     ``steps`` inner steps of ``tasks`` tasks recomputed ``chunk`` at a time keep ``steps * tasks / e``
     iterates at the segments' starts and ``e * chunk`` within the segment being replayed.
@@ -575,9 +575,9 @@ def run(
         problem: the inner problem (``loop.Problem``); its constants that require grad
             (parameters outside the adapt set) get their exact meta-gradient.
         chunk: tasks per recomputed segment.
-        every: inner steps per recomputed segment (``checkpoint_every``); None: :func:`segment_steps`.
+        every: inner steps per recomputed segment (``Checkpointed.every``); None: :func:`segment_steps`.
         step_weights: ``(steps,)`` MAML++'s multi-step loss weights, or ``None``.
-        hvp: how a segment's backward differentiates its steps (``checkpoint_hvp``, see ``hvp.py``).
+        hvp: how a segment's backward differentiates its steps (``Checkpointed.hvp``, see ``hvp.py``).
     """
     loop, params, rate_values, consts, batch, steps = problem
     assert hvp in ("reverse_over_reverse", "forward_over_reverse"), hvp

@@ -1,7 +1,7 @@
 """Forward over reverse: one inner step's pullback for the checkpointed mode's backward pass.
 
 The checkpointed mode (``checkpointed.py``) has two ways to pull the meta-gradient back through a
-recomputed segment of inner steps, chosen by ``MetaLearner(checkpoint_hvp=...)``:
+recomputed segment of inner steps, chosen by ``maml.Checkpointed(hvp=...)``:
 
 - ``"reverse_over_reverse"`` (the default): replay the segment with ``create_graph=True`` and
   differentiate the replay again with ``torch.autograd.grad``.
@@ -122,9 +122,9 @@ def support_hvp(
     except RuntimeError as e:
         if any(s in str(e) for s in _UNSUPPORTED):
             raise RuntimeError(
-                f"checkpoint_hvp='forward_over_reverse' takes the support loss's Hessian-vector products "
+                f"Checkpointed(hvp='forward_over_reverse') takes the support loss's Hessian-vector products "
                 f"with torch.func.jvp over torch.func.grad, which cannot run here: {e} Use "
-                f"checkpoint_hvp='reverse_over_reverse' (the default), which needs neither forward-mode "
+                f"maml.Checkpointed(hvp='reverse_over_reverse') (the default), which needs neither forward-mode "
                 f"derivatives nor torch.func."
             ) from e
         raise

@@ -13,8 +13,7 @@ loop is kept, so memory does not grow with the number of steps.
 
 from __future__ import annotations
 
-import dataclasses
-import math
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -24,48 +23,18 @@ from .forward import Params, TaskForward
 from .hvp import support_hvp
 from .loop import Adapted, MetaOutput, Problem, autograd_support_grad, per_task, query_step, stacked
 
-__all__ = ["Implicit", "run"]
+__all__ = ["Options", "evaluate", "proximal_adapt", "run"]
 
 
-@dataclasses.dataclass(frozen=True)
-class Implicit:
-    """iMAML's options.
+class Options(Protocol):
+    """iMAML's options, as ``maml.Implicit`` holds them (``modes.py``, where they are checked)."""
 
-    Attributes:
-        lam: the proximal regularisation's strength ``lambda`` (the paper's 0.5-2 on Omniglot).
-        cg_iterations: conjugate-gradient iterations (the paper's 5).
-        cg_tolerance: stop a task's CG once its residual's norm is at most ``cg_tolerance`` times
-            the norm of that task's right-hand side, its query loss's gradient ``g``: relative, so
-            that a task with a small gradient is solved as far as one with a large gradient
-            (0: run every iteration; in ``[0, 1)``, as 1 would stop before the first).
-    """
-
-    lam: float = 1.0
-    cg_iterations: int = 5
-    cg_tolerance: float = 1e-10
-
-    def __post_init__(self) -> None:
-        if not _finite(self.lam) or not self.lam > 0:
-            raise ValueError(f"Implicit(lam={self.lam!r}): the regularisation must be a finite number > 0, e.g. 1.0.")
-        if isinstance(self.cg_iterations, bool) or not isinstance(self.cg_iterations, int) or self.cg_iterations < 1:
-            raise ValueError(f"Implicit(cg_iterations={self.cg_iterations!r}) must be an int >= 1, e.g. 5.")
-        # NaN would stop no step of CG and inf (or, relative, anything >= 1) every task before its first:
-        # either leaves a meta-gradient of exactly 0.
-        if not _finite(self.cg_tolerance) or not 0 <= self.cg_tolerance < 1:
-            raise ValueError(
-                f"Implicit(cg_tolerance={self.cg_tolerance!r}) must be a finite number >= 0 and < 1, relative to "
-                "the norm of each task's query gradient, e.g. 1e-10."
-            )
-
-
-def _finite(x: object) -> bool:
-    """Whether ``x`` is a real number (not a bool) that is neither NaN nor infinite."""
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        return False
-    try:
-        return math.isfinite(x)
-    except OverflowError:  # an int beyond a float's range
-        return False
+    @property
+    def lam(self) -> float: ...
+    @property
+    def cg_iterations(self) -> int: ...
+    @property
+    def cg_tolerance(self) -> float: ...
 
 
 def _dot(a: Params, b: Params) -> Tensor:
@@ -135,7 +104,7 @@ def conjugate_gradient(apply: callable, b: Params, iterations: int, tolerance: f
     return v
 
 
-def proximal_adapt(p: Problem, options: Implicit) -> Adapted:
+def proximal_adapt(p: Problem, options: Options) -> Adapted:
     """The inner loop on each task's proximal problem ``L_s(phi) + lam/2 |phi - theta|^2``, values only.
 
     What iMAML adapts with, in training and in evaluation alike, on the support sets of
@@ -165,7 +134,7 @@ def proximal_adapt(p: Problem, options: Implicit) -> Adapted:
     return done._replace(fast={k: v.detach() for k, v in done.fast.items()})
 
 
-def evaluate(p: Problem, options: Implicit) -> MetaOutput:
+def evaluate(p: Problem, options: Options) -> MetaOutput:
     """The query losses after the proximal adaptation, without a meta-gradient (evaluation)."""
     done, batch = proximal_adapt(p, options), p.batch
     with torch.no_grad():
@@ -182,7 +151,7 @@ def evaluate(p: Problem, options: Implicit) -> MetaOutput:
     )
 
 
-def run(p: Problem, options: Implicit) -> MetaOutput:
+def run(p: Problem, options: Options) -> MetaOutput:
     """Adapts to the proximal problem (values only), then returns the query loss carrying iMAML's meta-gradient."""
     loop, params, batch = p.loop, p.params, p.batch
     tasks, lam = batch.num_tasks, options.lam

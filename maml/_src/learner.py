@@ -10,6 +10,7 @@ own: ``options.py``, ``split.py``, ``probe.py``, ``state.py``; ``chunked.py`` is
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, overload
@@ -22,9 +23,9 @@ from .batch import TaskBatch
 from .budget import Plan
 from .chunked import backward_in_chunks
 from .forward import LossFn, Params, TaskForward, check_finite, unfused_layers
-from .implicit import Implicit
 from .loop import InnerLoop, MetaOutput, Problem, per_task
-from .options import Batching, CheckpointHvp, InnerOptimizer, LearnInnerLr, Mode
+from .modes import Checkpointed, Mode
+from .options import Batching, InnerOptimizer, LearnInnerLr
 from .planner import Planner
 from .probe import Probe
 from .rates import InnerRates
@@ -44,16 +45,17 @@ _ARGUMENTS = (
     "batching",
     "chunk_size",
     "learn_inner_lr",
-    "checkpoint_every",
-    "checkpoint_hvp",
     "compile",
     "adapt",
     "inner_optimizer",
     "inner_optimizer_options",
-    "implicit",
     "memory_budget",
 )
-_LIVE = ["mode", "checkpoint_hvp"]  # settable properties with checks of their own (beside the _Option ones)
+_MOVED = {  # options of one mode, now that mode's own (one release of help for code written before)
+    "checkpoint_every": "maml.Checkpointed(every=...)",
+    "checkpoint_hvp": "maml.Checkpointed(hvp=...)",
+    "implicit": "maml.Implicit(lam=..., cg_iterations=...)",
+}
 _WAYS = {  # what to do instead of setting a read-only name
     "adapt": "the adapted parameters (learner.adapted) are fixed at construction: build a new MetaLearner(..., adapt=...)",
     "adapted": "build a new MetaLearner(..., adapt=...)",
@@ -95,9 +97,8 @@ class MetaLearner:
     fast weights.
 
     Options set on a live learner (``learner.inner_lr = 0.5``) act as in a learner built with
-    them: ``loss_fn``, ``inner_lr`` (a fixed rate), ``steps``, ``mode``, ``batching``,
-    ``chunk_size``, ``checkpoint_every``, ``checkpoint_hvp``, ``check_finite``, ``compile`` and
-    ``implicit``; the others are fixed and refuse to be set, naming the way. The model is read as
+    them: ``loss_fn``, ``inner_lr`` (a fixed rate), ``steps``, ``mode`` (with its options),
+    ``batching``, ``chunk_size``, ``check_finite``, ``compile`` and ``memory_budget``; the others are fixed and refuse to be set, naming the way. The model is read as
     it is at each call: weights tied or untied since construction are followed.
 
     Args:
@@ -109,12 +110,14 @@ class MetaLearner:
         inner_lr: the inner step size of every rule (the initial value if learned).
         steps: inner steps per task (0: no adaptation).
         mode: ``"second_order"`` (exact), ``"first_order"`` (FOMAML: inner gradients are
-            constants), ``"checkpointed"`` (exact; keeps every ``checkpoint_every``-th fast weights
-            and replays the rest in the backward pass, with second order's dropout masks),
+            constants), ``"checkpointed"`` or :class:`~maml.Checkpointed` (exact; keeps some fast
+            weights and replays the rest in the backward pass, with second order's dropout masks),
             ``"reptile"`` (Nichol et al. 2018: nothing differentiated; ``backward()`` leaves
-            ``theta - mean_t phi_t`` in ``.grad``) or ``"implicit"`` (iMAML, Rajeswaran et al. 2019:
-            the proximal inner problem, values only, and ``(I + H/lambda)^-1 g`` by conjugate
-            gradient; memory flat in ``steps``). Settable on a live learner. Under
+            ``theta - mean_t phi_t`` in ``.grad``) or ``"implicit"`` or :class:`~maml.Implicit`
+            (iMAML, Rajeswaran et al. 2019: the proximal inner problem, values only, and
+            ``(I + H/lambda)^-1 g`` by conjugate gradient; memory flat in ``steps``). A name is its
+            mode with default options; the objects carry the options (``maml.Checkpointed(every=4)``,
+            ``maml.Implicit(lam=2.0)``). Settable on a live learner. Under
             ``torch.no_grad()`` every mode adapts as it trains. Inputs that require grad get their
             gradient in second and first order; the other modes and ``compile=True`` refuse them, and
             ``"reptile"`` and ``"implicit"`` refuse a trainable parameter outside ``adapt``
@@ -122,25 +125,16 @@ class MetaLearner:
         batching: ``"vmap"`` (tasks as one batched call), ``"loop"`` (one task after another) or
             ``"auto"``: the loop where it is 1.5x faster on the first batch of more than one task on
             each device, else ``"vmap"`` (kept by :meth:`state_dict`); one task runs unbatched, the
-            checkpointed mode follows its memory plan (``memory_budget``; given its ``chunk_size``,
+            checkpointed mode follows its memory plan (``memory_budget``; given its ``tasks``,
             the loop, untimed: it holds less), and a model vmap cannot batch (recurrent layers) the loop. All give the same meta-gradients to float rounding; pass
             ``"vmap"`` or ``"loop"`` for bit-identical reruns.
-        chunk_size: tasks processed together: with ``"vmap"``, at most this many tasks per
-            batched call; with ``"checkpointed"``, per recomputed segment (default: every task
-            with ``"vmap"``, one with ``"loop"``, where it costs no speed).
+        chunk_size: with ``"vmap"``, at most this many tasks per batched call (default: every
+            task; the checkpointed mode's tasks replayed together are ``maml.Checkpointed(tasks=...)``).
         learn_inner_lr: ``None`` (fixed), ``"scalar"`` (one learnable rate), ``"per_parameter"``
             (Meta-SGD: a learnable rate tensor shaped like each adapted parameter) or
             ``"per_layer_per_step"`` (MAML++'s LSLR: one learnable rate per adapted parameter
             tensor and inner step; more steps than ``steps`` reuse the last step's rate).
             Learnable rates are in :meth:`parameters` and receive meta-gradients.
-        checkpoint_every: with ``"checkpointed"``, inner steps per recomputed segment (default:
-            planned, the shortest that fit the memory budget; with ``chunk_size`` given,
-            ``round(sqrt(steps * tasks / chunk_size))``, which keeps the fewest fast weights).
-        checkpoint_hvp: with ``"checkpointed"``, how the backward pass differentiates the replayed
-            steps, both exact: ``"reverse_over_reverse"`` (default) or ``"forward_over_reverse"``
-            (``torch.func.jvp`` over ``grad``, no second-order graph; it fails, naming this argument,
-            on an operator without a forward-mode derivative of its backward, e.g. ``F.huber_loss``).
-            Settable on a live learner.
         check_finite: raise if an inner loss is NaN/Inf, naming the task and step.
         compile: compute the meta-loss and its meta-gradient together, in one ``torch.compile``'d
             function of ``torch.func.grad`` transforms (second and first order), when grad mode is
@@ -159,8 +153,6 @@ class MetaLearner:
             with its state kept per task. A rule that is an ``nn.Module`` (e.g.
             :class:`~maml.MetaCurvature`) is meta-learned with the model: its parameters are in
             :meth:`parameters` and :meth:`state_dict` and get exact meta-gradients in every mode.
-        implicit: iMAML's options (:class:`~maml.Implicit`: ``lam``, ``cg_iterations``,
-            ``cg_tolerance``) for ``mode="implicit"`` (default: ``Implicit()``).
         memory_budget: the tensor bytes a training step may hold: an int of bytes, a string
             (``"6GiB"``, ``"500MB"``) or a fraction of the device's free memory (``0.8``). Within
             it the learner plans what would otherwise be guessed (:attr:`plan`): in second and
@@ -170,8 +162,8 @@ class MetaLearner:
             tensor peak, measured before the first training step of each configuration. Default:
             none in second and first order (every task at once); in the checkpointed mode one
             task's second-order step (bounded above by ``steps`` replays of one step), at least
-            16 MiB (``docs/memory-and-speed.md``); with ``chunk_size``
-            given, the checkpointed mode plans nothing and replays that many tasks in a loop.
+            16 MiB (``docs/memory-and-speed.md``); with ``Checkpointed(tasks=...)`` it plans
+            nothing and replays that many tasks in a loop.
         inner_optimizer_options: a named rule's options: momentum ``{"momentum": 0.9, "nesterov": False}``,
             adam ``{"betas": (0.9, 0.999), "eps": 1e-8}``.
     """
@@ -183,23 +175,18 @@ class MetaLearner:
         inner_lr: float,
         steps: int = 1,
         *,
-        mode: Mode = "second_order",
+        mode: str | Mode = "second_order",
         batching: Batching = "auto",
         chunk_size: int | None = None,
         learn_inner_lr: LearnInnerLr = None,
-        checkpoint_every: int | None = None,
-        checkpoint_hvp: CheckpointHvp | None = None,
         check_finite: bool = True,
         compile: bool = False,
         adapt: Sequence[str] | Callable[[str], bool] | None = None,
         inner_optimizer: InnerOptimizer | UpdateRule = "sgd",
         inner_optimizer_options: Mapping[str, Any] | None = None,
-        implicit: Implicit | None = None,
         memory_budget: int | str | float | None = None,
     ) -> None:
         self._options: dict[str, Any] = {}  # the construction arguments, as _Option reads them back
-        self._mode = mode
-        self._checkpoint_hvp: str = "reverse_over_reverse"
         self._example_shape: torch.Size | None = None  # of the inputs of earlier calls, to tell a batch from a task
         self._configure(
             model=model,
@@ -210,33 +197,28 @@ class MetaLearner:
             batching=batching,
             chunk_size=chunk_size,
             learn_inner_lr=learn_inner_lr,
-            checkpoint_every=checkpoint_every,
-            checkpoint_hvp=checkpoint_hvp,
             check_finite=check_finite,
             compile=compile,
             adapt=adapt,
             inner_optimizer=inner_optimizer,
             inner_optimizer_options=inner_optimizer_options,
-            implicit=implicit,
             memory_budget=memory_budget,
         )
-        self._checkpoint_hvp = checkpoint_hvp or "reverse_over_reverse"
         self._plan: Plan | None = None  # the last training call's
         initial = self._rates.init(dict(model.named_parameters()), steps)
         self._options["rate_parameters"] = {k: nn.Parameter(v) for k, v in initial.items()}
-        checks.warn_weight_norm(model, mode)
+        checks.warn_weight_norm(model, self._mode.name)
 
     # Construction options read back as the learner uses them. Those that may be set on a live learner
     # (_Option) rebuild what depends on them as construction would; the others (_Fixed) refuse, naming the way.
     loss_fn = _Option()
     inner_lr = _Option()
     steps = _Option()
+    mode = _Option()
     batching = _Option()
     chunk_size = _Option()
-    checkpoint_every = _Option()
     check_finite = _Option()
     compile = _Option()
-    implicit = _Option()
     memory_budget = _Option()
     model = _Fixed("build a new MetaLearner around the other model")
     learn_inner_lr = _Fixed("build a new MetaLearner(..., learn_inner_lr=...); its rates are learner.rate_parameters")
@@ -252,7 +234,9 @@ class MetaLearner:
         if name.startswith("_") or (hasattr(attribute, "__set__") and getattr(attribute, "fset", True) is not None):
             object.__setattr__(self, name, value)
             return
-        settable = ", ".join([k for k, v in vars(MetaLearner).items() if type(v) is _Option] + _LIVE)
+        settable = ", ".join(k for k, v in vars(MetaLearner).items() if type(v) is _Option)
+        if name in _MOVED:
+            raise AttributeError(f"MetaLearner.{name} is the mode's own now: set learner.mode = {_MOVED[name]}.")
         if attribute is None:
             raise AttributeError(f"MetaLearner has no option {name!r}; a live learner takes {settable}.")
         what = "a method" if callable(attribute) else "read-only"
@@ -261,32 +245,8 @@ class MetaLearner:
     # ------------------------------------------------------------------ public API
 
     @property
-    def mode(self) -> str:
-        """``"second_order"``, ``"first_order"``, ``"checkpointed"`` or ``"reptile"``; may be set between steps."""
-        return self._mode
-
-    @mode.setter
-    def mode(self, mode: str) -> None:
-        options.check_new_mode(
-            mode,
-            compile=self.compile,
-            learn_inner_lr=self.learn_inner_lr,
-            rule=self.rule,
-            chunk_size=self.chunk_size,
-            batching=self.batching,
-        )
-        checks.warn_weight_norm(self.model, mode)
-        self._mode = mode
-
-    @property
-    def checkpoint_hvp(self) -> str:
-        """How the checkpointed mode's backward pass differentiates its replayed steps; may be set between steps."""
-        return self._checkpoint_hvp
-
-    @checkpoint_hvp.setter
-    def checkpoint_hvp(self, value: str) -> None:
-        checks.one_of("checkpoint_hvp", value, options.CHECKPOINT_HVPS)
-        self._checkpoint_hvp = value
+    def _mode(self) -> Mode:
+        return self._options["mode"]  # type: ignore[no-any-return]
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """The meta-parameters: the model's parameters, the learnable inner rates, then the rule's own tensors."""
@@ -444,18 +404,20 @@ class MetaLearner:
         params, consts, steps = self._prepare("run", params, steps, batch.support_x, batch.query_x)
         grad = torch.is_grad_enabled()
         like = params[self._adapted[0]]
-        step_weights = modes.check_step_weights(self._mode, step_weights, steps, like, compiled=self.compile and grad)
-        self._probe(params, consts, batch, batching=self.batching, mode=self._mode, choose=not self._plans(grad))
+        step_weights = modes.check_step_weights(
+            self._mode.name, step_weights, steps, like, compiled=self.compile and grad
+        )
+        self._probe(params, consts, batch, batching=self.batching, mode=self._mode.name, choose=not self._plans(grad))
         self._example_shape = batch.support_x.shape[2:]
         if grad:
-            modes.check_differentiable(self._mode, self.compile, batch, consts, self._names)
+            modes.check_differentiable(self._mode.name, self.compile, batch, consts, self._names)
         call = self._call(params, consts, batch, steps, step_weights)
-        with modes.attention(self._mode):
+        with modes.attention(self._mode.name):
             if not grad:
-                return modes.TABLE[self._mode].evaluate(call)
+                return modes.TABLE[self._mode.name].evaluate(call)
             if self.compile:  # compilation replaces the mode's training path (second or first order)
-                return modes.compiled_path(call, self._mode, self._compiled, check_finite=self.check_finite)
-            return modes.TABLE[self._mode].train(call)
+                return modes.compiled_path(call, self._compiled, check_finite=self.check_finite)
+            return modes.TABLE[self._mode.name].train(call)
 
     def task_losses(self, fast: Params, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
         """Each task's loss and outputs at its own fast weights, e.g. the support loss after adaptation.
@@ -472,7 +434,7 @@ class MetaLearner:
         checks.no_running_stats(self.model)
         consts = constants(self.model, dict(self.model.named_parameters()), fast)
         one = {k: v[0] for k, v in fast.items()}
-        self._probe(one, consts, TaskBatch(x, y, x, y), batching=self.batching, mode=self._mode)
+        self._probe(one, consts, TaskBatch(x, y, x, y), batching=self.batching, mode=self._mode.name)
         with unfused_layers():
             return self._forward(fast, consts, x, y)
 
@@ -499,10 +461,10 @@ class MetaLearner:
         x, y = support_x.unsqueeze(0), support_y.unsqueeze(0)
         params, consts, steps = self._prepare("adapt", params, steps, x)
         task = TaskBatch(x, y, x, y)
-        self._probe(params, consts, task, batching=self.batching, mode=self._mode)
+        self._probe(params, consts, task, batching=self.batching, mode=self._mode.name)
         self._example_shape = support_x.shape[1:]
-        with modes.attention(self._mode):
-            fast = modes.TABLE[self._mode].adapt(self._call(params, consts, task, steps, None))
+        with modes.attention(self._mode.name):
+            fast = modes.TABLE[self._mode.name].adapt(self._call(params, consts, task, steps, None))
         frozen = {k: v for k, v in consts.items() if k in self._names}
         return {**frozen, **{k: v[0] for k, v in fast.items()}}
 
@@ -529,9 +491,7 @@ class MetaLearner:
     def __repr__(self) -> str:
         loss = getattr(self.loss_fn, "__qualname__", None) or type(self.loss_fn).__name__
         extra = "".join(
-            f", {k}={self._options[k]!r}"
-            for k in ("chunk_size", "checkpoint_every", "compile", "implicit", "memory_budget")
-            if self._options[k]
+            f", {k}={self._options[k]!r}" for k in ("chunk_size", "compile", "memory_budget") if self._options[k]
         )
         return (
             f"MetaLearner({type(self.model).__name__}, {loss}, inner_lr={self.inner_lr}, steps={self.steps}, "
@@ -550,6 +510,8 @@ class MetaLearner:
         changes: setting ``check_finite`` keeps both.
         """
         built = "rate_parameters" in self._options
+        if "mode" in changes:
+            changes["mode"] = Mode.of(changes["mode"])
         opts = {**self._options, **changes}
         if built and "inner_lr" in changes and opts["learn_inner_lr"]:
             raise AttributeError(
@@ -566,15 +528,16 @@ class MetaLearner:
         if "check_finite" in changes and not isinstance(opts["check_finite"], bool):
             raise TypeError(f"check_finite must be True or False, got {opts['check_finite']!r}.")
         rule, adapted = options.check_arguments(**{k: opts[k] for k in _ARGUMENTS})
-        if built:  # a mode set since construction must go with the new options too
-            modes.check_mode(self._mode, compile=opts["compile"], learned=options.learned(opts["learn_inner_lr"], rule))
+        if built:
             rule = self.rule  # fixed: a module rule's tensors are meta-parameters
+            if "mode" in changes:
+                checks.warn_weight_norm(opts["model"], opts["mode"].name)
         model = opts["model"]
         self._options = {**opts, "inner_lr": float(opts["inner_lr"]), "rule": rule}
         self._names = {name for name, _ in model.named_parameters()}
         self._adapted = adapted
         self._integer_inputs = any(isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for m in model.modules())
-        forward = (opts["loss_fn"], options.forward_batching(opts["batching"], opts["chunk_size"], opts["mode"]))
+        forward = (opts["loss_fn"], options.forward_batching(opts["batching"], opts["chunk_size"]))
         rates = InnerRates(opts["learn_inner_lr"], float(opts["inner_lr"]), tuple(adapted))
         if built and (forward, opts["chunk_size"], rates) == (self._built_from, self._forward.chunk_size, self._rates):
             return
@@ -618,27 +581,23 @@ class MetaLearner:
         plan = self._plan_of(problem) if self._plans(torch.is_grad_enabled()) else None
         if plan is not None and plan.checkpoint_every is None and batch.num_tasks > plan.tasks:
             raise ValueError(
-                f"{batch.num_tasks} tasks of mode={self._mode!r} hold about {budget.fmt(batch.num_tasks * plan.task_bytes)}"
+                f"{batch.num_tasks} tasks of mode={self._mode.name!r} hold about {budget.fmt(batch.num_tasks * plan.task_bytes)}"
                 f", over memory_budget={budget.fmt(plan.budget)}: learner.backward(batch) runs them {plan.tasks} "
                 f"at a time within it, to the same .grad."
             )
-        segments = plan is not None and plan.checkpoint_every is not None
-        return modes.Call(
-            problem,
-            step_weights,
-            chunk=plan.tasks
-            if segments and self.chunk_size is None
-            else modes.tasks_per_chunk(self.chunk_size, self.resolved_batching, batch.num_tasks),
-            checkpoint_every=self.checkpoint_every or (plan.checkpoint_every if segments else None),
-            checkpoint_hvp=self._checkpoint_hvp,
-            implicit=self.implicit or Implicit(),
-        )
+        mode = self._mode
+        if plan is not None and isinstance(mode, Checkpointed):  # planned: the tasks and the segments
+            every = mode.every or plan.checkpoint_every
+            return modes.Call(problem, step_weights, plan.tasks, dataclasses.replace(mode, every=every))
+        tasks = mode.tasks if isinstance(mode, Checkpointed) else None
+        chunk = tasks or modes.tasks_per_chunk(self.chunk_size, self.resolved_batching, batch.num_tasks)
+        return modes.Call(problem, step_weights, chunk, mode)
 
     def _plans(self, grad: bool) -> bool:
-        """Whether a training call plans (``modes.TABLE``'s ``plans``): the checkpointed mode unless its ``chunk_size``
-        is given (its segment length needs no measurement), the others with a budget."""
-        kind = modes.TABLE[self._mode].plans
-        segments = kind == "segments" and self.chunk_size is None
+        """Whether a training call plans (``modes.TABLE``'s ``plans``): the checkpointed mode unless its ``tasks``
+        are given (its segment length needs no measurement), the others with a budget."""
+        kind = self._mode.plans
+        segments = kind == "segments" and getattr(self._mode, "tasks", None) is None
         return grad and (segments or (kind == "chunks" and self.memory_budget is not None))
 
     def _planned(self, batch: TaskBatch) -> Plan | None:
@@ -646,7 +605,7 @@ class MetaLearner:
         if not self._plans(True):
             return None
         params, consts, steps = self._prepare("run", None, None, batch.support_x, batch.query_x)
-        self._probe(params, consts, batch, batching=self.batching, mode=self._mode, choose=False)
+        self._probe(params, consts, batch, batching=self.batching, mode=self._mode.name, choose=False)
         return self._plan_of(Problem(self._loop, params, self._rate_values(), consts, batch, steps))
 
     def _plan_of(self, problem: Problem) -> Plan | None:
@@ -660,10 +619,10 @@ class MetaLearner:
         def plan(batching: str) -> Plan | None:
             return self._planner.plan(
                 problem,
-                mode=self._mode,
+                mode=self._mode.name,
                 memory_budget=self.memory_budget,
                 batching=batching,
-                every=self.checkpoint_every,
+                every=getattr(self._mode, "every", None),
             )
 
         made = plan(batching)
@@ -676,7 +635,7 @@ class MetaLearner:
                 self._forward.choose(one, shared, data, prefer="loop")
             if self._forward.resolve(device) != batching:
                 made = plan(self._forward.resolve(device))
-        elif made is not None and not settled and modes.TABLE[self._mode].plans == "segments":
+        elif made is not None and not settled and self._mode.plans == "segments":
             self._forward.use_loop(device)  # one task at a time: the plain call
         self._plan = made
         return made

@@ -5,12 +5,16 @@ the mode differentiates; ``MetaLearner.run`` looks the mode up and calls one pat
 ``compile=True`` replaces the training path of the modes that compile. Evaluation adapts as
 training does: the unrolled modes by the plain inner loop (values only), iMAML on its proximal
 problem. :func:`check_options` and :func:`check_mode` hold every rule on which options go together.
+A mode as a user names it is a :class:`Mode`: a name for the modes without options, and for the two
+with, :class:`Checkpointed` and :class:`Implicit`, an object that checks its options when built. A
+new mode is a row of :data:`TABLE`, and a class beside these if it has options.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -20,16 +24,19 @@ from torch import Tensor
 from . import checkpointed, checks, compiled, eager, implicit, reptile
 from .batch import TaskBatch
 from .forward import Params, exact_attention, unfused_layers
-from .implicit import Implicit
 from .loop import MetaOutput, Problem
 
 __all__ = [
+    "CHECKPOINT_HVPS",
     "COMPILED_MODES",
     "MODES",
     "UNROLLED_MODES",
     "TABLE",
     "Call",
+    "Checkpointed",
+    "Implicit",
     "Mode",
+    "Paths",
     "attention",
     "check_differentiable",
     "check_mode",
@@ -46,14 +53,13 @@ class Call:
 
     ``problem``: the inner loop, the meta-parameters as the paths take them, the tasks and the
     steps (:class:`~loop.Problem`). ``chunk``: tasks per checkpointed segment or compiled call.
+    ``mode``: the mode with its options, a planned segment length filled in.
     """
 
     problem: Problem
     step_weights: Tensor | None
     chunk: int
-    checkpoint_every: int | None  # None: checkpointed.segment_steps
-    checkpoint_hvp: str
-    implicit: Implicit
+    mode: Mode
 
 
 Path = Callable[[Call], MetaOutput]
@@ -74,13 +80,17 @@ def _adapt(first_order: bool) -> Callable[[Call], Params]:
 
 
 def _implicit_adapt(c: Call) -> Params:  # iMAML's adaptation: the proximal problem, values only
-    return implicit.proximal_adapt(c.problem, c.implicit).fast
+    return implicit.proximal_adapt(c.problem, _options(c, Implicit)).fast
+
+
+def _options(c: Call, kind: type[Mode]) -> Any:
+    assert isinstance(c.mode, kind), c.mode  # the table's row and the mode's class go together
+    return c.mode
 
 
 def _checkpointed(c: Call) -> MetaOutput:
-    return checkpointed.run(
-        c.problem, chunk=c.chunk, every=c.checkpoint_every, step_weights=c.step_weights, hvp=c.checkpoint_hvp
-    )
+    m: Checkpointed = _options(c, Checkpointed)
+    return checkpointed.run(c.problem, chunk=c.chunk, every=m.every, step_weights=c.step_weights, hvp=m.hvp)
 
 
 def _reptile(c: Call) -> MetaOutput:
@@ -88,29 +98,30 @@ def _reptile(c: Call) -> MetaOutput:
 
 
 def _implicit(c: Call) -> MetaOutput:
-    return implicit.run(c.problem, c.implicit)
+    return implicit.run(c.problem, _options(c, Implicit))
 
 
 def _implicit_evaluation(c: Call) -> MetaOutput:
-    return implicit.evaluate(c.problem, c.implicit)
+    return implicit.evaluate(c.problem, _options(c, Implicit))
 
 
-def compiled_path(c: Call, mode: str, cache: dict[str, Any], *, check_finite: bool) -> MetaOutput:
+def compiled_path(c: Call, cache: dict[str, Any], *, check_finite: bool) -> MetaOutput:
     """The training path of ``compile=True``: the meta-loss and its gradient from the mode's compiled step.
 
     ``mode``'s step is compiled at its first call and kept in ``cache`` (the learner's, by mode), so
     that setting the mode between steps compiles each once. The step traces the problem's loop; with
     ``check_finite=False`` it runs the loop without the NaN/Inf check.
     """
+    mode = c.mode.name
     if mode not in cache:
-        cache[mode] = compiled.compile_step(compiled.meta_step(c.problem.loop, first_order=mode == "first_order"))
+        cache[mode] = compiled.compile_step(compiled.meta_step(c.problem.loop, first_order=not TABLE[mode].twice))
     loop = c.problem.loop if check_finite else c.problem.loop.unchecked()
     return compiled.run(cache[mode], c.problem._replace(loop=loop), chunk=c.chunk, step_weights=c.step_weights)
 
 
 @dataclasses.dataclass(frozen=True)
-class Mode:
-    """One mode: its training and evaluation paths, its adaptation (``adapt``), and what it differentiates.
+class Paths:
+    """One mode's row: its training and evaluation paths, its adaptation (``adapt``), and what it differentiates.
 
     ``unrolled``: the meta-gradient differentiates the unrolled inner loop, so step weights,
     learned rates and a rule's tensors get gradients; ``twice``: the inner gradients are
@@ -131,26 +142,189 @@ class Mode:
     plans: str | None
 
 
-TABLE: dict[str, Mode] = {
-    "second_order": Mode(
+TABLE: dict[str, Paths] = {
+    "second_order": Paths(
         _eager(False), _eager(False), _adapt(False), True, twice=True, compiles=True, inputs=True, plans="chunks"
     ),
-    "first_order": Mode(
+    "first_order": Paths(
         _eager(True), _eager(False), _adapt(True), True, twice=False, compiles=True, inputs=True, plans="chunks"
     ),
-    "checkpointed": Mode(
+    "checkpointed": Paths(
         _checkpointed, _eager(False), _adapt(False), True, twice=True, compiles=False, inputs=False, plans="segments"
     ),
-    "reptile": Mode(
+    "reptile": Paths(
         _reptile, _eager(False), _adapt(True), False, twice=False, compiles=False, inputs=False, plans=None
     ),
-    "implicit": Mode(
+    "implicit": Paths(
         _implicit, _implicit_evaluation, _implicit_adapt, False, twice=False, compiles=False, inputs=False, plans=None
     ),
 }
 MODES: tuple[str, ...] = tuple(TABLE)
 UNROLLED_MODES: tuple[str, ...] = tuple(m for m, spec in TABLE.items() if spec.unrolled)
 COMPILED_MODES: tuple[str, ...] = tuple(m for m, spec in TABLE.items() if spec.compiles)
+
+
+CHECKPOINT_HVPS: tuple[str, ...] = ("reverse_over_reverse", "forward_over_reverse")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Mode:
+    """A mode without options, by name: ``Mode("second_order")``; ``MetaLearner(mode="second_order")`` builds it.
+
+    Attributes:
+        name: one of ``maml.MODES``.
+    """
+
+    name: str
+
+    def __post_init__(self) -> None:
+        checks.one_of("mode", self.name, MODES)
+        own = _WITH_OPTIONS.get(self.name)
+        if own is not None and not isinstance(self, own):
+            raise ValueError(f"Mode({self.name!r}) has options: pass mode={self.name!r} or maml.{own.__name__}(...).")
+
+    @staticmethod
+    def of(mode: str | Mode) -> Mode:
+        """``mode`` as an object: a name builds its mode with default options; an object is checked and kept."""
+        if isinstance(mode, Mode):
+            return mode
+        if not isinstance(mode, str):
+            raise TypeError(
+                f"mode must be a name such as 'second_order' or a maml.Mode (maml.Checkpointed(...), "
+                f"maml.Implicit(...)), got {mode!r} ({type(mode).__name__})."
+            )
+        checks.one_of("mode", mode, MODES)
+        own = _WITH_OPTIONS.get(mode)
+        return own() if own is not None else Mode(mode)
+
+    @property
+    def _row(self) -> Paths:
+        return TABLE[self.name]
+
+    @property
+    def unrolled(self) -> bool:
+        """The meta-gradient differentiates the unrolled inner loop: step weights, learned rates and a rule's tensors apply."""
+        return bool(self._row.unrolled)
+
+    @property
+    def twice(self) -> bool:
+        """The inner gradients are differentiated again (second derivatives)."""
+        return bool(self._row.twice)
+
+    @property
+    def compiles(self) -> bool:
+        """``compile=True`` applies."""
+        return bool(self._row.compiles)
+
+    @property
+    def plans(self) -> str | None:
+        """What a memory budget plans: ``"chunks"``, ``"segments"`` or ``None`` (:class:`Paths`)."""
+        return self._row.plans
+
+    def options(self) -> dict[str, Any]:
+        """The options that differ from their defaults."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name != "name" and getattr(self, f.name) != f.default
+        }
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, str):
+            try:
+                other = Mode.of(other)
+            except (TypeError, ValueError):
+                return False
+        if not isinstance(other, Mode):
+            return NotImplemented
+        return type(self) is type(other) and dataclasses.astuple(self) == dataclasses.astuple(other)
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def __repr__(self) -> str:
+        if type(self) is Mode or not self.options():
+            return repr(self.name)
+        return f"maml.{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.options().items())})"
+
+    __str__ = __repr__
+
+
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class Checkpointed(Mode):
+    """The exact meta-gradient in less memory: every ``every``-th fast weights kept, the steps between replayed.
+
+    Attributes:
+        every: inner steps per recomputed segment (default: planned, the shortest segments
+            that fit the learner's ``memory_budget``; with ``tasks`` given,
+            ``round(sqrt(steps * tasks_in_batch / tasks))``, which keeps the fewest fast weights).
+        hvp: how the backward pass differentiates the replayed steps, both exact:
+            ``"reverse_over_reverse"`` (a second-order graph per replayed step) or
+            ``"forward_over_reverse"`` (``torch.func.jvp`` over ``grad``, no second-order graph;
+            it fails, naming this option, on an operator without a forward-mode derivative of its
+            backward, e.g. ``F.huber_loss``).
+        tasks: tasks replayed together (default: planned, batched by ``vmap`` where faster; given,
+            nothing is planned and they run in a loop under ``batching="auto"``).
+    """
+
+    name: str = dataclasses.field(default="checkpointed", init=False)
+    every: int | None = None
+    hvp: str = "reverse_over_reverse"
+    tasks: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        checks.integer("Checkpointed.every", self.every, 1, optional=True)
+        checks.one_of("Checkpointed.hvp", self.hvp, CHECKPOINT_HVPS)
+        checks.integer("Checkpointed.tasks", self.tasks, 1, optional=True)
+
+
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class Implicit(Mode):
+    """iMAML (Rajeswaran et al. 2019): the proximal inner problem, and its implicit meta-gradient by conjugate gradient.
+
+    Attributes:
+        lam: the proximal regularisation's strength ``lambda`` (the paper's 0.5-2 on Omniglot).
+        cg_iterations: conjugate-gradient iterations (the paper's 5).
+        cg_tolerance: stop a task's CG once its residual's norm is at most ``cg_tolerance`` times
+            the norm of that task's right-hand side, its query loss's gradient ``g``: relative, so
+            that a task with a small gradient is solved as far as one with a large gradient
+            (0: run every iteration; in ``[0, 1)``, as 1 would stop before the first).
+    """
+
+    name: str = dataclasses.field(default="implicit", init=False)
+    lam: float = 1.0
+    cg_iterations: int = 5
+    cg_tolerance: float = 1e-10
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not _finite(self.lam) or not self.lam > 0:
+            raise ValueError(f"Implicit(lam={self.lam!r}): the regularisation must be a finite number > 0, e.g. 1.0.")
+        if isinstance(self.cg_iterations, bool) or not isinstance(self.cg_iterations, int) or self.cg_iterations < 1:
+            raise ValueError(f"Implicit(cg_iterations={self.cg_iterations!r}) must be an int >= 1, e.g. 5.")
+        # NaN would stop no step of CG and inf (or, relative, anything >= 1) every task before its first:
+        # either leaves a meta-gradient of exactly 0.
+        if not _finite(self.cg_tolerance) or not 0 <= self.cg_tolerance < 1:
+            raise ValueError(
+                f"Implicit(cg_tolerance={self.cg_tolerance!r}) must be a finite number >= 0 and < 1, relative to "
+                "the norm of each task's query gradient, e.g. 1e-10."
+            )
+
+
+# The modes that carry options, by name: their class (a name alone builds its defaults).
+_WITH_OPTIONS: dict[str, type[Mode]] = {"checkpointed": Checkpointed, "implicit": Implicit}
+
+
+def _finite(x: object) -> bool:
+    """Whether ``x`` is a real number (not a bool) that is neither NaN nor infinite."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an int beyond a float's range
+        return False
+
 
 _WHY_NOT_UNROLLED = {
     "reptile": "Reptile moves the initialisation towards the adapted weights and differentiates nothing",
@@ -179,33 +353,19 @@ def check_mode(mode: str, *, compile: bool, learned: str | None) -> None:
         )
 
 
-def check_options(
-    mode: str,
-    *,
-    batching: str,
-    chunk_size: int | None,
-    checkpoint_every: int | None,
-    checkpoint_hvp: str | None,
-    implicit: Implicit | None,
-) -> None:
-    """The rules on which of ``MetaLearner``'s options go with ``mode``, checked once at construction.
+def check_options(mode: str, *, batching: str, chunk_size: int | None) -> None:
+    """The rules on which of ``MetaLearner``'s options go with the mode named ``mode``, checked at construction.
 
     Raises:
         ValueError: an option that only applies to another mode or batching, naming it and the fix.
     """
-    if chunk_size is not None and batching == "loop" and mode != "checkpointed":
-        raise ValueError(f"chunk_size={chunk_size} only applies to batching='vmap' or mode='checkpointed'; drop it.")
-    if checkpoint_every is not None and mode != "checkpointed":
-        raise ValueError(f"checkpoint_every={checkpoint_every} only applies to mode='checkpointed' (mode is {mode!r}).")
-    if checkpoint_hvp is not None and mode != "checkpointed":
+    if chunk_size is not None and mode == "checkpointed":
         raise ValueError(
-            f"checkpoint_hvp={checkpoint_hvp!r} only applies to mode='checkpointed' (mode is {mode!r}); "
-            f"drop it, or pass mode='checkpointed'."
+            f"chunk_size={chunk_size} is tasks per vmapped call; the checkpointed mode's tasks replayed together "
+            f"are mode=maml.Checkpointed(tasks={chunk_size})."
         )
-    if implicit is not None and not isinstance(implicit, Implicit):
-        raise TypeError(f"implicit must be a maml.Implicit, e.g. maml.Implicit(lam=1.0), got {implicit!r}.")
-    if implicit is not None and mode != "implicit":
-        raise ValueError(f"implicit={implicit!r} only applies to mode='implicit' (mode is {mode!r}); drop it.")
+    if chunk_size is not None and batching == "loop":
+        raise ValueError(f"chunk_size={chunk_size} only applies to batching='vmap' or 'auto'; drop it.")
 
 
 def check_step_weights(mode: str, weights: Any, steps: int, like: Tensor, *, compiled: bool) -> Tensor | None:

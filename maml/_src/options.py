@@ -18,26 +18,20 @@ from .rules import INNER_OPTIMIZERS, UpdateRule, make_rule, rule_tensors
 
 __all__ = [
     "BATCHINGS",
-    "CHECKPOINT_HVPS",
     "Batching",
-    "CheckpointHvp",
     "InnerOptimizer",
     "LearnInnerLr",
-    "Mode",
     "check_arguments",
     "check_new_mode",
     "forward_batching",
     "learned",
 ]
 
-Mode = Literal["second_order", "first_order", "checkpointed", "reptile", "implicit"]
 Batching = Literal["auto", "vmap", "loop"]
 LearnInnerLr = Literal["scalar", "per_parameter", "per_layer_per_step"] | None
 InnerOptimizer = Literal["sgd", "momentum", "adam"]
-CheckpointHvp = Literal["reverse_over_reverse", "forward_over_reverse"]
 
 BATCHINGS: tuple[str, ...] = ("auto", "vmap", "loop")
-CHECKPOINT_HVPS: tuple[str, ...] = ("reverse_over_reverse", "forward_over_reverse")
 
 
 def check_arguments(
@@ -50,18 +44,16 @@ def check_arguments(
     batching: Any,
     chunk_size: Any,
     learn_inner_lr: Any,
-    checkpoint_every: Any,
-    checkpoint_hvp: Any,
     compile: Any,
     adapt: Any,
     inner_optimizer: Any,
     inner_optimizer_options: Any,
-    implicit: Any,
     memory_budget: Any,
 ) -> tuple[UpdateRule, list[str]]:
     """Checks ``MetaLearner``'s arguments one by one, then which go together (:func:`modes.check_options`).
 
-    Typed ``Any``: they come from the caller unchecked, and this is where they are checked.
+    Typed ``Any``: they come from the caller unchecked, and this is where they are checked; but
+    ``mode`` is a :class:`modes.Mode` (``Mode.of`` checked it), whose options it checked itself.
 
     Returns:
         The update rule (``inner_optimizer`` built if it is a name) and the names of the
@@ -77,7 +69,6 @@ def check_arguments(
         raise TypeError(f"loss_fn must be callable as loss_fn(output, y) -> scalar, got {loss_fn!r}.")
     checks.positive_number("inner_lr", inner_lr)
     checks.integer("steps", steps, 0)
-    checks.one_of("mode", mode, modes.MODES)
     checks.one_of("batching", batching, BATCHINGS)
     checks.one_of("learn_inner_lr", learn_inner_lr, LEARN_INNER_LR)
     if isinstance(inner_optimizer, str):
@@ -85,39 +76,28 @@ def check_arguments(
     else:
         checks.update_rule(inner_optimizer, inner_optimizer_options)
     checks.integer("chunk_size", chunk_size, 1, optional=True)
-    checks.integer("checkpoint_every", checkpoint_every, 1, optional=True)
-    if checkpoint_hvp is not None:
-        checks.one_of("checkpoint_hvp", checkpoint_hvp, CHECKPOINT_HVPS)
-    modes.check_options(
-        mode,
-        batching=batching,
-        chunk_size=chunk_size,
-        checkpoint_every=checkpoint_every,
-        checkpoint_hvp=checkpoint_hvp,
-        implicit=implicit,
-    )
+    modes.check_options(mode.name, batching=batching, chunk_size=chunk_size)
     budget.budget_bytes(memory_budget, torch.device("cpu"))  # its form; bytes are read on the call's device
-    if memory_budget is not None and modes.TABLE[mode].plans is None:
+    if memory_budget is not None and mode.plans is None:
         raise ValueError(
-            f"memory_budget={memory_budget!r} does not apply to mode={mode!r}, whose memory is flat in the steps "
-            f"and which runs the tasks one chunk_size at a time; drop it."
+            f"memory_budget={memory_budget!r} does not apply to mode={mode.name!r}, whose memory is flat in the "
+            f"steps and which runs the tasks one chunk_size at a time; drop it."
         )
     if not isinstance(compile, bool):
         raise TypeError(f"compile must be True or False, got {compile!r} ({type(compile).__name__}).")
     rule = make_rule(inner_optimizer, inner_optimizer_options) if isinstance(inner_optimizer, str) else inner_optimizer
     adapted = checks.adapt_set(adapt, model)
     check_step_layers(model)
-    modes.check_mode(mode, compile=compile, learned=learned(learn_inner_lr, rule))
+    modes.check_mode(mode.name, compile=compile, learned=learned(learn_inner_lr, rule))
     return rule, adapted
 
 
-def forward_batching(batching: str, chunk_size: int | None, mode: str) -> str:
+def forward_batching(batching: str, chunk_size: int | None) -> str:
     """The batching ``TaskForward`` is built with: ``batching``, but ``"vmap"`` for ``"auto"`` with ``chunk_size``.
 
-    A ``chunk_size`` outside the checkpointed mode asks for chunked vmap, so ``"auto"`` honours it.
+    A ``chunk_size`` asks for chunked vmap, so ``"auto"`` honours it.
     """
-    chunked_vmap = chunk_size is not None and mode != "checkpointed"
-    return "vmap" if batching == "auto" and chunked_vmap else batching
+    return "vmap" if batching == "auto" and chunk_size is not None else batching
 
 
 def learned(learn_inner_lr: LearnInnerLr, rule: UpdateRule) -> str | None:
@@ -128,22 +108,19 @@ def learned(learn_inner_lr: LearnInnerLr, rule: UpdateRule) -> str | None:
 
 
 def check_new_mode(
-    mode: Any, *, compile: bool, learn_inner_lr: LearnInnerLr, rule: UpdateRule, chunk_size: int | None, batching: str
+    mode: modes.Mode,
+    *,
+    compile: bool,
+    learn_inner_lr: LearnInnerLr,
+    rule: UpdateRule,
+    chunk_size: int | None,
+    batching: str,
 ) -> None:
-    """The checks of a mode set on a live learner built with these options.
-
-    A supported name, :func:`modes.check_mode`, and the chunking: a learner built with
-    ``chunk_size`` and ``batching="auto"`` outside the checkpointed mode chunks its vmap
-    (``TaskForward`` is built so); the checkpointed mode would read ``chunk_size`` as tasks per
-    segment instead, so it is refused rather than reinterpreted.
+    """The checks of a mode set on a live learner built with these options (:func:`modes.check_mode`,
+    :func:`modes.check_options`).
 
     Raises:
         ValueError: naming the mode and what does not go with it.
     """
-    checks.one_of("mode", mode, modes.MODES)
-    modes.check_mode(mode, compile=compile, learned=learned(learn_inner_lr, rule))
-    if mode == "checkpointed" and chunk_size is not None and batching == "auto":
-        raise ValueError(
-            f"mode='checkpointed' on a learner built with chunk_size={chunk_size} for chunked vmap; "
-            f"build it with mode='checkpointed' to recompute chunk_size tasks at a time."
-        )
+    modes.check_mode(mode.name, compile=compile, learned=learned(learn_inner_lr, rule))
+    modes.check_options(mode.name, batching=batching, chunk_size=chunk_size)

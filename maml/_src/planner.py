@@ -27,7 +27,6 @@ import torch
 from . import budget, modes
 from .budget import Plan
 from .forward import TaskForward
-from .implicit import Implicit
 from .loop import Problem, per_task
 
 __all__ = ["Planner"]
@@ -57,7 +56,7 @@ class Planner:
             mode: the learner's mode.
             memory_budget: the learner's option, as given (``budget.budget_bytes`` reads it).
             batching: how the learner batches tasks on this device: ``"vmap"`` or ``"loop"``.
-            every: the learner's ``checkpoint_every`` (``None``: the segment length is planned).
+            every: the mode's ``Checkpointed.every`` (``None``: the segment length is planned).
         """
         kind = modes.TABLE[mode].plans
         device = p.batch.support_x.device
@@ -134,11 +133,10 @@ def _peak(p: Problem, mode: str, tasks: int, steps: int, batching: str) -> int:
     f = p.loop.forward
     loop = dataclasses.replace(p.loop, forward=TaskForward(f.model, f.loss_fn, batching, None))
     problem = p._replace(loop=loop, batch=p.batch[:tasks], steps=steps)
-    # Reverse-over-reverse whatever the learner's checkpoint_hvp, so one measurement serves both: forward-over-reverse
-    # holds less (no second-order graph), so its plan errs towards less memory; torch.func refuses saved_bytes' hooks.
-    call = modes.Call(
-        problem, None, chunk=tasks, checkpoint_every=1, checkpoint_hvp="reverse_over_reverse", implicit=Implicit()
-    )
+    # Reverse-over-reverse whatever the learner's hvp, so one measurement serves both: forward-over-reverse holds
+    # less (no second-order graph), so its plan errs towards less memory; torch.func refuses saved_bytes' hooks.
+    spec = modes.Checkpointed(every=1) if modes.TABLE[mode].plans == "segments" else modes.Mode.of(mode)
+    call = modes.Call(problem, None, tasks, spec)
     leaves = [v for v in p.params.values() if v.requires_grad]
     device = p.batch.support_x.device
 

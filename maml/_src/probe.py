@@ -62,7 +62,7 @@ class Probe:
             self._checked.add(key)
         if not choose:
             return
-        # The checkpointed mode with its chunk_size given plans nothing (MetaLearner._plans) and is chosen for memory:
+        # The checkpointed mode with its tasks given plans nothing (MetaLearner._plans) and is chosen for memory:
         # "auto" takes the loop there, untimed. Timing vmap holds several tasks' graphs at once, more than the mode's
         # segments do (a conv net of tests/engine/test_memory_plan.py, 2 tasks a chunk: 7.0 MB of tensors against 9.8).
         if mode == "checkpointed" and torch.is_grad_enabled() and batching == "auto":

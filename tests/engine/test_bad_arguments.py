@@ -122,15 +122,12 @@ def test_adapt_examples_and_targets_differ(mlp):
         ({"chunk_size": 0}, ValueError, "chunk_size=0 is out of range; it must be >= 1."),
         ({"chunk_size": 2, "batching": "loop"}, ValueError, "chunk_size=2 only applies to batching='vmap'"),
         (
-            {"checkpoint_every": 2},
+            {"mode": "checkpointed", "chunk_size": 2},
             ValueError,
-            "checkpoint_every=2 only applies to mode='checkpointed' (mode is 'second_order').",
+            "chunk_size=2 is tasks per vmapped call; the checkpointed mode's tasks replayed together are "
+            "mode=maml.Checkpointed(tasks=2).",
         ),
-        (
-            {"checkpoint_every": 0, "mode": "checkpointed"},
-            ValueError,
-            "checkpoint_every=0 is out of range; it must be >= 1.",
-        ),
+        ({"mode": 3}, TypeError, "mode must be a name such as 'second_order' or a maml.Mode"),
     ],
 )
 def test_bad_constructor_arguments(mlp, kwargs, exc, text):

@@ -1,4 +1,4 @@
-"""The checkpointed mode's forward-over-reverse backward (``checkpoint_hvp="forward_over_reverse"``).
+"""The checkpointed mode's forward-over-reverse backward (``maml.Checkpointed(hvp="forward_over_reverse")``).
 
 Every meta-gradient is held, in float64, against second order's (the engine's own exact mode,
 itself proven against an independent reference, higher and finite differences in
@@ -23,7 +23,7 @@ from torch import Tensor, nn
 import maml
 
 DTYPE = torch.float64
-FOR = {"mode": "checkpointed", "checkpoint_hvp": "forward_over_reverse"}
+FOR = maml.Checkpointed(hvp="forward_over_reverse")
 Loss = Callable[[Tensor, Tensor], Tensor]
 
 
@@ -97,18 +97,24 @@ def error(got: Tensor, expected: Tensor) -> float:
 
 
 def pair(
-    model: nn.Module, loss_fn: Loss, *, inner_lr: float = 0.1, steps: int = 3, **kw: Any
+    model: nn.Module,
+    loss_fn: Loss,
+    *,
+    inner_lr: float = 0.1,
+    steps: int = 3,
+    every: int | None = None,
+    tasks: int | None = None,
+    **kw: Any,
 ) -> tuple[maml.MetaLearner, maml.MetaLearner]:
     """Second order and checkpointed-forward-over-reverse learners on the same model (rates spread alike).
 
-    Keys of ``kw`` that only the checkpointed mode takes (``checkpoint_every``; ``chunk_size`` with
-    the loop) go to it alone.
+    ``every`` and ``tasks`` are the checkpointed mode's (``maml.Checkpointed``); with vmap,
+    ``tasks`` is second order's ``chunk_size`` too (the same tasks batched together).
     """
-    ck_only = {k: kw.pop(k) for k in ("checkpoint_every",) if k in kw}
-    if kw.get("batching") == "loop" and "chunk_size" in kw:
-        ck_only["chunk_size"] = kw.pop("chunk_size")
-    second = maml.MetaLearner(model, loss_fn, inner_lr=inner_lr, steps=steps, **kw)
-    mixed = maml.MetaLearner(model, loss_fn, inner_lr=inner_lr, steps=steps, **FOR, **kw, **ck_only)
+    chunked = {"chunk_size": tasks} if tasks is not None and kw.get("batching") != "loop" else {}
+    second = maml.MetaLearner(model, loss_fn, inner_lr=inner_lr, steps=steps, **kw, **chunked)
+    mode = maml.Checkpointed(every=every, hvp="forward_over_reverse", tasks=tasks)
+    mixed = maml.MetaLearner(model, loss_fn, inner_lr=inner_lr, steps=steps, mode=mode, **kw)
     spread(second)
     spread(mixed)
     return second, mixed
@@ -145,7 +151,7 @@ def test_every_rule_and_rate_equals_second_order(rule, learn_inner_lr):
         inner_lr=RATE_LR[rule],
         batching=batching,
         learn_inner_lr=learn_inner_lr,
-        checkpoint_every=2,
+        every=2,
         **RULES[rule],
     )
 
@@ -162,7 +168,7 @@ def test_adam_with_exactly_zero_gradients_is_finite_and_exact(batching):
     support_x = batch.support_x.clone()
     support_x[..., 0] = 0.0
     batch = maml.TaskBatch(support_x, batch.support_y, batch.query_x, batch.query_y)
-    assert_exact(model, F.mse_loss, batch, inner_lr=0.02, batching=batching, checkpoint_every=2, **RULES["adam"])
+    assert_exact(model, F.mse_loss, batch, inner_lr=0.02, batching=batching, every=2, **RULES["adam"])
 
 
 # -------------------------------------------------------------------------------------- adapt sets
@@ -185,7 +191,7 @@ def test_adapt_sets_get_second_order_cross_terms(adapt, rule, batching):
         batching=batching,
         adapt=adapt,
         learn_inner_lr="per_parameter",
-        checkpoint_every=2,
+        every=2,
         **RULES[rule],
     )
 
@@ -224,8 +230,8 @@ def test_chunks_and_segments_equal_second_order(chunk_size, steps, every, batchi
         inner_lr=0.3,
         steps=steps,
         batching=batching,
-        chunk_size=chunk_size,
-        checkpoint_every=every,
+        tasks=chunk_size,
+        every=every,
         learn_inner_lr="per_layer_per_step",
         **RULES["nesterov"],
     )
@@ -249,8 +255,8 @@ def test_step_weights_equal_second_order(rule, batching):
         inner_lr=RATE_LR[rule],
         steps=4,
         batching=batching,
-        chunk_size=2,
-        checkpoint_every=3,
+        tasks=2,
+        every=3,
         learn_inner_lr="per_layer_per_step",
         adapt=["head.weight", "head.bias", "body.2.weight"],
         **RULES[rule],
@@ -267,7 +273,7 @@ def test_dropout_draws_second_orders_masks(batching, chunk_size, every):
     model = generic(nn.Sequential(nn.Linear(3, 8), nn.Dropout(0.3), nn.Tanh(), nn.Linear(8, 1)))
     batch = regression()
     second, mixed = pair(
-        model, F.mse_loss, inner_lr=0.3, steps=3, batching=batching, chunk_size=chunk_size, checkpoint_every=every
+        model, F.mse_loss, inner_lr=0.3, steps=3, batching=batching, tasks=chunk_size, every=every
     )
     weights = torch.tensor([0.2, 0.3, 0.5], dtype=DTYPE)
     assert error(meta_grad(mixed, batch, weights, seed=5), meta_grad(second, batch, weights, seed=5)) < 1e-10
@@ -337,8 +343,7 @@ def test_matches_finite_differences():
         steps=3,
         batching="loop",
         learn_inner_lr="per_parameter",
-        checkpoint_every=2,
-        **FOR,
+        mode=maml.Checkpointed(every=2, hvp="forward_over_reverse"),
         **RULES["momentum"],
     )
     spread(learner)
@@ -355,45 +360,54 @@ def raises(exc: type[Exception], text: str) -> Any:
 def test_default_is_reverse_over_reverse_and_the_switch_is_settable():
     model, batch = generic(mlp()), regression()
     learner = maml.MetaLearner(model, F.mse_loss, inner_lr=0.1, steps=2, mode="checkpointed", learn_inner_lr="scalar")
-    assert learner.checkpoint_hvp == "reverse_over_reverse"
+    assert learner.mode == maml.Checkpointed() and learner.mode.hvp == "reverse_over_reverse"
     assert maml.CHECKPOINT_HVPS == ("reverse_over_reverse", "forward_over_reverse")
     before = meta_grad(learner, batch)
-    learner.checkpoint_hvp = "forward_over_reverse"
+    learner.mode = FOR
     assert error(meta_grad(learner, batch), before) < 1e-10
     with raises(
         ValueError,
-        "checkpoint_hvp='forward-over-reverse' is not supported (did you mean 'forward_over_reverse'?); "
+        "Checkpointed.hvp='forward-over-reverse' is not supported (did you mean 'forward_over_reverse'?); "
         "choose one of 'reverse_over_reverse', 'forward_over_reverse'.",
     ):
-        learner.checkpoint_hvp = "forward-over-reverse"
+        learner.mode = maml.Checkpointed(hvp="forward-over-reverse")
 
 
 def test_error_unknown_checkpoint_hvp():
     with raises(
         ValueError,
-        "checkpoint_hvp='reverse_over_revers' is not supported (did you mean 'reverse_over_reverse' "
+        "Checkpointed.hvp='reverse_over_revers' is not supported (did you mean 'reverse_over_reverse' "
         "or 'forward_over_reverse'?); "
         "choose one of 'reverse_over_reverse', 'forward_over_reverse'.",
     ):
-        maml.MetaLearner(mlp(), F.mse_loss, inner_lr=0.1, mode="checkpointed", checkpoint_hvp="reverse_over_revers")
+        maml.Checkpointed(hvp="reverse_over_revers")
 
 
-def test_error_checkpoint_hvp_outside_the_checkpointed_mode():
-    with raises(
-        ValueError,
-        "checkpoint_hvp='forward_over_reverse' only applies to mode='checkpointed' (mode is "
-        "'second_order'); drop it, or pass mode='checkpointed'.",
-    ):
-        maml.MetaLearner(mlp(), F.mse_loss, inner_lr=0.1, checkpoint_hvp="forward_over_reverse")
+def test_the_options_of_one_mode_name_the_mode_that_takes_them():
+    """Options of the checkpointed mode, and iMAML's, are their mode objects' own (one release of help)."""
+    learner = maml.MetaLearner(mlp(), F.mse_loss, inner_lr=0.1)
+    for name, way in [
+        ("checkpoint_hvp", "maml.Checkpointed(hvp=...)"),
+        ("checkpoint_every", "maml.Checkpointed(every=...)"),
+        ("implicit", "maml.Implicit(lam=..., cg_iterations=...)"),
+    ]:
+        with raises(AttributeError, f"MetaLearner.{name} is the mode's own now: set learner.mode = {way}."):
+            setattr(learner, name, None)
+    with raises(ValueError, "chunk_size=2 is tasks per vmapped call; the checkpointed mode's tasks replayed together"):
+        maml.MetaLearner(mlp(), F.mse_loss, inner_lr=0.1, mode="checkpointed", chunk_size=2)
+    with raises(ValueError, "Mode('checkpointed') has options: pass mode='checkpointed' or maml.Checkpointed(...)."):
+        maml.Mode("checkpointed")
 
 
 def test_a_loss_without_forward_mode_derivatives_names_the_switch():
     # PyTorch has no forward-mode derivative of huber_loss_backward; reverse over reverse takes it.
     model, batch = generic(mlp()), regression()
-    learner = maml.MetaLearner(model, F.huber_loss, inner_lr=0.1, steps=2, **FOR)
-    with raises(RuntimeError, "checkpoint_hvp='forward_over_reverse' takes the support loss's Hessian-vector products"):
+    learner = maml.MetaLearner(model, F.huber_loss, inner_lr=0.1, steps=2, mode=FOR)
+    with raises(
+        RuntimeError, "Checkpointed(hvp='forward_over_reverse') takes the support loss's Hessian-vector products"
+    ):
         meta_grad(learner, batch)
-    learner.checkpoint_hvp = "reverse_over_reverse"
+    learner.mode = "checkpointed"
     expected = meta_grad(maml.MetaLearner(model, F.huber_loss, inner_lr=0.1, steps=2), batch)
     assert error(meta_grad(learner, batch), expected) < 1e-10
 
@@ -401,13 +415,13 @@ def test_a_loss_without_forward_mode_derivatives_names_the_switch():
 def test_saved_tensor_hooks_name_the_switch():
     # torch.func refuses saved-tensor hooks (e.g. save_on_cpu) around the backward pass; reverse over reverse runs there.
     model, batch = generic(mlp()), regression()
-    learner = maml.MetaLearner(model, F.mse_loss, inner_lr=0.1, steps=2, **FOR)
+    learner = maml.MetaLearner(model, F.mse_loss, inner_lr=0.1, steps=2, mode=FOR)
     with (
         torch.autograd.graph.save_on_cpu(),
-        raises(RuntimeError, "Use checkpoint_hvp='reverse_over_reverse' (the default)"),
+        raises(RuntimeError, "Use maml.Checkpointed(hvp='reverse_over_reverse') (the default)"),
     ):
         meta_grad(learner, batch)
     expected = meta_grad(learner, batch)
-    learner.checkpoint_hvp = "reverse_over_reverse"
+    learner.mode = "checkpointed"
     with torch.autograd.graph.save_on_cpu():
         assert error(meta_grad(learner, batch), expected) < 1e-10

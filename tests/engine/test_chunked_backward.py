@@ -14,7 +14,7 @@ CASES = [
     pytest.param({"batching": "vmap"}, "sgd", id="second_order-vmap"),
     pytest.param({"batching": "loop"}, "adam", id="second_order-loop-adam"),
     pytest.param({"mode": "first_order"}, "momentum", id="first_order-momentum"),
-    pytest.param({"mode": "checkpointed", "checkpoint_every": 2}, "sgd", id="checkpointed"),
+    pytest.param({"mode": maml.Checkpointed(every=2)}, "sgd", id="checkpointed"),
     pytest.param({"learn_inner_lr": "per_layer_per_step"}, "sgd", id="lslr"),
     pytest.param({}, "metacurvature", id="meta-curvature"),
     pytest.param({"mode": "reptile"}, "sgd", id="reptile"),

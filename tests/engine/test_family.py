@@ -311,11 +311,11 @@ def reference_for(
 MODES = ["second_order", "first_order", "checkpointed"]
 EXACT_MODES = ["second_order", "checkpointed"]
 BATCHINGS = ["vmap", "loop"]
-CKPT = {"checkpoint_every": 2, "chunk_size": 1}  # segments cut through the rule's state; ragged chunks of tasks
+CKPT = maml.Checkpointed(every=2, tasks=1)  # segments cut through the rule's state; ragged chunks of tasks
 
 
-def extra(mode: str) -> dict[str, Any]:
-    return dict(CKPT) if mode == "checkpointed" else {}
+def spec(mode: str) -> str | maml.Mode:
+    return CKPT if mode == "checkpointed" else mode
 
 
 # =================================================================== the reference, checked on its own
@@ -464,7 +464,7 @@ MATRIX_CASES = ["mlp"] * (len(OPTIONS) * 6) + ["conv_bn"] * (len(CONV_OPTIONS) *
 )
 def test_matches_reference(case, name, mode, batching):
     cfg = OPTIONS[name]
-    learner, batch, lr = build(case, cfg, mode, batching, **extra(mode))
+    learner, batch, lr = build(case, cfg, spec(mode), batching)
     got = engine_grads(learner, batch, cfg)
     ref, expected = reference_for(learner, batch, cfg, lr, first_order=mode == "first_order")
     assert rel(got, expected) < 1e-10
@@ -499,7 +499,7 @@ def test_matches_reference(case, name, mode, batching):
 )
 def test_matches_finite_differences(case, name, mode, batching):
     cfg = OPTIONS[name]
-    learner, batch, _ = build(case, cfg, mode, batching, **extra(mode))
+    learner, batch, _ = build(case, cfg, spec(mode), batching)
     params = list(meta_params(learner.model, learner.rate_parameters).values())
     assert directional_error(lambda: engine_loss(learner, batch, cfg), params, order=4) < 1e-6
 
@@ -544,7 +544,7 @@ def test_checkpointed_equals_second_order(case, name, batching):
 @pytest.mark.parametrize("case", ["mlp", "conv_bn"])
 def test_non_adapted_parameters_get_second_order_cross_terms(case, adapt, mode, batching):
     cfg = {"adapt": adapt}
-    exact, batch, _ = build(case, cfg, mode, batching, **extra(mode))
+    exact, batch, _ = build(case, cfg, spec(mode), batching)
     first, _, _ = build(case, cfg, "first_order", batching)
     for learner in (exact, first):
         learner.meta_loss(batch).backward()
@@ -628,7 +628,7 @@ def test_per_layer_per_step_rates_at_other_step_counts(mode, batching, rule, eva
     # Built with 3 steps: 5 steps reuse the last step's rate for steps 4 and 5; 2 steps use the
     # first two rates (the third one's meta-gradient is exactly 0).
     cfg = {"learn_inner_lr": "per_layer_per_step", **({} if rule == "sgd" else ADAM)}
-    learner, batch, lr = build("mlp", cfg, mode, batching, steps=3, **extra(mode))
+    learner, batch, lr = build("mlp", cfg, spec(mode), batching, steps=3)
     assert all(r.shape == (3,) for r in learner.rate_parameters.values())
     got = engine_grads(learner, batch, cfg, steps=eval_steps)
     ref, expected = reference_for(learner, batch, cfg, lr, first_order=mode == "first_order", eval_steps=eval_steps)
@@ -672,7 +672,7 @@ def test_mode_switch_on_a_live_learner():
 @pytest.mark.parametrize("mode", MODES)
 def test_adam_with_exactly_zero_gradients_is_finite_and_exact(mode, batching):
     cfg = {**ADAM, "learn_inner_lr": "per_layer_per_step"}
-    learner, batch, lr = build("mlp_dead", cfg, mode, batching, **extra(mode))
+    learner, batch, lr = build("mlp_dead", cfg, spec(mode), batching)
     got = engine_grads(learner, batch, cfg)
     assert all(torch.isfinite(g).all() for g in got.values())
     _, expected = reference_for(learner, batch, cfg, lr, first_order=mode == "first_order")
@@ -700,7 +700,7 @@ HIGHER_CONFIGS += [
 @pytest.mark.parametrize("name, mode, batching", HIGHER_CONFIGS, ids=["-".join(c) for c in HIGHER_CONFIGS])
 def test_equals_higher(name, mode, batching):
     cfg = OPTIONS[name]
-    learner, batch, lr = build("mlp", cfg, mode, batching, **extra(mode))
+    learner, batch, lr = build("mlp", cfg, spec(mode), batching)
     got = engine_grads(learner, batch, cfg)
     rates = {k: r.detach().clone().requires_grad_() for k, r in learner.rate_parameters.items()}
     peer = higher_loss(
@@ -733,7 +733,7 @@ def test_fast_weights_equal_torch_optim(name, batching):
 @pytest.mark.parametrize("mode", MODES)
 def test_step_query_losses(mode):
     cfg = {"step_weights": SW3, **ADAM}
-    learner, batch, lr = build("mlp", cfg, mode, "vmap", **extra(mode))
+    learner, batch, lr = build("mlp", cfg, spec(mode), "vmap")
     plain = learner.run(batch)
     assert plain.step_query_losses is None
     out = learner.run(batch, step_weights=step_weights(cfg))

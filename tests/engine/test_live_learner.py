@@ -36,10 +36,10 @@ def loss(learner: maml.MetaLearner) -> torch.Tensor:
         ({}, {"loss_fn": F.l1_loss}, True),
         ({}, {"steps": 3}, True),
         ({"inner_optimizer": "adam"}, {"inner_lr": 0.05}, True),
-        ({"mode": "implicit"}, {"implicit": maml.Implicit(lam=0.5)}, True),
+        ({"mode": "implicit"}, {"mode": maml.Implicit(lam=0.5)}, True),
         ({}, {"batching": "loop"}, False),  # the same values, by another path
         ({"batching": "vmap"}, {"chunk_size": 2}, False),
-        ({"mode": "checkpointed"}, {"checkpoint_every": 1}, False),
+        ({"mode": "checkpointed"}, {"mode": maml.Checkpointed(every=1)}, False),
     ],
 )
 def test_an_option_set_on_a_live_learner_acts_as_built(built, change, matters):

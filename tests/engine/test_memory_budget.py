@@ -100,8 +100,8 @@ def test_no_plan_changes_the_meta_gradient_or_the_fast_weights(case, mode, hvp):
     reference = maml.MetaLearner(build(), loss_fn, inner_lr=0.1, steps=3, batching="loop")
     expected = grads(reference, batch, chunked=False)
     fast = reference.run(batch).fast
-    options = {"checkpoint_hvp": "forward_over_reverse"} if hvp else {}
-    learner = maml.MetaLearner(build(), loss_fn, inner_lr=0.1, steps=3, mode=mode, batching="vmap", **options)
+    spec = maml.Checkpointed(hvp="forward_over_reverse") if hvp else mode
+    learner = maml.MetaLearner(build(), loss_fn, inner_lr=0.1, steps=3, mode=spec, batching="vmap")
     least = smallest_budget(learner, batch)
     plans = set()
     for limit in (least, int(2.5 * least), "1GiB", None if mode == "checkpointed" else "1GiB"):
@@ -132,12 +132,12 @@ def test_the_step_stays_within_its_budget(mode, hvp, tasks_budget):
     """The conv net with batch norm, float32: the step's tensor peak at most the budget plus a fixed overhead."""
     forward._CHOICES.clear()
     batch = image_batch(8)
-    options = {"checkpoint_hvp": "forward_over_reverse"} if hvp else {}
+    spec = maml.Checkpointed(hvp="forward_over_reverse") if hvp else mode
     probe = maml.MetaLearner(conv_net(), F.cross_entropy, inner_lr=0.1, steps=4, memory_budget="1GiB")
     probe.backward(batch[:1])
     limit = int(tasks_budget * probe.plan.task_bytes)  # room for one and for three tasks of second order
     learner = maml.MetaLearner(
-        conv_net(), F.cross_entropy, inner_lr=0.1, steps=4, mode=mode, memory_budget=limit, **options
+        conv_net(), F.cross_entropy, inner_lr=0.1, steps=4, mode=spec, memory_budget=limit
     )
     learner.backward(batch)  # plans and measures
     peak = peak_tensor_bytes(lambda: learner.backward(batch))
@@ -158,7 +158,7 @@ def test_a_checkpointed_plan_takes_the_most_tasks_then_the_shortest_segments_tha
     assert plan(140) == (1, 5)  # 4 * 8 kept + 5 + 100: the shortest that fits
     assert plan(10_000, "vmap") == (8, 1)
     assert plan(700, "vmap") == (4, 1)  # 5 tasks fit (665 KiB) in as many calls (two) as 4, which hold less
-    assert plan(10_000, "vmap", every=4) == (8, 4)  # the user's checkpoint_every stands
+    assert plan(10_000, "vmap", every=4) == (8, 4)  # the mode's every stands
     with pytest.raises(ValueError, match=r"pass at least memory_budget=129024\.$"):
         plan(100)  # the least one task can hold: 2 segments of 10 steps, 126 KiB
 

@@ -56,9 +56,10 @@ def test_the_checkpointed_default_holds_its_default_budget_and_less_than_second_
 
 @pytest.mark.parametrize("chunk", [1, 2])
 def test_the_checkpointed_mode_in_chunks_takes_the_leaner_loop(chunk):
-    vmap = first_step_peak(mode="checkpointed", batching="vmap", chunk_size=chunk)
-    auto = first_step_peak(mode="checkpointed", batching="auto", chunk_size=chunk)
-    loop = first_step_peak(mode="checkpointed", batching="loop", chunk_size=chunk)
+    mode = maml.Checkpointed(tasks=chunk)
+    vmap = first_step_peak(mode=mode, batching="vmap")
+    auto = first_step_peak(mode=mode, batching="auto")
+    loop = first_step_peak(mode=mode, batching="loop")
     assert auto <= 1.1 * loop and loop <= 1.1 * vmap, (auto, vmap, loop)
 
 
@@ -100,9 +101,9 @@ def test_the_checkpointed_peak_is_nearly_flat_in_the_inner_steps():
     budget leaves no room for shorter, faster segments.
     """
     few, many = (
-        first_step_peak(steps, mode="checkpointed", batching="loop", checkpoint_every=round(math.sqrt(steps * 8)))
+        first_step_peak(steps, mode=maml.Checkpointed(every=round(math.sqrt(steps * 8))), batching="loop")
         for steps in (5, 40)
     )
-    every_step = first_step_peak(40, mode="checkpointed", batching="loop", checkpoint_every=1)
+    every_step = first_step_peak(40, mode=maml.Checkpointed(every=1), batching="loop")
     assert many <= 1.3 * few, (few, many)
     assert many < 0.6 * every_step, (many, every_step)  # keeping every step's fast weights grows with the steps

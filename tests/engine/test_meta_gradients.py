@@ -26,7 +26,12 @@ EXACT = [
 EXACT_IDS = [f"{m}-{b}" + (f"-chunk{c}" if c else "") for m, b, c in EXACT]
 
 
-def learner(case: str, steps: int, mode: str, batching: str, chunk_size: int | None = None, **kw):
+def learner(
+    case: str, steps: int, mode: str, batching: str, chunk_size: int | None = None, every: int | None = None, **kw
+):
+    """``chunk_size`` and ``every``: with ``mode="checkpointed"``, its tasks replayed together and segment length."""
+    if mode == "checkpointed":
+        mode, chunk_size = maml.Checkpointed(every=every, tasks=chunk_size), None
     model, batch, loss_fn = make(case)
     lr = 0.3 if case.startswith("conv") else 0.1
     return (
@@ -64,7 +69,7 @@ def test_learnable_inner_lr_matches_finite_differences(case, learn_inner_lr, con
 @pytest.mark.parametrize("case", ["mlp_batchnorm1d", "conv_batchnorm_maxpool", "conv_instancenorm"])
 def test_checkpointed_equals_second_order(case, steps, every, batching):
     ref, batch = learner(case, steps, "second_order", batching, learn_inner_lr="per_parameter")
-    ckpt, _ = learner(case, steps, "checkpointed", batching, learn_inner_lr="per_parameter", checkpoint_every=every)
+    ckpt, _ = learner(case, steps, "checkpointed", batching, learn_inner_lr="per_parameter", every=every)
     expected, got = flat_grad(ref, batch), flat_grad(ckpt, batch)
     assert torch.allclose(got, expected, rtol=0, atol=1e-10 * expected.abs().max())
     assert torch.equal(ckpt.run(batch).support_losses, ref.run(batch).support_losses)
@@ -77,7 +82,7 @@ def test_checkpointed_equals_second_order(case, steps, every, batching):
 def test_checkpointed_in_chunks_equals_second_order(case, batching, chunk_size, learn_inner_lr):
     # 3 tasks in chunks of 1 or 2 (a ragged last chunk), every norm layer the engine supports.
     ref, batch = learner(case, 4, "second_order", batching, learn_inner_lr=learn_inner_lr)
-    ckpt, _ = learner(case, 4, "checkpointed", batching, chunk_size, learn_inner_lr=learn_inner_lr, checkpoint_every=2)
+    ckpt, _ = learner(case, 4, "checkpointed", batching, chunk_size, learn_inner_lr=learn_inner_lr, every=2)
     expected, got = flat_grad(ref, batch), flat_grad(ckpt, batch)
     assert torch.allclose(got, expected, rtol=0, atol=1e-10 * expected.abs().max())
     a, b = ckpt.run(batch), ref.run(batch)
@@ -276,7 +281,7 @@ def test_inputs_from_an_encoder_get_the_exact_gradient(mode, batching):
     "options, path",
     [
         ({"mode": "checkpointed"}, "mode='checkpointed'"),
-        ({"mode": "checkpointed", "checkpoint_hvp": "forward_over_reverse"}, "mode='checkpointed'"),
+        ({"mode": maml.Checkpointed(hvp="forward_over_reverse")}, "mode='checkpointed'"),
         ({"compile": True}, "compile=True"),
         ({"mode": "reptile"}, "mode='reptile'"),
         ({"mode": "implicit"}, "mode='implicit'"),

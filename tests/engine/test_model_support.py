@@ -145,9 +145,7 @@ def test_attention_is_exact_in_the_exact_modes(model, batching, chunk_size):
     kw = {"inner_lr": 0.3, "steps": 3, "batching": batching}
     second = maml.MetaLearner(built(model), F.mse_loss, mode="second_order", chunk_size=chunk_size, **kw)
     assert finite_difference_error(second, batch) < 1e-6
-    ckpt = maml.MetaLearner(
-        second.model, F.mse_loss, mode="checkpointed", chunk_size=chunk_size or 1, checkpoint_every=2, **kw
-    )
+    ckpt = maml.MetaLearner(second.model, F.mse_loss, mode=maml.Checkpointed(every=2, tasks=chunk_size or 1), **kw)
     assert_close(flat_grad(ckpt, batch), flat_grad(second, batch))  # so exact too
 
 
@@ -298,7 +296,7 @@ def test_checkpointed_draws_the_dropout_masks_of_second_order(batching, chunk_si
     model = built(dropout_mlp)
     kw = {"inner_lr": 0.3, "steps": 3, "batching": batching}
     second = maml.MetaLearner(model, F.mse_loss, chunk_size=chunk_size if batching == "vmap" else None, **kw)
-    ckpt = maml.MetaLearner(model, F.mse_loss, mode="checkpointed", chunk_size=chunk_size, checkpoint_every=every, **kw)
+    ckpt = maml.MetaLearner(model, F.mse_loss, mode=maml.Checkpointed(every=every, tasks=chunk_size), **kw)
 
     def run(learner: maml.MetaLearner) -> tuple[maml.MetaOutput, Tensor]:
         torch.manual_seed(5)
@@ -412,11 +410,11 @@ def twice_meta_loss(w: Tensor, b: Tensor, batch: maml.TaskBatch, lr: float, step
 
 
 SHARED_PATHS = [
-    pytest.param({"mode": mode, "batching": batching, **extra}, id=f"{mode}-{batching}{suffix}")
+    pytest.param({"mode": spec, "batching": batching}, id=f"{mode}-{batching}{suffix}")
     for mode in maml.MODES
     for batching in ("vmap", "loop")
-    for extra, suffix in (
-        [({}, ""), ({"checkpoint_hvp": "forward_over_reverse"}, "-fwd")] if mode == "checkpointed" else [({}, "")]
+    for spec, suffix in (
+        [(mode, ""), (maml.Checkpointed(hvp="forward_over_reverse"), "-fwd")] if mode == "checkpointed" else [(mode, "")]
     )
 ] + [pytest.param({"compile": True, "batching": "vmap"}, id="compiled")]
 
