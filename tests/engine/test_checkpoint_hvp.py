@@ -272,9 +272,7 @@ def test_dropout_draws_second_orders_masks(batching, chunk_size, every):
     # step's random-number state: the same masks, losses and meta-gradient as second order.
     model = generic(nn.Sequential(nn.Linear(3, 8), nn.Dropout(0.3), nn.Tanh(), nn.Linear(8, 1)))
     batch = regression()
-    second, mixed = pair(
-        model, F.mse_loss, inner_lr=0.3, steps=3, batching=batching, tasks=chunk_size, every=every
-    )
+    second, mixed = pair(model, F.mse_loss, inner_lr=0.3, steps=3, batching=batching, tasks=chunk_size, every=every)
     weights = torch.tensor([0.2, 0.3, 0.5], dtype=DTYPE)
     assert error(meta_grad(mixed, batch, weights, seed=5), meta_grad(second, batch, weights, seed=5)) < 1e-10
     torch.manual_seed(5)

@@ -86,9 +86,7 @@ def unrolled(model: nn.Linear, batch: maml.TaskBatch, steps: int, lr: float) -> 
 
 def test_the_unrolled_maml_gradient_approaches_it_as_steps_grow():
     model, batch = problem(1)
-    learner = maml.MetaLearner(
-        model, F.mse_loss, 0.3, 100, mode=maml.Implicit(lam=LAM, cg_iterations=D)
-    )
+    learner = maml.MetaLearner(model, F.mse_loss, 0.3, 100, mode=maml.Implicit(lam=LAM, cg_iterations=D))
     learner.meta_loss(batch).backward()
     errors = [float((unrolled(model, batch, k, 0.3) - model.weight.grad).norm()) for k in (1, 3, 10, 30, 100)]
     assert all(b < a for a, b in zip(errors, errors[1:])), errors
@@ -210,9 +208,7 @@ def test_evaluation_adapts_as_training_does():
     model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).double()
     g = torch.Generator().manual_seed(1)
     batch = maml.TaskBatch(*(torch.randn(3, 5, n, generator=g, dtype=torch.float64) for n in (3, 1, 3, 1)))
-    learner = maml.MetaLearner(
-        model, torch.nn.functional.mse_loss, 0.1, 10, mode=maml.Implicit(lam=0.1)
-    )
+    learner = maml.MetaLearner(model, torch.nn.functional.mse_loss, 0.1, 10, mode=maml.Implicit(lam=0.1))
     trained = learner.run(batch)
     with torch.no_grad():
         evaluated = learner.run(batch)

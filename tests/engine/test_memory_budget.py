@@ -136,9 +136,7 @@ def test_the_step_stays_within_its_budget(mode, hvp, tasks_budget):
     probe = maml.MetaLearner(conv_net(), F.cross_entropy, inner_lr=0.1, steps=4, memory_budget="1GiB")
     probe.backward(batch[:1])
     limit = int(tasks_budget * probe.plan.task_bytes)  # room for one and for three tasks of second order
-    learner = maml.MetaLearner(
-        conv_net(), F.cross_entropy, inner_lr=0.1, steps=4, mode=spec, memory_budget=limit
-    )
+    learner = maml.MetaLearner(conv_net(), F.cross_entropy, inner_lr=0.1, steps=4, mode=spec, memory_budget=limit)
     learner.backward(batch)  # plans and measures
     peak = peak_tensor_bytes(lambda: learner.backward(batch))
     assert peak <= limit + OVERHEAD, (learner.plan, budget.fmt(peak))

@@ -414,7 +414,9 @@ SHARED_PATHS = [
     for mode in maml.MODES
     for batching in ("vmap", "loop")
     for spec, suffix in (
-        [(mode, ""), (maml.Checkpointed(hvp="forward_over_reverse"), "-fwd")] if mode == "checkpointed" else [(mode, "")]
+        [(mode, ""), (maml.Checkpointed(hvp="forward_over_reverse"), "-fwd")]
+        if mode == "checkpointed"
+        else [(mode, "")]
     )
 ] + [pytest.param({"compile": True, "batching": "vmap"}, id="compiled")]
 
