@@ -380,6 +380,22 @@ def memory(
     return _memory_table(report, "steps").rstrip("\n") + "".join(captions) + "\n"
 
 
+def memory_auto(path: Path = REPO / "results/benchmarks/memory_auto.json") -> str:
+    """:func:`memory` of the checkpointed mode's defaults, and its ratios to second order and learn2learn at each steps."""
+    report = _json(path)
+    cells = {(r["method"], r["steps"]): r for r in report["results"] if "tensor_mib" in r and not r.get("error")}
+    ratios = []
+    for peer in ("second_order", "learn2learn"):
+        pairs = [(cells[m, s], cells[peer, s]) for m, s in sorted(cells) if m == "checkpointed" and (peer, s) in cells]
+        if pairs:
+            tensors = ", ".join(f"{c['tensor_mib'] / p['tensor_mib']:.3g}x" for c, p in pairs)
+            times = ", ".join(f"{c['seconds'] / p['seconds']:.2f}x" for c, p in pairs)
+            steps = ", ".join(str(c["steps"]) for c, _ in pairs)
+            ratios.append(f"against `{peer}` at {steps} steps: {tensors} its tensors, {times} its time")
+    line = f"\nThe checkpointed mode {'; '.join(ratios)}.\n" if ratios else ""
+    return memory(path, ()) + line
+
+
 def memory_tasks(path: Path = REPO / "results/benchmarks/memory_tasks.json") -> str:
     """``benchmarks/memory.py --tasks ... --json``: the same per method and meta-batch size."""
     return _memory_table(_json(path), "tasks")
@@ -686,7 +702,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     ),
     "image_sampling": image_sampling,
     "memory_tasks": memory_tasks,
-    "memory_auto": functools.partial(memory, REPO / "results/benchmarks/memory_auto.json", ()),
+    "memory_auto": memory_auto,
     "memory_budget": functools.partial(memory, REPO / "results/benchmarks/memory_budget.json", ()),
     "plans": plans,
     "flags-run": _flags_of("run"),

@@ -261,7 +261,7 @@ def torch_optim_fast(model, loss_fn, batch, cfg, *, inner_lr, steps, rates, task
 
 
 def build(
-    case: str, cfg: Config, mode: str, batching: str, steps: int = 3, seed: int = 0, **kw: Any
+    case: str, cfg: Config, mode: str | maml.Mode, batching: str, steps: int = 3, seed: int = 0, **kw: Any
 ) -> tuple[maml.MetaLearner, maml.TaskBatch, float]:
     """A learner with the family options of ``cfg`` (its learnable rates spread), its meta-batch and inner_lr."""
     model, batch, loss_fn = make(case, seed)
@@ -524,7 +524,7 @@ def test_checkpointed_equals_second_order(case, name, batching):
     # 5 steps in segments of 2 (2 + 2 + 1): the rule's state crosses every segment boundary.
     cfg = CKPT_VARIANTS[name]
     so, batch, _ = build(case, cfg, "second_order", batching, steps=5)
-    ck, _, _ = build(case, cfg, "checkpointed", batching, steps=5, **CKPT)
+    ck, _, _ = build(case, cfg, CKPT, batching, steps=5)
     assert rel(engine_grads(ck, batch, cfg), engine_grads(so, batch, cfg)) < 1e-10
     kw = {"step_weights": step_weights(cfg)} if "step_weights" in cfg else {}
     a, b = ck.run(batch, **kw), so.run(batch, **kw)
@@ -560,7 +560,7 @@ def test_non_adapted_parameters_get_second_order_cross_terms(case, adapt, mode, 
 # ============================================= a frozen-then-unfrozen body: the adapt set resolved when built (e)
 
 
-def _frozen_then_unfrozen(adapt: list[str] | None, mode: str, batching: str, **kw: Any):
+def _frozen_then_unfrozen(adapt: list[str] | None, mode: str | maml.Mode, batching: str, **kw: Any):
     model, batch, loss_fn = make("mlp")
     for n, p in model.named_parameters():
         p.requires_grad_(not body(n))
@@ -605,12 +605,14 @@ FROZEN_CONFIGS = [
     ("second_order", "loop", {}),
     ("first_order", "vmap", {}),
     ("first_order", "loop", {}),
-    ("checkpointed", "vmap", CKPT),
+    (CKPT, "vmap", {}),
     ("checkpointed", "loop", {}),
 ]
 
 
-@pytest.mark.parametrize("mode, batching, kw", FROZEN_CONFIGS, ids=[f"{m}-{b}" for m, b, _ in FROZEN_CONFIGS])
+@pytest.mark.parametrize(
+    "mode, batching, kw", FROZEN_CONFIGS, ids=[f"{maml.Mode.of(m).name}-{b}" for m, b, _ in FROZEN_CONFIGS]
+)
 @pytest.mark.parametrize("adapt", [None, HEAD], ids=["default", "anil"])
 def test_a_body_unfrozen_after_build_keeps_the_adapt_set_resolved_when_built(adapt, mode, batching, kw):
     learner, batch = _frozen_then_unfrozen(adapt, mode, batching, **kw)
