@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
+import maml
 from experiments.harness.cli import flag, show
-from maml import COMPILED_MODES, UNROLLED_MODES
 
 __all__ = ["MAX_STEPS", "MAX_CG_ITERATIONS", "check_config", "check_given"]
 
@@ -88,12 +88,13 @@ def check_config(cfg: Any, positive: Sequence[str] = ()) -> None:
     if len(cfg.inner_adam_betas) != 2 or not all(0 <= b < 1 for b in cfg.inner_adam_betas):
         betas = ",".join(f"{b:g}" for b in cfg.inner_adam_betas)
         raise ValueError(f"--inner-adam-betas {betas} must be two numbers in [0, 1), e.g. 0.9,0.999 (the default).")
-    if cfg.mode not in UNROLLED_MODES and cfg.msl_fraction > 0:
+    mode = maml.Mode.of(cfg.mode)  # what the mode differentiates, as the engine says
+    if not mode.unrolled and cfg.msl_fraction > 0:
         raise ValueError(
             f"--msl-fraction {cfg.msl_fraction:g} weighs the query losses of an unrolled inner loop, and --mode "
             f"{cfg.mode} unrolls none; drop it, or pick another --mode."
         )
-    if cfg.mode not in UNROLLED_MODES and cfg.first_order_fraction > 0:
+    if not mode.unrolled and cfg.first_order_fraction > 0:
         raise ValueError(
             f"--first-order-fraction {cfg.first_order_fraction:g} trains that share in first order, dropping the "
             f"second derivatives of an unrolled inner loop, and --mode {cfg.mode} differentiates none; drop it, or "
@@ -111,13 +112,13 @@ def check_config(cfg: Any, positive: Sequence[str] = ()) -> None:
             "inner steps solve nothing (the adapted weights stay the meta-parameters); pass --steps 1 or more (the "
             "imaml recipe takes 10 on sine, 16 on Omniglot)."
         )
-    if cfg.mode not in UNROLLED_MODES and cfg.learn_inner_lr is not None:
+    if not mode.unrolled and cfg.learn_inner_lr is not None:
         why = "differentiates no inner step" if cfg.mode == "reptile" else "does not depend on how the inner loop ran"
         raise ValueError(
             f"--learn-inner-lr {cfg.learn_inner_lr}: --mode {cfg.mode}'s meta-gradient {why}, so it has none for "
             f"the rates; drop it, or pick another --mode."
         )
-    if cfg.mode not in UNROLLED_MODES and cfg.adapt != "all":
+    if not mode.unrolled and cfg.adapt != "all":
         why = (
             "iMAML's meta-gradient is that of the adapted weights"
             if cfg.mode == "implicit"
@@ -127,7 +128,7 @@ def check_config(cfg: Any, positive: Sequence[str] = ()) -> None:
             f"--mode {cfg.mode} needs every trained parameter adapted ({why}), and --adapt {cfg.adapt} leaves "
             f"some out, which would never train; pass --adapt all, or pick another --mode."
         )
-    if cfg.compile and cfg.mode not in COMPILED_MODES:
+    if cfg.compile and not mode.compiles:
         raise ValueError(
             f"compile applies to mode second_order or first_order, not {cfg.mode}; drop --compile or "
             f"pick another --mode."

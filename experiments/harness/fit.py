@@ -131,8 +131,9 @@ def setup(name: str, cfg: Any, flags: RunFlags, life: Lifecycle | None = None) -
             cannot be joined on it.
     """
     if cfg.compile is None:  # auto: the compiled step where it applies and a C++ compiler is found
-        cfg = dataclasses.replace(cfg, compile=cfg.mode in maml.COMPILED_MODES and devices.cxx() is not None)
-        if not cfg.compile and cfg.mode in maml.COMPILED_MODES:
+        compiles = maml.Mode.of(cfg.mode).compiles
+        cfg = dataclasses.replace(cfg, compile=compiles and devices.cxx() is not None)
+        if not cfg.compile and compiles:
             print(
                 "note: no C++ compiler found (g++, c++ or $CXX), so the meta-step runs eager, 2-4x slower on "
                 "small models; install one, or pass --compile false to silence this",
