@@ -192,12 +192,14 @@ def test_meta_loss_over_the_budget_names_backward():
     assert "plan='2 tasks at once" in repr(learner)
 
 
-def test_a_checkpoint_keeps_what_the_planner_measured(monkeypatch):
+@pytest.mark.parametrize("resumed_as", ["checkpointed", maml.Checkpointed()], ids=["name", "object"])
+def test_a_checkpoint_keeps_what_the_planner_measured(monkeypatch, resumed_as):
+    """A state saved by a learner built with a mode's name loads into one built with its object, and back."""
     learner = maml.MetaLearner(conv_net(), F.cross_entropy, inner_lr=0.1, steps=3, mode="checkpointed")
     learner.meta_loss(image_batch(4)).backward()
     plan, state = learner.plan, learner.state_dict()
     assert plan is not None and plan.default and state["plans"]
-    resumed = maml.MetaLearner(conv_net(), F.cross_entropy, inner_lr=0.1, steps=3, mode="checkpointed")
+    resumed = maml.MetaLearner(conv_net(), F.cross_entropy, inner_lr=0.1, steps=3, mode=resumed_as)
     resumed.load_state_dict(state)
     monkeypatch.setattr(budget, "peak_bytes", lambda *a: pytest.fail("a resumed learner measured again"))
     resumed.meta_loss(image_batch(4)).backward()
