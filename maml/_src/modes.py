@@ -7,7 +7,8 @@ training does: the unrolled modes by the plain inner loop (values only), iMAML o
 problem. :func:`check_options` and :func:`check_mode` hold every rule on which options go together.
 A mode as a user names it is a :class:`Mode`: a name for the modes without options, and for the two
 with, :class:`Checkpointed` and :class:`Implicit`, an object that checks its options when built. A
-new mode is a row of :data:`TABLE`, and a class beside these if it has options.
+new mode is a row of :data:`TABLE`, and, if it has options, a class beside these and its entry of
+:data:`OPTIONS` (``docs/extending.md`` adds one).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ __all__ = [
     "Checkpointed",
     "Implicit",
     "Mode",
+    "OPTIONS",
     "Paths",
     "attention",
     "check_differentiable",
@@ -178,8 +180,8 @@ class Mode:
     name: str
 
     def __post_init__(self) -> None:
-        checks.one_of("mode", self.name, MODES)
-        own = _WITH_OPTIONS.get(self.name)
+        checks.one_of("mode", self.name, tuple(TABLE))
+        own = OPTIONS.get(self.name)
         if own is not None and not isinstance(self, own):
             raise ValueError(f"Mode({self.name!r}) has options: pass mode={self.name!r} or maml.{own.__name__}(...).")
 
@@ -193,8 +195,8 @@ class Mode:
                 f"mode must be a name such as 'second_order' or a maml.Mode (maml.Checkpointed(...), "
                 f"maml.Implicit(...)), got {mode!r} ({type(mode).__name__})."
             )
-        checks.one_of("mode", mode, MODES)
-        own = _WITH_OPTIONS.get(mode)
+        checks.one_of("mode", mode, tuple(TABLE))
+        own = OPTIONS.get(mode)
         return own() if own is not None else Mode(mode)
 
     @property
@@ -245,7 +247,8 @@ class Mode:
     def __repr__(self) -> str:
         if type(self) is Mode or not self.options():
             return repr(self.name)
-        return f"maml.{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.options().items())})"
+        prefix = "maml." if type(self).__module__.startswith("maml.") else ""  # the engine's own, as users name them
+        return f"{prefix}{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.options().items())})"
 
     __str__ = __repr__
 
@@ -312,8 +315,9 @@ class Implicit(Mode):
             )
 
 
-# The modes that carry options, by name: their class (a name alone builds its defaults).
-_WITH_OPTIONS: dict[str, type[Mode]] = {"checkpointed": Checkpointed, "implicit": Implicit}
+# The modes that carry options, by name: their class (a name alone builds its defaults). A new mode with
+# options adds its class here, beside its row of TABLE.
+OPTIONS: dict[str, type[Mode]] = {"checkpointed": Checkpointed, "implicit": Implicit}
 
 
 def _finite(x: object) -> bool:
@@ -342,7 +346,7 @@ def check_mode(mode: str, *, compile: bool, learned: str | None) -> None:
     if not spec.unrolled and (compile or learned):
         what = "compile=True" if compile else learned
         raise ValueError(
-            f"mode={mode!r} with {what}: {_WHY_NOT_UNROLLED[mode]}, so it has no gradient for learned rates or rule "
+            f"mode={mode!r} with {what}: {_WHY_NOT_UNROLLED.get(mode, 'it unrolls no inner loop')}, so it has no gradient for learned rates or rule "
             f"tensors and nothing to compile; drop it, or use mode='first_order'."
         )
     if compile and not spec.compiles:

@@ -103,10 +103,11 @@ def test_a_meta_batch_the_processes_cannot_share_is_refused_before_anything_is_w
         assert proc.returncode != 0
         lines = ERROR_LINE.findall(err)
         assert len(lines) == 1 and lines[0].startswith(message), err[-3000:]
-        # Rank 1 waited for torchrun to end it, so rank 0 was not ended before it printed; the one traceback
-        # is torchrun's own (its ChildFailedError), which a script cannot change.
+        # Rank 1 waited for torchrun to end it, so rank 0 was not ended before it printed. torchrun reports a
+        # failed worker its own way; no frame of a traceback is the scripts' or the engine's.
         assert "stopped during start-up" not in err, err[-3000:]
-        assert err.count("Traceback (most recent call last)") == 1 and "ChildFailedError" in err, err[-3000:]
+        frames = [line for line in err.splitlines() if line.lstrip().startswith('File "')]
+        assert not [f for f in frames if "/experiments/" in f or "/maml/" in f], err[-3000:]
     assert not out.exists()
 
 

@@ -1,8 +1,8 @@
 """What the experiment scripts say when a flag's value is wrong (a bad number, from the command line or a
 config file), how --help shows the flags, and which spellings they take.
 
-Each message is checked whole: the flag, the value and the fix, one line, and exit code 2 (a usage error),
-with nothing written. The runs are in-process, with wandb disabled.
+Each message is checked for what it must hold: the flag and the value first, the fix, one line, and exit
+code 2 (a usage error), with nothing written; its wording may change. The runs are in-process, with wandb disabled.
 """
 
 from __future__ import annotations
@@ -27,25 +27,17 @@ def _quiet(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("run", "argv", "message"),
+    ("run", "argv", "named", "fix"),
     [
-        (sine.run, ["--inner-lr", "0"], "--inner-lr 0 must be a finite number > 0, e.g. 0.001 (the default)."),
-        (sine.run, ["--meta-lr", "-0.5"], "--meta-lr -0.5 must be a finite number > 0, e.g. 0.001 (the default)."),
-        (
-            omniglot.run,
-            ["--inner-lr", "nan"],
-            "--inner-lr nan must be a finite number > 0; leave it out for the default.",
-        ),
-        (omniglot.run, ["--meta-lr", "0"], "--meta-lr 0 must be a finite number > 0, e.g. 0.001 (the default)."),
-        (
-            sine.run,
-            ["--rate-meta-lr", "0"],
-            "--rate-meta-lr 0 must be a finite number > 0; leave it out for the default.",
-        ),
-        (sine.run, ["--steps", "-1"], "--steps -1 must be an integer >= 0."),
-        (sine.run, ["--eval-steps", "1,-1"], "--eval-steps 1,-1: each must be an integer >= 0."),
-        (sine.run, ["--eval-shots", "5,0"], "--eval-shots 5,0: each must be an integer >= 1."),
-        (omniglot.run, ["--meta-batch", "0"], "--meta-batch 0 must be an integer >= 1."),
+        (sine.run, ["--inner-lr", "0"], "--inner-lr 0", "> 0, e.g. 0.001 (the default)"),
+        (sine.run, ["--meta-lr", "-0.5"], "--meta-lr -0.5", "> 0, e.g. 0.001 (the default)"),
+        (omniglot.run, ["--inner-lr", "nan"], "--inner-lr nan", "leave it out for the default"),
+        (omniglot.run, ["--meta-lr", "0"], "--meta-lr 0", "> 0, e.g. 0.001"),
+        (sine.run, ["--rate-meta-lr", "0"], "--rate-meta-lr 0", "leave it out for the default"),
+        (sine.run, ["--steps", "-1"], "--steps -1", "integer >= 0"),
+        (sine.run, ["--eval-steps", "1,-1"], "--eval-steps 1,-1", "integer >= 0"),
+        (sine.run, ["--eval-shots", "5,0"], "--eval-shots 5,0", "integer >= 1"),
+        (omniglot.run, ["--meta-batch", "0"], "--meta-batch 0", "integer >= 1"),
     ],
     ids=[
         "sine-inner-lr-0",
@@ -59,10 +51,10 @@ def _quiet(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
         "omniglot-meta-batch",
     ],
 )
-def test_a_bad_number_names_its_flag_and_value(capsys, tmp_path, run, argv, message):
+def test_a_bad_number_names_its_flag_and_value(capsys, tmp_path, run, argv, named, fix):
     data = ["--data", "unused"] if run is omniglot.run else []  # the numbers are checked first
     err = exits(capsys, run, [*argv, "--out", str(tmp_path / "run"), *data], 2)
-    assert err == f"error: {message}"
+    assert err.startswith(f"error: {named} ") and fix in err and "\n" not in err, err
     assert not (tmp_path / "run").exists()
 
 
@@ -70,7 +62,7 @@ def test_a_bad_rate_from_a_config_file_names_it_too(capsys, tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text("inner_lr: .nan\n")
     err = exits(capsys, sine.run, ["--config", str(config), "--out", str(tmp_path / "run")], 2)
-    assert err == "error: --inner-lr nan must be a finite number > 0, e.g. 0.001 (the default)."
+    assert err.startswith("error: --inner-lr nan ") and "> 0" in err and "\n" not in err, err
 
 
 # ---------------------------------------------------------------------------- --help and the flag spellings
