@@ -54,7 +54,7 @@ def _quiet(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 def test_a_bad_number_names_its_flag_and_value(capsys, tmp_path, run, argv, named, fix):
     data = ["--data", "unused"] if run is omniglot.run else []  # the numbers are checked first
     err = exits(capsys, run, [*argv, "--out", str(tmp_path / "run"), *data], 2)
-    assert err.startswith(f"error: {named} ") and fix in err and "\n" not in err, err
+    assert err.startswith(f"error: {named}") and fix in err and "\n" not in err, err
     assert not (tmp_path / "run").exists()
 
 
