@@ -120,15 +120,16 @@ def module_kind(module: nn.Module) -> str:
     return cls.__name__
 
 
-def warn_weight_norm(model: nn.Module, mode: str) -> None:
+def warn_weight_norm(model: nn.Module, mode: str, hessian: bool) -> None:
     """Warns that ``weight_norm`` layers make the exact modes inexact: PyTorch's second derivative of it is wrong.
 
     ``torch._weight_norm``, which both ``torch.nn.utils.parametrizations.weight_norm`` and the
     older hook-based ``torch.nn.utils.weight_norm`` call, fails ``torch.autograd.gradgradcheck``
     (the derivative of its fused backward is wrong), so a meta-gradient through it is off by tens
     of percent; the same norm in plain torch ops is exact (tests/engine/test_model_support.py).
+    ``hessian``: the mode takes second derivatives (``modes.Paths``); else there is nothing to warn of.
     """
-    if mode in ("first_order", "reptile"):  # no second derivative taken
+    if not hessian:
         return
     found = []
     for name, m in model.named_modules():
@@ -306,12 +307,12 @@ def differentiable(
     names: Collection[str],
     *,
     inputs: bool,
-    adapts_all: bool,
+    all_adapted: str | None,
 ) -> None:
     """Refuses what a mode's meta-gradient cannot reach: inputs on a graph, parameters it never moves.
 
-    ``inputs``: the mode backpropagates into inputs that require grad; ``adapts_all``: it moves only
-    adapted parameters (``modes.Mode``).
+    ``inputs``: the mode backpropagates into inputs that require grad; ``all_adapted``: why it needs
+    every trainable parameter adapted (it moves only adapted ones), or ``None`` (``modes.Paths``).
     """
     path = "compile=True" if compiled else f"mode={mode!r}"
     if compiled or not inputs:
@@ -323,17 +324,11 @@ def differentiable(
                 f"gradient. Use mode='second_order' or 'first_order' without compile, which do, or detach "
                 f"the inputs if the encoder is not to be trained through the learner."
             )
-    if adapts_all:
+    if all_adapted is not None:
         unadapted = sorted(k for k, v in consts.items() if v.requires_grad and k in names)
         if unadapted:
-            why = (
-                "Reptile moves only what the inner loop moved, as its reference code interpolates every "
-                "trainable variable after adapting all of them"
-                if mode == "reptile"
-                else "iMAML's meta-gradient is that of the adapted weights"
-            )
             raise ValueError(
-                f"mode={mode!r} needs every trainable parameter adapted ({why}); "
+                f"mode={mode!r} needs every trainable parameter adapted ({all_adapted}); "
                 f"{', '.join(unadapted)} is trained but not adapted, and would never change: adapt it, or "
                 f"freeze it with requires_grad_(False)."
             )

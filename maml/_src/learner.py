@@ -207,7 +207,7 @@ class MetaLearner:
         self._plan: Plan | None = None  # the last training call's
         initial = self._rates.init(dict(model.named_parameters()), steps)
         self._options["rate_parameters"] = {k: nn.Parameter(v) for k, v in initial.items()}
-        checks.warn_weight_norm(model, self._mode.name)
+        checks.warn_weight_norm(model, self._mode.name, modes.TABLE[self._mode.name].hessian)
 
     # Construction options read back as the learner uses them. Those that may be set on a live learner
     # (_Option) rebuild what depends on them as construction would; the others (_Fixed) refuse, naming the way.
@@ -407,7 +407,14 @@ class MetaLearner:
         step_weights = modes.check_step_weights(
             self._mode.name, step_weights, steps, like, compiled=self.compile and grad
         )
-        self._probe(params, consts, batch, batching=self.batching, mode=self._mode.name, choose=not self._plans(grad))
+        self._probe(
+            params,
+            consts,
+            batch,
+            batching=self.batching,
+            lean=self._mode.plans == "segments",
+            choose=not self._plans(grad),
+        )
         self._example_shape = batch.support_x.shape[2:]
         if grad:
             modes.check_differentiable(self._mode.name, self.compile, batch, consts, self._names)
@@ -434,7 +441,7 @@ class MetaLearner:
         checks.no_running_stats(self.model)
         consts = constants(self.model, dict(self.model.named_parameters()), fast)
         one = {k: v[0] for k, v in fast.items()}
-        self._probe(one, consts, TaskBatch(x, y, x, y), batching=self.batching, mode=self._mode.name)
+        self._probe(one, consts, TaskBatch(x, y, x, y), batching=self.batching, lean=self._mode.plans == "segments")
         with unfused_layers():
             return self._forward(fast, consts, x, y)
 
@@ -461,7 +468,7 @@ class MetaLearner:
         x, y = support_x.unsqueeze(0), support_y.unsqueeze(0)
         params, consts, steps = self._prepare("adapt", params, steps, x)
         task = TaskBatch(x, y, x, y)
-        self._probe(params, consts, task, batching=self.batching, mode=self._mode.name)
+        self._probe(params, consts, task, batching=self.batching, lean=self._mode.plans == "segments")
         self._example_shape = support_x.shape[1:]
         with modes.attention(self._mode.name):
             fast = modes.TABLE[self._mode.name].adapt(self._call(params, consts, task, steps, None))
@@ -531,7 +538,7 @@ class MetaLearner:
         if built:
             rule = self.rule  # fixed: a module rule's tensors are meta-parameters
             if "mode" in changes:
-                checks.warn_weight_norm(opts["model"], opts["mode"].name)
+                checks.warn_weight_norm(opts["model"], opts["mode"].name, modes.TABLE[opts["mode"].name].hessian)
         model = opts["model"]
         self._options = {**opts, "inner_lr": float(opts["inner_lr"]), "rule": rule}
         self._names = {name for name, _ in model.named_parameters()}
@@ -605,7 +612,7 @@ class MetaLearner:
         if not self._plans(True):
             return None
         params, consts, steps = self._prepare("run", None, None, batch.support_x, batch.query_x)
-        self._probe(params, consts, batch, batching=self.batching, mode=self._mode.name, choose=False)
+        self._probe(params, consts, batch, batching=self.batching, lean=self._mode.plans == "segments", choose=False)
         return self._plan_of(Problem(self._loop, params, self._rate_values(), consts, batch, steps))
 
     def _plan_of(self, problem: Problem) -> Plan | None:

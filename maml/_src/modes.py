@@ -131,7 +131,9 @@ class Paths:
     ``compiles``: ``compile=True`` applies; ``inputs``: inputs that require grad get their gradient;
     ``plans``: what a memory budget decides (``planner.py``): ``"chunks"``, the tasks whose graphs
     ``backward`` holds at once; ``"segments"``, the tasks replayed together and the segment length
-    (planned on a default budget too); ``None``, nothing (memory flat in the tasks' steps).
+    (planned on a default budget too); ``None``, nothing (memory flat in the tasks' steps);
+    ``hessian``: the meta-gradient takes second derivatives of the support loss (Hessian-vector
+    products included), so an operator with a wrong one (``weight_norm``) makes it wrong.
     """
 
     train: Path
@@ -142,6 +144,7 @@ class Paths:
     compiles: bool
     inputs: bool
     plans: str | None
+    hessian: bool = True
 
 
 TABLE: dict[str, Paths] = {
@@ -149,13 +152,29 @@ TABLE: dict[str, Paths] = {
         _eager(False), _eager(False), _adapt(False), True, twice=True, compiles=True, inputs=True, plans="chunks"
     ),
     "first_order": Paths(
-        _eager(True), _eager(False), _adapt(True), True, twice=False, compiles=True, inputs=True, plans="chunks"
+        _eager(True),
+        _eager(False),
+        _adapt(True),
+        True,
+        twice=False,
+        compiles=True,
+        inputs=True,
+        plans="chunks",
+        hessian=False,
     ),
     "checkpointed": Paths(
         _checkpointed, _eager(False), _adapt(False), True, twice=True, compiles=False, inputs=False, plans="segments"
     ),
     "reptile": Paths(
-        _reptile, _eager(False), _adapt(True), False, twice=False, compiles=False, inputs=False, plans=None
+        _reptile,
+        _eager(False),
+        _adapt(True),
+        False,
+        twice=False,
+        compiles=False,
+        inputs=False,
+        plans=None,
+        hessian=False,
     ),
     "implicit": Paths(
         _implicit, _implicit_evaluation, _implicit_adapt, False, twice=False, compiles=False, inputs=False, plans=None
@@ -389,10 +408,20 @@ def check_step_weights(mode: str, weights: Any, steps: int, like: Tensor, *, com
     return checks.step_weights(weights, steps, like, compiled=compiled)
 
 
+_WHY_ALL_ADAPTED = {
+    "reptile": "Reptile moves only what the inner loop moved, as its reference code interpolates every trainable "
+    "variable after adapting all of them",
+    "implicit": "iMAML's meta-gradient is that of the adapted weights",
+}
+
+
 def check_differentiable(mode: str, compile: bool, batch: TaskBatch, consts: Params, names: Collection[str]) -> None:
     """``checks.differentiable`` for ``mode``: what its meta-gradient reaches (inputs, unadapted parameters)."""
     spec = TABLE[mode]
-    checks.differentiable(mode, compile, batch, consts, names, inputs=spec.inputs, adapts_all=not spec.unrolled)
+    why = _WHY_ALL_ADAPTED.get(mode, "its meta-gradient reaches the adapted weights alone")
+    checks.differentiable(
+        mode, compile, batch, consts, names, inputs=spec.inputs, all_adapted=None if spec.unrolled else why
+    )
 
 
 def attention(mode: str) -> contextlib.AbstractContextManager[object]:

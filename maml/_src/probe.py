@@ -35,7 +35,7 @@ class Probe:
 
     @unfused_layers()  # its passes are differentiated: no fused attention layers (forward.unfused_layers)
     def __call__(
-        self, params: Params, consts: Params, batch: TaskBatch, *, batching: str, mode: str, choose: bool = True
+        self, params: Params, consts: Params, batch: TaskBatch, *, batching: str, lean: bool, choose: bool = True
     ) -> None:
         """Checks the model on ``batch``'s first task if its configuration is new, then lets ``"auto"`` choose.
 
@@ -44,7 +44,8 @@ class Probe:
             consts: the other parameters and the buffers.
             batch: ``T`` tasks; ``T > 1`` lets ``"auto"`` time vmap against the loop on them.
             batching: the learner's ``batching`` (read at every call).
-            mode: the learner's mode (read at every call: it may be set between steps).
+            lean: the learner's mode replays segments for memory (``modes.Paths.plans == "segments"``; read
+                at every call: the mode may be set between steps).
             choose: let ``"auto"`` time its batching on this batch; a call whose step a memory
                 budget plans times it on the planned tasks instead (``MetaLearner._plan_of``).
         """
@@ -62,10 +63,10 @@ class Probe:
             self._checked.add(key)
         if not choose:
             return
-        # The checkpointed mode with its tasks given plans nothing (MetaLearner._plans) and is chosen for memory:
+        # The checkpointed mode with its tasks given plans nothing (MetaLearner._plans) and is chosen for memory (lean):
         # "auto" takes the loop there, untimed. Timing vmap holds several tasks' graphs at once, more than the mode's
         # segments do (a conv net of tests/engine/test_memory_plan.py, 2 tasks a chunk: 7.0 MB of tensors against 9.8).
-        if mode == "checkpointed" and torch.is_grad_enabled() and batching == "auto":
+        if lean and torch.is_grad_enabled() and batching == "auto":
             self.forward.use_loop(device)
         tasks = batch.num_tasks
         data = [(batch.support_x, batch.support_y), (batch.query_x, batch.query_y)]

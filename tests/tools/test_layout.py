@@ -173,3 +173,21 @@ def test_the_exit_codes_are_defined_in_one_module():
             ):
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not found, found
+
+
+def test_no_engine_module_but_the_mode_table_compares_a_mode_name():
+    """What a mode is lives in its row of ``maml._src.modes.TABLE`` (and its options in its class): no other module
+    of the engine tests ``mode == "reptile"`` or ``mode in ("first_order", ...)``; they read the row."""
+    names = {"second_order", "first_order", "checkpointed", "reptile", "implicit"}
+    found = []
+    for path in sorted((ROOT / "maml").rglob("*.py")):
+        if path.name == "modes.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Compare) and any(
+                isinstance(c, ast.Constant) and c.value in names
+                for side in [node.left, *node.comparators]
+                for c in ast.walk(side)
+            ):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not found, found
