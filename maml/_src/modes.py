@@ -144,42 +144,23 @@ class Paths:
     compiles: bool
     inputs: bool
     plans: str | None
-    hessian: bool = True
+    hessian: bool
 
 
+# fmt: off
 TABLE: dict[str, Paths] = {
-    "second_order": Paths(
-        _eager(False), _eager(False), _adapt(False), True, twice=True, compiles=True, inputs=True, plans="chunks"
-    ),
-    "first_order": Paths(
-        _eager(True),
-        _eager(False),
-        _adapt(True),
-        True,
-        twice=False,
-        compiles=True,
-        inputs=True,
-        plans="chunks",
-        hessian=False,
-    ),
-    "checkpointed": Paths(
-        _checkpointed, _eager(False), _adapt(False), True, twice=True, compiles=False, inputs=False, plans="segments"
-    ),
-    "reptile": Paths(
-        _reptile,
-        _eager(False),
-        _adapt(True),
-        False,
-        twice=False,
-        compiles=False,
-        inputs=False,
-        plans=None,
-        hessian=False,
-    ),
-    "implicit": Paths(
-        _implicit, _implicit_evaluation, _implicit_adapt, False, twice=False, compiles=False, inputs=False, plans=None
-    ),
+    "second_order": Paths(_eager(False), _eager(False), _adapt(False), True,
+                          twice=True, compiles=True, inputs=True, plans="chunks", hessian=True),
+    "first_order": Paths(_eager(True), _eager(False), _adapt(True), True,
+                         twice=False, compiles=True, inputs=True, plans="chunks", hessian=False),
+    "checkpointed": Paths(_checkpointed, _eager(False), _adapt(False), True,
+                          twice=True, compiles=False, inputs=False, plans="segments", hessian=True),
+    "reptile": Paths(_reptile, _eager(False), _adapt(True), False,
+                     twice=False, compiles=False, inputs=False, plans=None, hessian=False),
+    "implicit": Paths(_implicit, _implicit_evaluation, _implicit_adapt, False,
+                      twice=False, compiles=False, inputs=False, plans=None, hessian=True),
 }
+# fmt: on
 MODES: tuple[str, ...] = tuple(TABLE)
 UNROLLED_MODES: tuple[str, ...] = tuple(m for m, spec in TABLE.items() if spec.unrolled)
 COMPILED_MODES: tuple[str, ...] = tuple(m for m, spec in TABLE.items() if spec.compiles)
