@@ -367,6 +367,13 @@ def one_error(err: str) -> str:
     return lines[-1]
 
 
+def says(line: str, lead: str, *fixes: str) -> None:
+    """An error line names ``lead`` first and holds each of ``fixes``: what a message must say, not its wording."""
+    assert "\n" not in line.rstrip("\n") and line.startswith(f"error: {lead}"), line
+    for fix in fixes:
+        assert fix in line, (fix, line)
+
+
 # ---------------------------------------------------------------- image data sets
 
 SPLITS = ("train", "val", "test")

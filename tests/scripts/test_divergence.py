@@ -1,8 +1,9 @@
 """What the experiment scripts say when a run diverges: which loop (inner or outer), the rate to lower and
 what the checkpoint keeps; and the sine test table for diverged values.
 
-Each message is checked whole: the flag, the value and the fix, one line, and exit code 1 (a divergence
-is no usage error). The runs are in-process and tiny, with wandb disabled.
+Each message is pinned by what it must say, not its wording: one line that leads with the loop (or the flag
+and its value), the meta-iteration, the rate to lower and the checkpoint, and exit code 1 (a divergence is no
+usage error). The runs are in-process and tiny, with wandb disabled.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import TINY_SINE, exits
+from helpers import TINY_SINE, exits, says
 from torch import nn
 
 import maml
@@ -33,14 +34,13 @@ def _quiet(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 
 def test_an_infinite_or_nan_rate_is_refused_at_parse_time(capsys, tmp_path):
     out = tmp_path / "run"
-    for flag, value, fix in (
-        ("--meta-lr", "inf", ", e.g. 0.001 (the default)"),
-        ("--inner-lr", "nan", ", e.g. 0.001 (the default)"),
-        ("--meta-lr", "1e39", " (in float32, the parameters' precision), e.g. 0.001 (the default)"),
+    for flag, value, fixes in (
+        ("--meta-lr", "inf", ("> 0", "e.g. 0.001")),
+        ("--inner-lr", "nan", ("> 0", "e.g. 0.001")),
+        ("--meta-lr", "1e39", ("> 0", "float32", "e.g. 0.001")),
     ):
         err = exits(capsys, sine.run, [flag, value, "--out", str(out), *TINY_SINE], 2)
-        shown = f"{float(value):g}"
-        assert err == f"error: {flag} {shown} must be a finite number > 0{fix}."
+        says(err, f"{flag} {float(value):g}", *fixes)
     assert not out.exists()
 
 
@@ -49,10 +49,13 @@ def test_outer_divergence_names_the_meta_iteration_and_the_meta_lr(capsys, tmp_p
     out = tmp_path / "run"
     argv = ["--meta-lr", "1e30", "--iterations", "5", "--checkpoint-every", "1", "--out", str(out), *TINY_SINE]
     err = exits(capsys, sine.run, argv, 1)
-    assert err == (
-        "error: the outer loop diverged by meta-iteration 2: the meta-parameters are finite, but their own support "
-        f"loss (before any inner step) is nan for task 0; lower --meta-lr 1e+30. The run stopped; {out / 'checkpoint.pt'} "
-        "keeps meta-iteration 1."
+    says(
+        err,
+        "the outer loop",
+        "meta-iteration 2",
+        "lower --meta-lr 1e+30",
+        str(out / "checkpoint.pt"),
+        "meta-iteration 1",
     )
     # The iteration that diverged was not checkpointed: the checkpoint holds the finite weights before it.
     state = torch.load(out / "checkpoint.pt", weights_only=False)
@@ -103,10 +106,14 @@ def test_meta_parameters_that_ran_away_blame_the_outer_loop_though_an_inner_loss
     with pytest.raises(Diverged) as diverged:  # steps=2: the engine's check; steps=1: the step after
         meta_step(watch, learner, optimizer, batch)
     loss = "query" if steps == 1 else "support"
-    assert str(diverged.value) == (
-        "the outer loop diverged by meta-iteration 2: its updates raised the meta-parameters' own loss (before any "
-        f"inner step) from 0.8196 to 8.822e+18, and from there the {loss} loss of task 0 is inf after 1 inner step; "
-        "lower --meta-lr 0.001"
+    says(
+        f"error: {diverged.value}",
+        "the outer loop",
+        "meta-iteration 2",
+        "0.8196",
+        "8.822e+18",
+        f"{loss} loss",
+        "lower --meta-lr 0.001",
     )
     assert watch.iteration == 1
 
@@ -116,9 +123,13 @@ def test_the_same_overflow_from_meta_parameters_that_did_not_run_away_blames_the
     watch = DivergenceWatch(learner, 4, 0.001, 1e4)
     with pytest.raises(Diverged) as diverged:
         meta_step(watch, learner, optimizer, batch)
-    assert str(diverged.value) == (
-        "the inner loop diverged at meta-iteration 5: the support loss of task 0 is inf after 2 inner steps, from a "
-        "support loss of 0.8193 at the meta-parameters; lower --inner-lr 10000"
+    says(
+        f"error: {diverged.value}",
+        "the inner loop",
+        "meta-iteration 5",
+        "2 inner steps",
+        "0.8193",
+        "lower --inner-lr 10000",
     )
 
 
@@ -127,12 +138,8 @@ def test_inner_divergence_names_the_inner_lr(capsys, tmp_path):
     err = exits(
         capsys, sine.run, ["--inner-lr", "100", "--steps", "3", "--iterations", "5", "--out", str(out), *TINY_SINE], 1
     )
-    assert re.fullmatch(
-        r"error: the inner loop diverged at meta-iteration [1-5]: the (support|query) loss of task \d is (inf|nan) after "
-        r"[1-3] inner steps?, from a support loss of [0-9.]+ at the meta-parameters; lower --inner-lr 100\. "
-        r"The run stopped; no checkpoint was written\.",
-        err,
-    ), err
+    says(err, "the inner loop", "lower --inner-lr 100", "no checkpoint")
+    assert re.search(r"meta-iteration [1-5]\b", err), err
 
 
 class Blowup(torch.optim.Optimizer):
@@ -166,14 +173,15 @@ def test_an_optimizer_step_that_makes_a_weight_nan_is_caught_before_the_checkpoi
     with pytest.raises(Diverged) as diverged:
         meta_step(watch, learner, optimizer, batch)
     if nan_grad:  # finite losses, a NaN meta-gradient, meta-parameters that have not run away: the inner loop
-        assert str(diverged.value) == (
-            "the inner loop diverged at meta-iteration 8: the meta-gradient through its inner steps is NaN/Inf though "
-            "its losses are finite (the second-order terms overflowed); lower --inner-lr 0.01"
-        )
+        says(f"error: {diverged.value}", "the inner loop", "meta-iteration 8", "lower --inner-lr 0.01")
     else:
-        assert str(diverged.value) == (
-            "the outer loop diverged at meta-iteration 8: its optimizer step with --meta-lr 0.1 made 0.weight NaN/Inf "
-            "from a finite meta-gradient; lower --meta-lr"
+        says(
+            f"error: {diverged.value}",
+            "the outer loop",
+            "meta-iteration 8",
+            "--meta-lr 0.1",
+            "0.weight",
+            "lower --meta-lr",
         )
     assert watch.iteration == 7  # the trainer checkpoints after the step: it never gets there
 
@@ -208,28 +216,16 @@ def test_the_sine_table_keeps_its_columns_for_diverged_values():
 
 
 @pytest.mark.parametrize(
-    "meta_lr, own, fix",
+    "meta_lr, own, lead, fix",
     [
-        (
-            0.01,
-            "8.817e+18",
-            "the inner loop diverged by meta-iteration 2: the meta-steps raised the meta-parameters' own loss (before "
-            "any inner step) from 0.8196 to {own}, and from there the support loss of task 0 is inf after 1 inner step; "
-            "Reptile's meta-step at --meta-lr 0.01 (at most 1) only moves the meta-parameters towards the weights the "
-            "inner steps adapt, so those ran away: lower --inner-lr 0.01 or --steps 2",
-        ),
-        (
-            50.0,
-            "1.459e+18",
-            "the outer loop diverged by meta-iteration 2: the meta-steps raised the meta-parameters' own loss (before "
-            "any inner step) from 0.8196 to {own}, and from there the support loss of task 0 is inf after 1 inner step; "
-            "lower --meta-lr 50 to at most 1, where Reptile's meta-step stops at the adapted weights instead of "
-            "overshooting them",
-        ),
+        (0.01, "8.817e+18", "the inner loop", "lower --inner-lr 0.01 or --steps 2"),
+        (50.0, "1.459e+18", "the outer loop", "lower --meta-lr 50 to at most 1"),
     ],
     ids=["interpolating", "overshooting"],
 )
-def test_reptile_meta_parameters_that_ran_away_blame_what_moved_them(meta_lr: float, own: str, fix: str) -> None:
+def test_reptile_meta_parameters_that_ran_away_blame_what_moved_them(
+    meta_lr: float, own: str, lead: str, fix: str
+) -> None:
     # Reptile's SGD step theta += meta_lr (phi - theta) stops between the meta-parameters and the adapted
     # weights at a meta-lr of at most 1: meta-parameters that ran away were led there by the inner loop, and
     # "lower --meta-lr" would send a user who already lowered it to lower it again. Above 1 the step
@@ -247,7 +243,9 @@ def test_reptile_meta_parameters_that_ran_away_blame_what_moved_them(meta_lr: fl
             p.mul_(1e5)
     with pytest.raises(Diverged) as diverged:
         meta_step(watch, learner, optimizer, batch)
-    assert str(diverged.value) == fix.format(own=own)
+    line = f"error: {diverged.value}"
+    says(line, lead, "meta-iteration 2", "0.8196", own, fix)
+    assert ("lower --meta-lr" in line) == (meta_lr > 1), line
 
 
 def test_a_reptile_run_that_diverges_names_the_inner_lr_not_the_meta_lr_it_lowered(
@@ -256,12 +254,6 @@ def test_a_reptile_run_that_diverges_names_the_inner_lr_not_the_meta_lr_it_lower
     out = tmp_path / "run"
     argv = ["--algorithm", "reptile", "--inner-lr", "5", "--meta-lr", "0.01", "--iterations", "50", "--out", str(out)]
     err = exits(capsys, sine.run, [*argv, *TINY_SINE], 1)
-    assert re.fullmatch(
-        r"error: the inner loop diverged by meta-iteration \d+: the meta-steps raised the meta-parameters' own loss "
-        r"\(before any inner step\) from [0-9.e+]+ to [0-9.e+]+, and from there the (support|query) loss of task \d "
-        r"is (inf|nan) after [1-5] inner steps?; Reptile's meta-step at --meta-lr 0\.01 \(at most 1\) only moves the "
-        r"meta-parameters towards the weights the inner steps adapt, so those ran away: lower --inner-lr 5 or "
-        r"--steps 5\. The run stopped; .*",
-        err,
-    ), err
+    says(err, "the inner loop", "lower --inner-lr 5 or --steps 5")
+    assert re.search(r"meta-iteration \d+", err), err
     assert "lower --meta-lr" not in err

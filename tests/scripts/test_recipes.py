@@ -19,7 +19,7 @@ import signal
 import numpy as np
 import pytest
 import torch
-from helpers import checkpoint, omniglot_root, one_error, run_sine
+from helpers import checkpoint, omniglot_root, one_error, run_sine, says
 from torch import nn
 
 import maml
@@ -131,11 +131,7 @@ def test_a_length_scheduled_run_refuses_another_length_on_resume(capsys, tmp_pat
     out = tmp_path / "run"
     run_sine(capsys, [*MAMLPP, "--iterations", "4", "--out", str(out)])
     line = one_error(run_sine(capsys, [*MAMLPP, "--iterations", "6", "--out", str(out), "--resume"], code=2))
-    assert line == (
-        "error: --resume: --iterations 6 differs from the run's 4, and its schedule (meta_lr_schedule, "
-        "first_order_fraction or msl_fraction, as --algorithm sets them) is a share of --iterations; "
-        "resume with --iterations 4."
-    )
+    says(line, "--resume", "--iterations 6", "resume with --iterations 4")
 
 
 # ---------------------------------------------------------------- Reptile, iMAML, per-step batch norm
@@ -247,46 +243,36 @@ def test_reptile_trains_on_more_shots_than_it_tests():
 
 
 @pytest.mark.parametrize(
-    "args, line",
+    "args, lead, fixes",
     [
         (
             ["--algorithm", "reptile", "--learn-inner-lr", "scalar"],
-            "error: --learn-inner-lr scalar: --mode reptile's meta-gradient differentiates no inner step, so it has "
-            "none for the rates; drop it, or pick another --mode.",
+            "--learn-inner-lr scalar",
+            ("--mode reptile", "drop it", "pick another --mode"),
         ),
         (
             ["--algorithm", "imaml", "--msl-fraction", "0.1"],
-            "error: --msl-fraction 0.1 weighs the query losses of an unrolled inner loop, and --mode implicit "
-            "unrolls none; drop it, or pick another --mode.",
+            "--msl-fraction 0.1",
+            ("--mode implicit", "drop it", "pick another --mode"),
         ),
         (
             ["--algorithm", "imaml", "--adapt", "head"],
-            "error: --mode implicit needs every trained parameter adapted (iMAML's meta-gradient is that of the "
-            "adapted weights), and --adapt head leaves some out, which would never train; pass --adapt all, or "
-            "pick another --mode.",
+            "--mode implicit",
+            ("--adapt head", "pass --adapt all", "pick another --mode"),
         ),
-        (
+        (  # this message names the option, not the flag and its value
             ["--mode", "reptile", "--compile", "true"],
-            "error: compile applies to mode second_order or first_order, not reptile; drop --compile or pick "
-            "another --mode.",
+            "compile",
+            ("reptile", "drop --compile", "pick another --mode"),
         ),
-        (
-            ["--inner-adam-betas", "0.9,1"],
-            "error: --inner-adam-betas 0.9,1 must be two numbers in [0, 1), e.g. 0.9,0.999 (the default).",
-        ),
-        (
-            ["--min-meta-lr", "-1"],
-            "error: --min-meta-lr -1 must be a finite number >= 0, e.g. 1e-05 (the default).",
-        ),
-        (
-            ["--implicit-lam", "0"],
-            "error: --implicit-lam 0 must be a finite number > 0, e.g. 1 (the default).",
-        ),
+        (["--inner-adam-betas", "0.9,1"], "--inner-adam-betas 0.9,1", ("[0, 1)", "e.g. 0.9,0.999")),
+        (["--min-meta-lr", "-1"], "--min-meta-lr -1", (">= 0", "e.g. 1e-05")),
+        (["--implicit-lam", "0"], "--implicit-lam 0", ("> 0", "e.g. 1")),
     ],
 )
-def test_settings_reptile_and_implicit_cannot_honour_are_refused(capsys, tmp_path, args, line):
+def test_settings_reptile_and_implicit_cannot_honour_are_refused(capsys, tmp_path, args, lead, fixes):
     out = tmp_path / "run"
-    assert one_error(run_sine(capsys, [*args, "--out", str(out)], code=2)) == line
+    says(one_error(run_sine(capsys, [*args, "--out", str(out)], code=2)), lead, *fixes)
     assert not out.exists()
 
 
@@ -313,11 +299,7 @@ def test_the_reptile_and_imaml_recipes_run_end_to_end_on_sine(capsys, tmp_path, 
 def test_reptile_adapt_head_is_refused(capsys, tmp_path):
     out = tmp_path / "run"
     line = one_error(run_sine(capsys, ["--algorithm", "reptile", "--adapt", "head", "--out", str(out)], code=2))
-    assert line == (
-        "error: --mode reptile needs every trained parameter adapted (Reptile moves only what the inner loop moved; "
-        "its reference adapts every trainable variable), and --adapt head leaves some out, which would never train; "
-        "pass --adapt all, or pick another --mode."
-    )
+    says(line, "--mode reptile", "--adapt head", "pass --adapt all", "pick another --mode")
     assert not out.exists()
 
 

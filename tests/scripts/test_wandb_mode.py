@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import TINY_SINE, exits
+from helpers import TINY_SINE, exits, says
 
 from experiments import sine
 from experiments.harness.lifecycle import main
@@ -35,10 +35,7 @@ def test_an_unknown_wandb_mode_is_a_usage_error_before_anything_is_written(capsy
     out = tmp_path / "run"
     argv = ["--iterations", "2", "--out", str(out), *TINY_SINE[:-2], *flag]  # TINY_SINE ends with --wandb disabled
     err = exits(capsys, sine.run, argv, 2)
-    assert (
-        err
-        == "error: WANDB_MODE 'offlne' is not one of offline, online, disabled, dryrun, run, shared; set it to one of them, or unset it."
-    )
+    says(err, "WANDB_MODE 'offlne'", "offline, online, disabled", "set it to one of them", "unset it")
     assert not out.exists()
 
 
