@@ -130,8 +130,8 @@ def check_config(cfg: Any, positive: Sequence[str] = ()) -> None:
         )
     if cfg.compile and not mode.compiles:
         raise ValueError(
-            f"compile applies to mode second_order or first_order, not {cfg.mode}; drop --compile or "
-            f"pick another --mode."
+            f"--compile true with --mode {cfg.mode}: only --mode {' or '.join(maml.COMPILED_MODES)} compiles; drop "
+            f"--compile or pick another --mode."
         )
 
 

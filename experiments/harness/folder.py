@@ -103,7 +103,7 @@ class FolderLock:
     def __init__(self) -> None:
         self._held: dict[Path, int] = {}  # the folders held, and the descriptors that hold them
 
-    def take(self, folder: Path, what: str = "--out") -> None:
+    def take(self, folder: Path) -> None:
         """Makes the existing ``folder`` this owner's (idempotent); another live process holding it: UsageError."""
         folder = folder.resolve()
         if folder in self._held:
@@ -118,8 +118,8 @@ class FolderLock:
             holder = lock_holder(folder)
             by = f"process {holder}" if holder else "another process"
             raise UsageError(
-                f"{what} {folder} is in use by {by}, a run still going; wait for it to end, stop it, or pass "
-                f"another {what}."
+                f"--out {folder} is in use by {by}, still running there; wait for it to end, stop it, or pass "
+                f"another --out."
             ) from None
         os.set_inheritable(fd, False)
         self._held[folder] = fd

@@ -157,10 +157,10 @@ def open_out(out: Path | None, sweep: Sweep, resume: bool, lock: FolderLock) -> 
         if (out / "sweep.json").exists() or any(out.glob("trial-*")):
             raise UsageError(f"{out} already holds a sweep; pass --resume to continue it, or a new --out folder")
         out.mkdir(parents=True, exist_ok=True)
-        lock.take(out, "the sweep folder")
+        lock.take(out)
         return out, [], None
     if out.is_dir():
-        lock.take(out, "the sweep folder")  # before reading sweep.json: a runner still going there rewrites it
+        lock.take(out)  # before reading sweep.json: a runner still going there rewrites it
     try:
         report = json.loads((out / "sweep.json").read_text())
     except (OSError, ValueError):

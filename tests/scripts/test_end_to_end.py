@@ -195,7 +195,7 @@ def test_unknown_config_key_and_wrong_types(capsys, tmp_path):
         capsys,
         sine.run,
         ["--compile", "true", "--mode", "checkpointed"],
-        "compile applies to mode second_order or first_order, not checkpointed; drop --compile or pick another --mode.",
+        "--compile true with --mode checkpointed: only --mode second_order or first_order compiles; drop --compile",
     )
 
 

@@ -260,10 +260,10 @@ def test_reptile_trains_on_more_shots_than_it_tests():
             "--mode implicit",
             ("--adapt head", "pass --adapt all", "pick another --mode"),
         ),
-        (  # this message names the option, not the flag and its value
+        (
             ["--mode", "reptile", "--compile", "true"],
-            "compile",
-            ("reptile", "drop --compile", "pick another --mode"),
+            "--compile true with --mode reptile",
+            ("drop --compile", "pick another --mode"),
         ),
         (["--inner-adam-betas", "0.9,1"], "--inner-adam-betas 0.9,1", ("[0, 1)", "e.g. 0.9,0.999")),
         (["--min-meta-lr", "-1"], "--min-meta-lr -1", (">= 0", "e.g. 1e-05")),

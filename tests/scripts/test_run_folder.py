@@ -130,7 +130,7 @@ def test_a_second_sweep_runner_is_refused_and_a_killed_runner_leaves_no_trial_ru
     try:
         wait_for(lambda: (trial / "metrics.jsonl").exists(), "the first trial to start", 300)
         second = script("experiments.sweep", [str(tmp_path / "sweep.yaml"), "--out", str(out), "--resume"], tmp_path)
-        says(last_line(second, 2), f"the sweep folder {out.resolve()}", f"process {runner.pid}", "wait for it")
+        says(last_line(second, 2), f"--out {out.resolve()}", f"process {runner.pid}", "pass another --out")
         holder = lock_holder(trial.resolve())
         assert holder is not None and holder != runner.pid
     finally:
