@@ -171,7 +171,12 @@ CHECKPOINT_HVPS: tuple[str, ...] = ("reverse_over_reverse", "forward_over_revers
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Mode:
-    """A mode without options, by name: ``Mode("second_order")``; ``MetaLearner(mode="second_order")`` builds it.
+    """How the meta-gradient is computed: ``MetaLearner(mode=...)`` and ``learner.mode``.
+
+    A mode without options is ``Mode("second_order")`` (``mode="second_order"`` builds it); the modes
+    with options subclass it (:class:`Checkpointed`, :class:`Implicit`). A mode compares equal to
+    its name where its options are the defaults (``learner.mode == "checkpointed"``), and its
+    properties say what it differentiates, as the learner's checks read them.
 
     Attributes:
         name: one of ``maml.MODES``.
