@@ -493,8 +493,8 @@ def plans(path: Path = REPO / "results/benchmarks/plans.json") -> str:
         f"{s['ways']}-way {s['shots']}-shot, {s['query']} query images per class, {s['steps']} inner steps; times: the "
         f"median CPU time of {s['repeats']} steps of {report['threads']} thread after a warm-up step; a plan fits when "
         f"its tensor peak (profiler memory events) is at most the budget; the candidates: `backward(chunk=c)` and "
-        f"`chunk_size=c` (with `checkpoint_every=1` and with the segments that hold least) for c in 1, 2, 4, 8, by "
-        f"`vmap` and in a loop. `{report['command']}`; torch "
+        f"`maml.Checkpointed(tasks=c)` (with `every=1` and with the segments that hold least) for c in 1, 2, 4, 8, "
+        f"by `vmap` and in a loop. `{report['command']}`; torch "
         f"{report['versions'].get('torch', '?')}; {provenance([report])}.",
     ]
     return "\n".join(lines) + "\n"
