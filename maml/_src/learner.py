@@ -207,7 +207,6 @@ class MetaLearner:
         self._plan: Plan | None = None  # the last training call's
         initial = self._rates.init(dict(model.named_parameters()), steps)
         self._options["rate_parameters"] = {k: nn.Parameter(v) for k, v in initial.items()}
-        checks.warn_weight_norm(model, self._mode.name, modes.TABLE[self._mode.name].hessian)
 
     # Construction options read back as the learner uses them. Those that may be set on a live learner
     # (_Option) rebuild what depends on them as construction would; the others (_Fixed) refuse, naming the way.
@@ -537,8 +536,8 @@ class MetaLearner:
         rule, adapted = options.check_arguments(**{k: opts[k] for k in _ARGUMENTS})
         if built:
             rule = self.rule  # fixed: a module rule's tensors are meta-parameters
-            if "mode" in changes:
-                checks.warn_weight_norm(opts["model"], opts["mode"].name, modes.TABLE[opts["mode"].name].hessian)
+        if "mode" in changes:  # at construction, and each mode set since
+            checks.warn_weight_norm(opts["model"], opts["mode"].name, opts["mode"].hessian)
         model = opts["model"]
         self._options = {**opts, "inner_lr": float(opts["inner_lr"]), "rule": rule}
         self._names = {name for name, _ in model.named_parameters()}

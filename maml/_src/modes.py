@@ -228,6 +228,11 @@ class Mode:
         """What a memory budget plans: ``"chunks"``, ``"segments"`` or ``None`` (:class:`Paths`)."""
         return self._row.plans
 
+    @property
+    def hessian(self) -> bool:
+        """The meta-gradient takes second derivatives of the support loss (Hessian-vector products included)."""
+        return self._row.hessian
+
     def options(self) -> dict[str, Any]:
         """The options that differ from their defaults."""
         return {
@@ -342,7 +347,7 @@ _WHY_NOT_UNROLLED = {
 
 
 def check_mode(mode: str, *, compile: bool, learned: str | None) -> None:
-    """The rules a mode set on a live learner must meet: ``learned`` names learned rates or a rule's tensors.
+    """The rules a mode must meet with the learner's other options: ``learned`` names learned rates or a rule's tensors.
 
     Raises:
         ValueError: naming the option that does not go with ``mode`` and what to do.

@@ -22,7 +22,6 @@ __all__ = [
     "InnerOptimizer",
     "LearnInnerLr",
     "check_arguments",
-    "check_new_mode",
     "forward_batching",
     "learned",
 ]
@@ -105,22 +104,3 @@ def learned(learn_inner_lr: LearnInnerLr, rule: UpdateRule) -> str | None:
     if learn_inner_lr:
         return f"learn_inner_lr={learn_inner_lr!r}"
     return f"the rule {type(rule).__name__}'s own tensors" if rule_tensors(rule) else None
-
-
-def check_new_mode(
-    mode: modes.Mode,
-    *,
-    compile: bool,
-    learn_inner_lr: LearnInnerLr,
-    rule: UpdateRule,
-    chunk_size: int | None,
-    batching: str,
-) -> None:
-    """The checks of a mode set on a live learner built with these options (:func:`modes.check_mode`,
-    :func:`modes.check_options`).
-
-    Raises:
-        ValueError: naming the mode and what does not go with it.
-    """
-    modes.check_mode(mode.name, compile=compile, learned=learned(learn_inner_lr, rule))
-    modes.check_options(mode.name, batching=batching, chunk_size=chunk_size)

@@ -259,7 +259,9 @@ def test_weight_norm_in_an_exact_mode_warns(build, module, mode):
         maml.MetaLearner(model, F.mse_loss, inner_lr=0.3, mode=mode)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        maml.MetaLearner(model, F.mse_loss, inner_lr=0.3, mode="first_order")
+        learner = maml.MetaLearner(model, F.mse_loss, inner_lr=0.3, mode="first_order")
+    with pytest.warns(UserWarning, match=re.escape(WEIGHT_NORM_WARNING.format(module=module, mode=mode))):
+        learner.mode = mode  # set on a live learner, as built with it
 
 
 class HandWeightNorm(nn.Module):
