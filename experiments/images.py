@@ -28,9 +28,8 @@ import tyro
 import tasks
 from experiments import fewshot, peers
 from experiments.harness import fit
-from experiments.harness.checks import check_config
-from experiments.harness.config import ExperimentConfig
-from experiments.harness.fit import FLOAT_BYTES, Need
+from experiments.harness.config import ExperimentConfig, check_config
+from experiments.harness.failures import FLOAT_BYTES, Need
 from experiments.harness.folder import UsageError
 from experiments.nets import LOSSES, REFERENCE_MAXPOOL, build_model, loss_function, meta_only
 

@@ -30,9 +30,8 @@ from torch.func import functional_call
 import maml
 import tasks
 from experiments.harness import fit, report
-from experiments.harness.checks import check_config
-from experiments.harness.config import ExperimentConfig
-from experiments.harness.fit import FLOAT_BYTES, Need
+from experiments.harness.config import ExperimentConfig, check_config
+from experiments.harness.failures import FLOAT_BYTES, Need
 from experiments.harness.report import mean_ci95
 
 __all__ = ["SineConfig", "validate_config", "build_model", "run"]
@@ -156,7 +155,7 @@ def sine_fit(out: Path, model: nn.Module, learner: maml.MetaLearner, device: tor
 
 
 def memory_needs(cfg: SineConfig, params: int | None) -> list[Need]:
-    """Lower bounds on what a sine run holds at one moment (:func:`experiments.harness.fit.check_fits`)."""
+    """Lower bounds on what a sine run holds at one moment (:func:`experiments.harness.failures.check_fits`)."""
     task = (cfg.shots + cfg.query) * 2 * FLOAT_BYTES  # a training task's (x, y) pairs
     return [
         Need(

@@ -1,4 +1,6 @@
-"""One run of an experiment script, from the command line to results.json: :func:`fit`.
+"""One run of an experiment script, from the command line to results.json (:func:`fit`), and where it computes
+(:func:`setup`: its CPU threads, its device, the C++ compiler, and under ``torchrun`` the process group that shares
+each meta-batch).
 
 A script gives its own parts in an :class:`Experiment` (config, data, :class:`Model`, :class:`Tasks`, and a test
 returning :class:`Results`); :func:`fit` does the rest, and :func:`main` turns how a run ends into one line and
@@ -13,29 +15,32 @@ its exit code::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import json
 import os
+import shutil
+import socket
 import sys
+import threading
 from collections.abc import Callable, Collection, Sequence
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 import maml
-from experiments.harness import devices, recipes
+from experiments.harness import recipes
 from experiments.harness.config import RunFlags, RunOptions, parse_args
-from experiments.harness.divergence import DivergenceWatch, stop_on_divergence
-from experiments.harness.folder import UsageError, atomic_write
-from experiments.harness.lifecycle import Lifecycle, main
-from experiments.harness.report import finish_wandb, init_wandb, provenance, wandb_mode
-from experiments.harness.rundir import DATA_KEYS, prepare_out, source, take_out
+from experiments.harness.failures import DivergenceWatch, Need, check_fits, parameter_bytes, stop_on_divergence
+from experiments.harness.folder import UsageError
+from experiments.harness.lifecycle import Lifecycle, RankUsageError, Terminated, main
+from experiments.harness.report import finish, init_wandb, wandb_mode
+from experiments.harness.rundir import prepare_out, source, take_out
 from experiments.harness.trainer import Trainer
 
-__all__ = ["Model", "Tasks", "Results", "Fitted", "Experiment", "fit", "main", "finish"]
-__all__ += ["Need", "parameter_bytes", "free_bytes", "check_fits", "FLOAT_BYTES"]
+__all__ = ["Model", "Tasks", "Results", "Fitted", "Experiment", "fit", "main", "setup"]
+__all__ += ["set_threads", "parse_device", "cxx", "check_device", "join_processes", "check_shards"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,22 +132,23 @@ def setup(name: str, cfg: Any, flags: RunFlags, life: Lifecycle | None = None) -
     a C++ compiler is found), the wandb mode, the threads, the device and, under torchrun, the process group.
 
     Raises:
-        UsageError: a ``$WANDB_MODE`` that is no mode, a bad ``--threads`` or ``--device``, or a process group that
-            cannot be joined on it.
+        UsageError: a ``$WANDB_MODE`` that is no mode, a bad ``--threads`` or ``--device``, a device this machine
+            cannot use, or a process group that cannot be joined on it.
     """
     if cfg.compile is None:  # auto: the compiled step where it applies and a C++ compiler is found
         compiles = maml.Mode.of(cfg.mode).compiles
-        cfg = dataclasses.replace(cfg, compile=compiles and devices.cxx() is not None)
+        cfg = dataclasses.replace(cfg, compile=compiles and cxx() is not None)
         if not cfg.compile and compiles:
             print(
                 "note: no C++ compiler found (g++, c++ or $CXX), so the meta-step runs eager, 2-4x slower on "
                 "small models; install one, or pass --compile false to silence this",
                 file=sys.stderr,
             )
-    device = devices.parse_device(flags.device)
+    device = parse_device(flags.device)
     wandb = wandb_mode(flags.wandb)
-    devices.set_threads(flags.threads)
-    device, rank, size = devices.join_processes(device, life.joined if life is not None else None)
+    set_threads(flags.threads)
+    device, rank, size = join_processes(device, life.joined if life is not None else None)
+    check_device(device)  # this process's own (under torchrun, cuda:LOCAL_RANK)
     return cfg, RunOptions(name, flags.out, flags.resume, flags.overwrite, wandb, device, flags.config, rank, size)
 
 
@@ -154,7 +160,7 @@ def _fit(experiment: Experiment, argv: Sequence[str] | None, life: Lifecycle) ->
     cfg, opts = setup(experiment.name, cfg, flags, life)
     if experiment.resolve is not None:
         cfg = experiment.resolve(cfg)
-    devices.check_shards(cfg.meta_batch, opts.world_size)
+    check_shards(cfg.meta_batch, opts.world_size)
     if experiment.needs is not None:  # sizes whose tensors cannot fit: one line, before anything is written
         check_fits(experiment.needs(cfg, parameter_bytes(lambda: experiment.model(cfg).module)), opts.device)
     resumed = prepare_out(opts, cfg, lock)  # before writing anything; a resume's code is checked against its start's
@@ -164,7 +170,7 @@ def _fit(experiment: Experiment, argv: Sequence[str] | None, life: Lifecycle) ->
     torch.manual_seed(cfg.seed)
     model = experiment.model(cfg)
     net = model.module.to(opts.device)
-    learner = engine_learner(cfg, model, net)
+    learner = recipes.learner(cfg, net, model.loss, model.meta_only)
     tasks = experiment.tasks(cfg, data, opts.device)
     if cfg.memory_budget is not None:  # planned on a batch of its own (the run's draws stay the run's): one line
         try:
@@ -209,127 +215,129 @@ def _fit(experiment: Experiment, argv: Sequence[str] | None, life: Lifecycle) ->
         return  # rank 0 tests and writes the results
     with stop_on_divergence(opts.out, wandb_run):
         results = experiment.test(Fitted(cfg, opts, data, net, learner, trainer))
-    finish(opts, cfg, wandb_run, trainer, results.test, results.metric, **results.extra)
+    finish(opts, cfg, wandb_run, trainer.results(), trainer.data_files, results.test, results.metric, **results.extra)
     print(results.summary)
 
 
-def engine_learner(cfg: Any, model: Model, net: torch.nn.Module) -> maml.MetaLearner:
-    """The run's learner, built from its config; an option the engine refuses (a ``--memory-budget`` that is no
-    size, or one for a mode that plans nothing) is a usage error: one line, exit code 2, nothing written."""
-    try:
-        return maml.MetaLearner(
-            net,
-            model.loss,
-            inner_lr=cfg.inner_lr,
-            steps=cfg.steps,
-            mode=maml.Implicit(cfg.implicit_lam, cfg.cg_iterations) if cfg.mode == "implicit" else cfg.mode,
-            batching=cfg.batching,
-            learn_inner_lr=cfg.learn_inner_lr,
-            compile=cfg.compile,
-            adapt=recipes.adapt_set(net, cfg.adapt, model.meta_only),
-            inner_optimizer=cfg.inner_optimizer,
-            inner_optimizer_options={"betas": cfg.inner_adam_betas} if cfg.inner_optimizer == "adam" else None,
-            memory_budget=cfg.memory_budget,
+# ---------------------------------------------------------------------- where the run computes
+
+
+def set_threads(threads: int | None) -> None:
+    """Sets this process's CPU threads (intra-op, and inter-op where PyTorch still allows it); None keeps PyTorch's.
+
+    Raises:
+        UsageError: ``threads < 1``, or more than the CPUs this process may run on (they would only wait on each other).
+    """
+    if threads is None:
+        return
+    if threads < 1:
+        raise UsageError(
+            f"--threads {threads} must be >= 1, or null for PyTorch's default "
+            f"({torch.get_num_threads()} on this machine)."
         )
-    except (TypeError, ValueError) as e:
-        raise UsageError(str(e)) from None
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if threads > cpus:
+        raise UsageError(f"--threads {threads} is more than the {cpus} CPUs this process may run on; pass 1 to {cpus}.")
+    torch.set_num_threads(threads)
+    with contextlib.suppress(RuntimeError):  # settable once, before any inter-op work; a step uses the intra-op ones
+        torch.set_num_interop_threads(threads)
 
 
-def finish(
-    opts: RunOptions, cfg: Any, run: Any, trainer: Trainer, test: dict[str, dict[str, Any]], metric: str, **extra: Any
-) -> None:
-    """Puts the test metric in the wandb summary, writes results.json, and closes the wandb run."""
-    for key, r in test.items():
-        run.summary[f"test/{metric}_{key}"] = r[metric]
-        run.summary[f"test/{metric}_{key}_ci95"] = r["ci95"]
-    config = dataclasses.asdict(cfg)
-    # No path of this machine in a result file: the data's path relative to the working directory, its fingerprint.
-    data = {
-        k: {"path": os.path.relpath(v), "fingerprint": trainer.data_files.get(k, {}).get("fingerprint")}
-        for k in DATA_KEYS
-        if isinstance(v := config.get(k), str)
-    }
-    config.update({k: d["path"] for k, d in data.items()})
-    results = {
-        "experiment": opts.experiment,
-        "config": config,
-        **({"data_files": data} if data else {}),
-        **extra,
-        "test": test,
-        "final_val": trainer.final_val,
-        "best_val": trainer.best,
-        "iterations": trainer.iterations,
-        "train_seconds": round(trainer.train_seconds, 1),
-        "device": str(opts.device),
-        "processes": opts.world_size,
-        **({"memory_plan": str(plan)} if (plan := getattr(trainer.learner, "plan", None)) is not None else {}),
-        "git_history": trainer.git_history,  # the code at the start and at each resume; at the end: provenance()
-        **provenance(),
-    }
-    atomic_write(opts.out / "results.json", lambda p: p.write_text(json.dumps(results, indent=2) + "\n"))
-    finish_wandb(run)
-
-
-# ---------------------------------------------------------------------- memory
-# Whether a run's tensors can fit, checked before anything is written: a size flag set far too high ends in one
-# line, not a traceback. Each Need is a lower bound every mode reaches: a refused run cannot fit.
-
-FLOAT_BYTES = 4  # float32, the experiments' dtype
-
-
-@dataclasses.dataclass(frozen=True)
-class Need:
-    """Memory a run holds at one moment: what it is, the flags it grows with, and at least how many bytes."""
-
-    what: str  # e.g. "the training meta-batch's images"
-    flags: str  # e.g. "--meta-batch, --ways, --shots, --query"
-    bytes: int | None  # None: more than PyTorch can count (sizes whose product overflows)
-
-
-def parameter_bytes(build: Callable[[], nn.Module]) -> int | None:
-    """The bytes of the parameters of ``build()``, built on the meta device; None where the sizes overflow."""
+def parse_device(name: str) -> torch.device:
+    """The device ``--device name`` names; UsageError if it is not a torch device, or none to train on here."""
     try:
-        with torch.device("meta"):
-            net = build()
-    except RuntimeError as e:
-        if "overflow" in str(e):
-            return None
-        raise
-    return sum(p.numel() * p.element_size() for p in net.parameters())
+        device = torch.device(name)
+    except RuntimeError:
+        raise UsageError(f"--device {name!r} is not a torch device; use cpu, cuda or cuda:N.") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {name}: CUDA is not available on this machine; use --device cpu.")
+    if device.type == "meta":
+        raise UsageError(f"--device {name} holds shapes without data, so nothing can train on it; use --device cpu.")
+    return device
 
 
-def free_bytes(device: torch.device) -> int | None:
-    """The GPU's free memory, or the host's available memory and free swap (Linux); None where it cannot be read."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    if device.type != "cpu":
-        return None
-    try:
-        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
-        return (int(fields["MemAvailable"].split()[0]) + int(fields.get("SwapFree", "0 kB").split()[0])) * 1024
-    except (OSError, KeyError, ValueError):
-        return None
-
-
-def _size(n: float) -> str:
-    for unit in ("bytes", "KB", "MB", "GB", "TB"):
-        if n < 1000:
-            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} PB"
-
-
-def check_fits(needs: Sequence[Need], device: torch.device) -> None:
-    """Raises UsageError naming the flags of the largest need when it exceeds ``device``'s free memory."""
-    free = free_bytes(device)
-    if free is None or not needs:
-        return
-    worst = max(needs, key=lambda n: float("inf") if n.bytes is None else n.bytes)
-    if worst.bytes is not None and worst.bytes <= free:
-        return
-    amount = "more than PyTorch can count" if worst.bytes is None else f"at least {_size(worst.bytes)}"
-    which = "the one set too high" if ", " in worst.flags else "it"
-    where = "this machine" if device.type == "cpu" else str(device)
-    raise UsageError(
-        f"{worst.flags}: {worst.what} need {amount}, and {where} has {_size(free)} of memory free; lower {which}."
+def cxx() -> str | None:
+    """The C++ compiler torch.compile's CPU backend would call, if one is installed."""
+    return next(
+        filter(None, (shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if c)), None
     )
+
+
+def check_device(device: torch.device) -> None:
+    """Raises UsageError, naming what to pass instead, when ``device`` is not usable on this machine."""
+    available = {
+        "cuda": torch.cuda.is_available,
+        "mps": torch.backends.mps.is_available,
+        "xpu": lambda: hasattr(torch, "xpu") and torch.xpu.is_available(),
+    }
+    names = {"cuda": "CUDA GPU", "mps": "Apple MPS GPU", "xpu": "Intel XPU"}
+    if device.type in available and not available[device.type]():
+        reason = f"this PyTorch finds no {names[device.type]}"
+    else:
+        try:
+            torch.empty(1, device=device).add_(1)  # an allocation and a kernel: e.g. cuda:3 on a 1-GPU machine fails
+            return
+        except Exception as e:  # whatever the backend raises (RuntimeError, NotImplementedError, AssertionError)
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0]
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    other = f" or --device {accelerator.type}" if accelerator is not None and accelerator.type != device.type else ""
+    message = f"--device {device} is not available on this machine ({reason}); use --device cpu{other}."
+    # Under torchrun each process checks its own GPU (cuda:LOCAL_RANK): one may fail where the others do not.
+    grouped = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    raise (RankUsageError if grouped and device.index is not None else UsageError)(message)
+
+
+def join_processes(device: torch.device, joined: threading.Event | None = None) -> tuple[torch.device, int, int]:
+    """Under ``torchrun``, joins its process group: this process's device, rank and world size (alone: ``(device, 0, 1)``).
+
+    gloo on CPU; NCCL on GPUs, each process on ``cuda:LOCAL_RANK``. UsageError for a device the backends cannot serve,
+    one GPU for several processes, or fewer GPUs than processes. ``joined`` (the lifecycle's) is set once joined.
+    """
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return device, 0, 1
+    if not dist.is_available():
+        raise UsageError("this PyTorch build has no torch.distributed; run the script without torchrun.")
+    # Nothing listens where the launcher's agent kept the run's store (it opens it before starting the processes):
+    # the agent died, maybe before leave_with_launcher could see it, and joining would wait 30 minutes in C++.
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # (a rank 0 of another launcher opens it)
+        try:
+            socket.create_connection((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])), timeout=10).close()
+        except ConnectionRefusedError:
+            raise Terminated from None  # as the SIGTERM that the launcher's death would have sent
+        except (OSError, KeyError, ValueError):  # unreachable for now, or no address: joining says what is wrong
+            pass
+    if device.type == "cuda":
+        local_rank, local_size = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        if device.index is not None and local_size > 1:
+            raise UsageError(
+                f"--device {device}: the {local_size} processes on this machine would share one GPU; "
+                f"pass --device cuda, and each process takes the GPU cuda:LOCAL_RANK."
+            )
+        if device.index is None:
+            if local_rank >= torch.cuda.device_count():  # this process's GPU alone: the first ones have theirs
+                raise RankUsageError(
+                    f"process LOCAL_RANK={local_rank} needs the GPU cuda:{local_rank}, but this machine has "
+                    f"{torch.cuda.device_count()}; start at most that many processes per machine "
+                    f"(--nproc-per-node)."
+                )
+            device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)  # NCCL and broadcast_object_list use the current device
+        dist.init_process_group("nccl")
+    elif device.type == "cpu":
+        dist.init_process_group("gloo")
+    else:
+        raise UsageError(f"--device {device}: several processes need --device cpu (gloo) or --device cuda (NCCL).")
+    # gloo's init returns on a process whose connections are made while another still makes its own: one
+    # that then stopped on a usage error would break the other's init. All leave together.
+    dist.barrier()
+    if joined is not None:
+        joined.set()
+    return device, dist.get_rank(), dist.get_world_size()
+
+
+def check_shards(meta_batch: int, world_size: int) -> None:
+    """Raises UsageError, at start-up, when the meta-batch cannot be split into equal shares (``maml.shard_size``)."""
+    try:
+        maml.shard_size(meta_batch, world_size)
+    except ValueError as error:
+        raise UsageError(f"--meta-batch {meta_batch}: {error} torchrun starts --nnodes x --nproc-per-node.") from None

@@ -1,4 +1,5 @@
-"""The MAML family as named recipes (``--algorithm``), and the per-iteration schedules they use.
+"""The MAML family as named recipes (``--algorithm``), what a config builds (the learner, the meta-optimizer), and
+the per-iteration schedules the recipes use.
 
 A recipe is a set of config defaults: ``--algorithm mamlpp`` changes what an unset key means,
 and every flag or YAML key still overrides it (precedence: the experiment's defaults, then the
@@ -20,8 +21,9 @@ import torch
 from torch import nn
 
 import maml
+from experiments.harness.folder import UsageError
 
-__all__ = ["ALGORITHMS", "PAPERS", "ADAPT", "recipe", "adapt_set", "meta_optimizer", "Schedule"]
+__all__ = ["ALGORITHMS", "PAPERS", "ADAPT", "recipe", "adapt_set", "learner", "meta_optimizer", "Schedule"]
 
 ALGORITHMS = ("maml", "fomaml", "metasgd", "anil", "mamlpp", "reptile", "imaml")
 PAPERS = {
@@ -125,6 +127,33 @@ def adapt_set(model: nn.Module, adapt: str, meta_only: Collection[str] = ()) -> 
     if adapt == "head":
         return lambda name: name.startswith(head) and name not in meta_only
     return lambda name: not name.startswith(head) and name not in meta_only
+
+
+def learner(
+    cfg: Any,
+    net: nn.Module,
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    meta_only: Collection[str] = (),
+) -> maml.MetaLearner:
+    """The run's learner, built from its config; an option the engine refuses (a ``--memory-budget`` that is no
+    size, or one for a mode that plans nothing) is a usage error: one line, exit code 2, nothing written."""
+    try:
+        return maml.MetaLearner(
+            net,
+            loss,
+            inner_lr=cfg.inner_lr,
+            steps=cfg.steps,
+            mode=maml.Implicit(cfg.implicit_lam, cfg.cg_iterations) if cfg.mode == "implicit" else cfg.mode,
+            batching=cfg.batching,
+            learn_inner_lr=cfg.learn_inner_lr,
+            compile=cfg.compile,
+            adapt=adapt_set(net, cfg.adapt, meta_only),
+            inner_optimizer=cfg.inner_optimizer,
+            inner_optimizer_options={"betas": cfg.inner_adam_betas} if cfg.inner_optimizer == "adam" else None,
+            memory_budget=cfg.memory_budget,
+        )
+    except (TypeError, ValueError) as e:
+        raise UsageError(str(e)) from None
 
 
 def meta_optimizer(

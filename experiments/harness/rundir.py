@@ -1,6 +1,6 @@
 """The run's folder (``--out``): the checks before anything is written, resuming, and making it the run's.
 
-:func:`prepare_out` checks the device and the folder and, with ``--resume``, the checkpoint's
+:func:`prepare_out` checks the folder and, with ``--resume``, the checkpoint's
 config against this run's (the data by its files, wherever they now are) and its code (:func:`source`)
 against this one; :func:`take_out` then clears an ``--overwrite``'n run's files and writes ``config.yaml``.
 """
@@ -11,7 +11,6 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
-import io
 import json
 import os
 import re
@@ -28,7 +27,6 @@ import yaml
 from experiments.harness import recipes
 from experiments.harness.cli import flag
 from experiments.harness.config import RunOptions
-from experiments.harness.devices import broadcast, check_device
 from experiments.harness.folder import (
     METRICS_FILE,
     PLOTS,
@@ -40,7 +38,7 @@ from experiments.harness.folder import (
 )
 
 __all__ = ["RESUMABLE", "DATA_KEYS", "prepare_out", "take_out"]
-__all__ += ["fingerprint", "data_identity", "write_state", "source"]
+__all__ += ["fingerprint", "data_identity", "source"]
 
 # Config keys that --resume may change: none changes the trajectory (except the length of a run whose schedule is a
 # share of it: refused), so a lengthened run ends with the parameters of a run that was that long from the start.
@@ -54,19 +52,18 @@ CODE = Path(__file__).resolve().parents[2]  # the checkout whose commit a run re
 
 
 def prepare_out(opts: RunOptions, cfg: Any, lock: FolderLock) -> dict[str, Any] | None:
-    """Checks the device and the output folder (taking it with ``lock``) before anything is written; returns the
+    """Checks the output folder (taking it with ``lock``) before anything is written; returns the
     checkpoint when resuming.
 
     Rank 0 alone reads ``--out`` (other ranks may not see it) and sends every rank the checkpoint or
     the error, so that all ranks resume from the same state or stop together.
 
     Raises:
-        UsageError: the device is not available; ``--out`` is a file, sits under a file or
+        UsageError: ``--out`` is a file, sits under a file or
             cannot be written; it holds another run (without ``--resume``/``--overwrite``); or
             the checkpoint to resume is missing, unreadable, from a config that differs in
             more than :data:`RESUMABLE`, or begun with other code (:func:`source`) than this.
     """
-    check_device(opts.device)
     outcome: dict[str, Any] | UsageError | None = None
     if opts.main:
         try:
@@ -75,7 +72,10 @@ def prepare_out(opts: RunOptions, cfg: Any, lock: FolderLock) -> dict[str, Any] 
             if opts.world_size == 1:
                 raise
             outcome = e
-    outcome = broadcast(outcome, opts.world_size)
+    if opts.world_size > 1:  # rank 0's outcome on every rank
+        box = [outcome]
+        torch.distributed.broadcast_object_list(box, src=0)
+        outcome = box[0]
     if isinstance(outcome, UsageError):
         raise outcome
     return outcome
@@ -323,14 +323,6 @@ def take_out(opts: RunOptions, cfg: Any, lock: FolderLock) -> None:
             with contextlib.suppress(OSError):
                 out.rmdir()
         raise
-
-
-def write_state(path: Path, state: dict[str, Any]) -> None:
-    """Saves ``state`` (``torch.save``) to ``path`` atomically; through memory, as torch.save to a path turns a full
-    disk into a bare RuntimeError where Python's file I/O raises the OSError that atomic_write reports."""
-    data = io.BytesIO()
-    torch.save(state, data)
-    atomic_write(path, lambda p: p.write_bytes(data.getbuffer()))
 
 
 def _alive(pid: int) -> bool:

@@ -1,31 +1,30 @@
 """The meta-training loop (:class:`Trainer`): resumable bit for bit, sharded under torchrun, stopped cleanly by
-signals; and its log (:class:`Logbook`)."""
+signals; it logs through :class:`~experiments.harness.report.Logbook`."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
+import io
 import signal
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any, Literal
+from typing import Any, Literal
 
 import torch
 
 import maml
 from experiments.harness.config import RunOptions
-from experiments.harness.divergence import DivergenceWatch
-from experiments.harness.folder import BEST_FILE, METRICS_FILE, atomic_write, exit_code, writing
+from experiments.harness.failures import DivergenceWatch
+from experiments.harness.folder import BEST_FILE, METRICS_FILE, atomic_write, exit_code
 from experiments.harness.lifecycle import catch_stop_signals
 from experiments.harness.recipes import Schedule
-from experiments.harness.report import finish_wandb
-from experiments.harness.rundir import DATA_KEYS, data_identity, write_state
+from experiments.harness.report import Logbook, finish_wandb
+from experiments.harness.rundir import DATA_KEYS, data_identity
 from maml import TaskBatch
 
-__all__ = ["Trainer", "Logbook"]
+__all__ = ["Trainer", "write_state"]
 
 
 @dataclasses.dataclass
@@ -44,7 +43,7 @@ class Trainer:
         metrics, val_metrics: ``(output, batch) -> dict`` of training (means over this rank's tasks,
             logged as means over the ranks) and validation metrics.
         val_batch: the fixed validation tasks (None: no validation).
-        watch: explains a NaN/Inf (:class:`~experiments.divergence.DivergenceWatch`).
+        watch: explains a NaN/Inf (:class:`~experiments.harness.failures.DivergenceWatch`).
         select: ``(metric, "max" | "min")``: each validation that beats every earlier one on ``metric`` writes the
             learner's state to ``best.pt``; ``best`` holds it (``{"iteration": i, **metrics}``).
     """
@@ -287,6 +286,18 @@ class Trainer:
             out / BEST_FILE, {"iteration": iteration, "validation": validation, "learner": self.learner.state_dict()}
         )
 
+    def results(self) -> dict[str, Any]:
+        """What ``results.json`` keeps of the training (:func:`~experiments.harness.report.finish`)."""
+        plan = getattr(self.learner, "plan", None)  # the memory plan the engine chose, if any
+        return {
+            "final_val": self.final_val,
+            "best_val": self.best,
+            "iterations": self.iterations,
+            "train_seconds": round(self.train_seconds, 1),
+            **({"memory_plan": str(plan)} if plan is not None else {}),
+            "git_history": self.git_history,  # the code at the start and at each resume; at the end: provenance()
+        }
+
     def _inner_losses(self, out: maml.MetaOutput, batch: maml.TaskBatch) -> dict[str, float]:
         row = {"train/query_loss": float(out.query_losses.mean())}
         if out.support_losses.shape[0]:
@@ -300,51 +311,9 @@ class Trainer:
         return {f"inner_lr/{k}": float(v.detach().mean()) for k, v in self.learner.rate_parameters.items()}
 
 
-class Logbook:
-    """Rank 0's log of a run: every row to ``metrics.jsonl`` and to wandb. A start rewrites the file with the
-    checkpoint's history, so after a kill it holds each logged iteration once and none that is redone. Where stderr
-    is no terminal (a batch job), tqdm is silent and a plain progress line per log window goes to stderr instead."""
-
-    def __init__(self, path: Path, file: IO[str], run: Any, wandb_from: int, start: int) -> None:
-        self.path, self.file, self.run, self.wandb_from = path, file, run, wandb_from
-        # tqdm switches itself off without a terminal (disable=None); then a plain line per log window.
-        self.plain = sys.stderr is not None and not sys.stderr.isatty()
-        self.window_began, self.window_start = time.perf_counter(), start
-
-    @classmethod
-    def open(cls, path: Path, history: list[dict[str, float]], run: Any, start: int) -> Logbook:
-        """Rewrites ``path`` with ``history``, opens it for appending, and replays to wandb what its run lacks."""
-        atomic_write(path, lambda p: p.write_text("".join(json.dumps(row) + "\n" for row in history)))
-        with writing(path):
-            file = path.open("a")
-        # wandb's next step: 0 offline; online, past the last row its server holds (it has the earlier ones).
-        wandb_from = run.starting_step
-        for row in history:
-            if row["iteration"] >= wandb_from:
-                run.log(row, step=row["iteration"])
-        return cls(path, file, run, wandb_from, start)
-
-    def write(self, row: dict[str, float], iterations: int) -> None:
-        """One row, to the file (flushed: a kill loses no row the process logged) and to wandb."""
-        iteration = int(row["iteration"])
-        with writing(self.path):
-            self.file.write(json.dumps(row) + "\n")
-            self.file.flush()
-        if iteration >= self.wandb_from:
-            self.run.log(row, step=iteration)
-        if self.plain:
-            now = time.perf_counter()
-            rate = (iteration - self.window_start) / max(now - self.window_began, 1e-9)
-            eta = round((iterations - iteration) / rate)
-            print(
-                f"meta-train {iteration}/{iterations} ({100 * iteration // iterations} %): "
-                f"meta-loss {row['train/meta_loss']:.4g}, {rate:.1f} it/s, "
-                f"ETA {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}",
-                file=sys.stderr,
-                flush=True,
-            )
-            self.window_began, self.window_start = now, iteration
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.file.close()
+def write_state(path: Path, state: dict[str, Any]) -> None:
+    """Saves ``state`` (``torch.save``) to ``path`` atomically; through memory, as torch.save to a path turns a full
+    disk into a bare RuntimeError where Python's file I/O raises the OSError that atomic_write reports."""
+    data = io.BytesIO()
+    torch.save(state, data)
+    atomic_write(path, lambda p: p.write_bytes(data.getbuffer()))

@@ -17,7 +17,7 @@ import torch
 from helpers import REPO, SMALL_SINE, assert_logged, checkpoint, env, finished, script
 
 from experiments.harness import fit
-from experiments.harness.devices import check_shards
+from experiments.harness.fit import check_shards
 from experiments.harness.folder import UsageError, lock_holder
 from experiments.harness.lifecycle import RankUsageError, peer_lost
 

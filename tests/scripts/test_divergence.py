@@ -20,7 +20,7 @@ from torch import nn
 
 import maml
 from experiments import sine
-from experiments.harness.divergence import Diverged, DivergenceWatch
+from experiments.harness.failures import Diverged, DivergenceWatch
 
 
 @pytest.fixture(autouse=True)

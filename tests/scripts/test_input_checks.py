@@ -13,7 +13,7 @@ from helpers import omniglot_root, one_error, run_sine, says
 
 from experiments import omniglot, sine
 from experiments import sweep as sweep_cli
-from experiments.harness import fit as memory
+from experiments.harness import failures as memory
 from experiments.harness.config import parse_args
 from experiments.harness.folder import UsageError
 
