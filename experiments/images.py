@@ -20,8 +20,8 @@ if __name__ == "__main__":  # run as a script: a Ctrl-C or SIGTERM while torch i
 
 import dataclasses
 import os
-from collections.abc import Sequence
-from typing import Annotated, Literal
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Any, ClassVar, Literal
 
 import tyro
 
@@ -44,6 +44,21 @@ Data = tuple[tasks.ImageSplits, list[tasks.FewShotSampler]]  # the splits and th
 class ImagesConfig(ExperimentConfig):
     """The hyperparameters (each a flag and a --config key): the shared ones, then the data's, the model's and the
     evaluation's."""
+
+    # What the recipes set differently on mini-ImageNet and its kin (experiments.harness.recipes).
+    # HowToTrainYourMAMLPytorch's mini-ImageNet configs: 150 epochs of 500 iterations, first order until epoch 80,
+    # 5 steps at its default init_inner_loop_learning_rate 0.01, 15 targets; batch size 4 at 1-shot, 2 at 5-shot
+    # (resolved() sets --meta-batch by --shots).
+    RECIPES: ClassVar[Mapping[str, Mapping[str, Any]]] = {
+        "mamlpp": {
+            "loss": "mean",
+            "network": "maxpool",
+            "per_step_bn": True,
+            "iterations": 75_000,
+            "first_order_fraction": 80 / 150,
+            "eval_steps": (5,),
+        },
+    }
 
     iterations: int = 60_000
     meta_batch: int | None = None

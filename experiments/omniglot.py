@@ -21,8 +21,8 @@ if __name__ == "__main__":  # run as a script: a Ctrl-C or SIGTERM while torch i
 import dataclasses
 import math
 import os
-from collections.abc import Sequence
-from typing import Annotated, Literal
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Any, ClassVar, Literal
 
 import tyro
 
@@ -47,6 +47,30 @@ Data = tuple[tasks.OmniglotSplits, list[tasks.FewShotSampler | None]]
 class OmniglotConfig(ExperimentConfig):
     """The hyperparameters (each a flag and a --config key): the shared ones, then the data's, the model's and the
     evaluation's."""
+
+    # What the recipes set differently on Omniglot (experiments.harness.recipes; their papers' Omniglot values).
+    RECIPES: ClassVar[Mapping[str, Mapping[str, Any]]] = {
+        "mamlpp": {"inner_lr": 0.1, "meta_batch": 8, "loss": "mean", "per_step_bn": True},
+        "reptile": {
+            "inner_optimizer": "adam",
+            "inner_adam_betas": (0.0, 0.999),
+            "inner_lr": 1e-3,
+            "train_shots": 10,
+            "meta_batch": 5,
+            "meta_lr": 1.0,
+            "loss": "mean",
+            "iterations": 100_000,
+            "eval_steps": (50,),
+        },
+        "imaml": {
+            "inner_lr": 0.1,
+            "steps": 16,
+            "meta_batch": 32,
+            "loss": "mean",
+            "network": "maxpool",
+            "eval_steps": (16,),
+        },
+    }
 
     iterations: int = 60_000
     meta_batch: int | None = None

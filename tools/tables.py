@@ -78,7 +78,7 @@ def command(results: dict[str, Any]) -> str:
 
     name, cfg = results["experiment"], results["config"]
     cls = {"omniglot": omniglot.OmniglotConfig, "sine": sine.SineConfig}[name]
-    base = cls(**{k: v for k, v in cfg.items() if k in ("ways", "shots")}, **recipes.recipe(name, cfg["algorithm"]))
+    base = cls(**{k: v for k, v in cfg.items() if k in ("ways", "shots")}, **recipes.recipe(cls, cfg["algorithm"]))
     defaults = dataclasses.asdict(base.resolved() if hasattr(base, "resolved") else base)
     flags = []
     for key, value in results["config"].items():
@@ -602,17 +602,20 @@ def _flags_of(name: str) -> Callable[[], str]:
 
 
 def recipe_table() -> str:
-    """What each ``--algorithm`` sets, in both scripts and in each (``experiments.harness.recipes``)."""
-    from experiments.harness import cli, recipes
+    """What each ``--algorithm`` sets, in both scripts (``experiments.harness.recipes``) and in each (its config's
+    ``RECIPES``)."""
+    from experiments import omniglot, sine  # here: only this needs torch
+    from experiments.harness import cli, config, recipes
 
     def keys(values: dict[str, Any]) -> str:
         return " ".join(f"`{cli.flag(k)} {cli.show(v)}`" for k, v in values.items()) or "-"
 
     lines = ["| `--algorithm` | paper | both scripts | sine | Omniglot |", "|---|---|---|---|---|"]
     for algorithm in recipes.ALGORITHMS:
-        common = recipes.recipe("none", algorithm)
+        common = recipes.recipe(config.ExperimentConfig, algorithm)
         own = {
-            e: {k: v for k, v in recipes.recipe(e, algorithm).items() if k not in common} for e in ("sine", "omniglot")
+            e: {k: v for k, v in recipes.recipe(cls, algorithm).items() if k not in common}
+            for e, cls in (("sine", sine.SineConfig), ("omniglot", omniglot.OmniglotConfig))
         }
         cells = [f"`{algorithm}`", recipes.PAPERS[algorithm], keys(common), keys(own["sine"]), keys(own["omniglot"])]
         lines.append("| " + " | ".join(cells) + " |")

@@ -9,6 +9,7 @@ box), and tyro itself only renders ``--help`` (:func:`tyro_cli`). ``--config`` f
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import types
 import typing
@@ -21,7 +22,7 @@ import yaml
 
 from experiments.harness.folder import UsageError
 
-__all__ = ["REGISTRY", "flag", "show", "suggest", "spec_of", "read_items", "read_argv", "tyro_cli"]
+__all__ = ["REGISTRY", "flag", "show", "suggest", "field_types", "spec_of", "read_items", "read_argv", "tyro_cli"]
 __all__ += ["DuplicateKey", "UniqueKeys", "load_yaml"]
 
 
@@ -102,6 +103,12 @@ def _read_values(info: tyro.constructors.PrimitiveTypeInfo) -> tyro.constructors
             choices=None if some.choices is None else (*some.choices, "null", "None"),
         )
     return None
+
+
+def field_types(cls: type) -> dict[str, Any]:
+    """The type of each field of the dataclass ``cls``, by name: its flags and YAML keys (class variables are none)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
 def spec_of(tp: Any) -> tyro.constructors.PrimitiveConstructorSpec:
@@ -262,7 +269,7 @@ def load_yaml(path: Path, cls: type) -> dict[str, Any]:
         raise UsageError(f"--config {path}: not valid YAML: {e}") from None
     if not isinstance(data, dict):
         raise UsageError(f"--config {path}: must be a mapping of config keys to values, got {type(data).__name__}.")
-    types_ = typing.get_type_hints(cls)
+    types_ = field_types(cls)
     items = []
     for key, value in data.items():
         name = str(key).replace("-", "_")

@@ -10,10 +10,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-import typing
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import torch
 import tyro
@@ -78,6 +77,9 @@ class RunOptions:
 class ExperimentConfig:
     """The hyperparameters every experiment has; the defaults are the sine protocol's (Finn et al.), which an
     experiment's subclass overrides and extends."""
+
+    # What each recipe (--algorithm) sets differently for the experiment: its paper's values for that data.
+    RECIPES: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
 
     iterations: int = 70_000
     """meta-iterations"""
@@ -311,8 +313,8 @@ def parse_args(
         UsageError: unknown flag or key (with close matches), wrong type, or invalid value.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    run_keys = typing.get_type_hints(RunFlags)
-    types_ = {**run_keys, **typing.get_type_hints(cls)}
+    run_keys = cli.field_types(RunFlags)
+    types_ = {**run_keys, **cli.field_types(cls)}
     flagged = cli.read_argv(argv, types_, switches=("resume", "overwrite"))  # the one parse of argv
     run_defaults = RunFlags(out=Path("runs") / experiment, threads=threads)
     if flagged is None:  # --help: tyro renders it from the dataclasses (their defaults), and exits
@@ -334,7 +336,7 @@ def parse_args(
         raise UsageError('--out is empty; pass a folder, e.g. --out runs/try (or "." for this one).')
     from_yaml = cli.load_yaml(flagged["config"], cls) if flagged.get("config") is not None else {}
     algorithm = {**vars(cls()), **from_yaml, **flagged}["algorithm"]
-    preset = {**vars(cls()), **recipes.recipe(experiment, algorithm)}
+    preset = {**vars(cls()), **recipes.recipe(cls, algorithm)}
     # A run's config.yaml holds every key: only a value other than the default or the recipe's counts as set.
     given: dict[str, Path | None] = {k: flagged["config"] for k, v in from_yaml.items() if v != preset.get(k)}
     given |= {k: None for k in flagged if k not in run_keys}

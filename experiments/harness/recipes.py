@@ -60,54 +60,18 @@ _RECIPES: dict[str, dict[str, Any]] = {
     },
     "imaml": {"mode": "implicit", "implicit_lam": 2.0, "cg_iterations": 5},
 }
-# What a recipe sets differently per experiment (the paper's values for that data).
-_PER_EXPERIMENT: dict[tuple[str, str], dict[str, Any]] = {
-    ("omniglot", "mamlpp"): {"inner_lr": 0.1, "meta_batch": 8, "loss": "mean", "per_step_bn": True},
-    ("sine", "mamlpp"): {"rate_meta_lr": 1e-4},
-    # HowToTrainYourMAMLPytorch's mini-ImageNet configs: 150 epochs of 500 iterations, first order until epoch 80,
-    # 5 steps at its default init_inner_loop_learning_rate 0.01, 15 targets; batch size 4 at 1-shot, 2 at 5-shot
-    # (experiments.images resolves --meta-batch by --shots).
-    ("images", "mamlpp"): {
-        "loss": "mean",
-        "network": "maxpool",
-        "per_step_bn": True,
-        "iterations": 75_000,
-        "first_order_fraction": 80 / 150,
-        "eval_steps": (5,),
-    },
-    ("omniglot", "reptile"): {
-        "inner_optimizer": "adam",
-        "inner_adam_betas": (0.0, 0.999),
-        "inner_lr": 1e-3,
-        "train_shots": 10,
-        "meta_batch": 5,
-        "meta_lr": 1.0,
-        "loss": "mean",
-        "iterations": 100_000,
-        "eval_steps": (50,),
-    },
-    ("sine", "reptile"): {"inner_lr": 0.02, "meta_batch": 1, "meta_lr": 0.1, "iterations": 30_000},
-    ("omniglot", "imaml"): {
-        "inner_lr": 0.1,
-        "steps": 16,
-        "meta_batch": 32,
-        "loss": "mean",
-        "network": "maxpool",
-        "eval_steps": (16,),
-    },
-    ("sine", "imaml"): {"steps": 10},
-}
 
 
-def recipe(experiment: str, algorithm: str) -> dict[str, Any]:
-    """The config keys ``algorithm`` sets for ``experiment`` (``"sine"`` or ``"omniglot"``).
+def recipe(config: type, algorithm: str) -> dict[str, Any]:
+    """The config keys ``algorithm`` sets for the experiment whose config dataclass is ``config``: the recipe's,
+    then what the experiment sets differently (its ``RECIPES``: the paper's values for that data).
 
     Raises:
         ValueError: an unknown algorithm, naming the flag and the choices.
     """
     if algorithm not in _RECIPES:
         raise ValueError(f"--algorithm {algorithm!r} is not one of {', '.join(ALGORITHMS)}.")
-    return {**_RECIPES[algorithm], **_PER_EXPERIMENT.get((experiment, algorithm), {})}
+    return {**_RECIPES[algorithm], **getattr(config, "RECIPES", {}).get(algorithm, {})}
 
 
 def adapt_set(model: nn.Module, adapt: str, meta_only: Collection[str] = ()) -> Callable[[str], bool] | None:

@@ -7,6 +7,7 @@ code 2 (a usage error), with nothing written; its wording may change. The runs a
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -97,7 +98,7 @@ def test_help_shows_each_default_once_and_no_alias(capsys, monkeypatch, experime
     cls = {"sine": sine.SineConfig, "omniglot": omniglot.OmniglotConfig}[experiment]
     text = help_text(capsys, monkeypatch, cls, experiment)
     entries = help_entries(text)
-    for field in cls.__dataclass_fields__.values():
+    for field in dataclasses.fields(cls):
         flag = "--" + field.name.replace("_", "-")
         entry = entries[flag]
         assert entry.count("(default") == 1, entry  # once: no "(default: X) (default: None)"

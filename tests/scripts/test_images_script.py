@@ -89,12 +89,12 @@ def test_the_loss_is_the_references_sum_over_k_and_the_meta_loss_its_mean_over_t
 
 
 def test_the_mamlpp_recipe_is_its_repositorys_mini_imagenet_config():
-    one = images.ImagesConfig(**recipes.recipe("images", "mamlpp"), algorithm="mamlpp").resolved()
+    one = images.ImagesConfig(**recipes.recipe(images.ImagesConfig, "mamlpp"), algorithm="mamlpp").resolved()
     assert (one.steps, one.inner_lr, one.meta_batch, one.iterations, one.loss, one.network) == (
         5, 0.01, 4, 75_000, "mean", "maxpool",
     )  # fmt: skip
     assert one.per_step_bn and one.learn_inner_lr == "per_layer_per_step" and one.first_order_fraction == 80 / 150
-    five = images.ImagesConfig(**recipes.recipe("images", "mamlpp"), algorithm="mamlpp", shots=5).resolved()
+    five = images.ImagesConfig(**recipes.recipe(images.ImagesConfig, "mamlpp"), algorithm="mamlpp", shots=5).resolved()
     assert five.meta_batch == 2
 
 

@@ -86,7 +86,7 @@ def test_the_inner_step_is_the_references_sum_of_per_example_losses_over_k_at_up
 def test_adapt_sets_leave_the_batch_norm_offsets_to_the_outer_loop(algorithm):
     model = omniglot.build_model(5, filters=4)
     adapt = recipes.adapt_set(
-        model, recipes.recipe("omniglot", algorithm).get("adapt", "all"), omniglot.meta_only(model)
+        model, recipes.recipe(omniglot.OmniglotConfig, algorithm).get("adapt", "all"), omniglot.meta_only(model)
     )
     learner = maml.MetaLearner(model, F.cross_entropy, inner_lr=0.4, adapt=adapt)
     expected = (
