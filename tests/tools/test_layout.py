@@ -108,7 +108,7 @@ def test_no_module_of_the_scripts_is_longer_than_its_bound(path: Path):
 
 FIT_SCRIPTS = ("experiments.sine", "experiments.omniglot", "experiments.images")
 # The harness modules a fit script's run reads in (its import closure within experiments.harness): 22 flat modules
-# before the harness existed. The goal is 8 (issue 48); a bound that only ever goes down.
+# before the harness existed; a bound that only ever goes down.
 HARNESS_CLOSURE = 10
 
 
