@@ -64,6 +64,99 @@ def provenance() -> dict[str, Any]:
     }
 
 
+def finish(
+    opts: RunOptions,
+    cfg: Any,
+    run: Any,
+    trained: Mapping[str, Any],
+    data_files: Mapping[str, Mapping[str, str | None]],
+    test: dict[str, dict[str, Any]],
+    metric: str,
+    **extra: Any,
+) -> None:
+    """Puts the test metric in the wandb summary, writes results.json, and closes the wandb run.
+
+    ``trained``: what the trainer keeps (``Trainer.results()``); ``data_files``: the data's identity by config key.
+    """
+    for key, r in test.items():
+        run.summary[f"test/{metric}_{key}"] = r[metric]
+        run.summary[f"test/{metric}_{key}_ci95"] = r["ci95"]
+    config = dataclasses.asdict(cfg)
+    # No path of this machine in a result file: the data's path relative to the working directory, its fingerprint.
+    data = {
+        k: {"path": os.path.relpath(v), "fingerprint": data_files.get(k, {}).get("fingerprint")}
+        for k in DATA_KEYS
+        if isinstance(v := config.get(k), str)
+    }
+    config.update({k: d["path"] for k, d in data.items()})
+    results = {
+        "experiment": opts.experiment,
+        "config": config,
+        **({"data_files": data} if data else {}),
+        **extra,
+        "test": test,
+        **trained,
+        "device": str(opts.device),
+        "processes": opts.world_size,
+        **provenance(),
+    }
+    atomic_write(opts.out / "results.json", lambda p: p.write_text(json.dumps(results, indent=2) + "\n"))
+    finish_wandb(run)
+
+
+# ---------------------------------------------------------------------- the training log
+
+
+class Logbook:
+    """Rank 0's log of a run: every row to ``metrics.jsonl`` and to wandb. A start rewrites the file with the
+    checkpoint's history, so after a kill it holds each logged iteration once and none that is redone. Where stderr
+    is no terminal (a batch job), tqdm is silent and a plain progress line per log window goes to stderr instead."""
+
+    def __init__(self, path: Path, file: IO[str], run: Any, wandb_from: int, start: int) -> None:
+        self.path, self.file, self.run, self.wandb_from = path, file, run, wandb_from
+        # tqdm switches itself off without a terminal (disable=None); then a plain line per log window.
+        self.plain = sys.stderr is not None and not sys.stderr.isatty()
+        self.window_began, self.window_start = time.perf_counter(), start
+
+    @classmethod
+    def open(cls, path: Path, history: list[dict[str, float]], run: Any, start: int) -> Logbook:
+        """Rewrites ``path`` with ``history``, opens it for appending, and replays to wandb what its run lacks."""
+        atomic_write(path, lambda p: p.write_text("".join(json.dumps(row) + "\n" for row in history)))
+        with writing(path):
+            file = path.open("a")
+        # wandb's next step: 0 offline; online, past the last row its server holds (it has the earlier ones).
+        wandb_from = run.starting_step
+        for row in history:
+            if row["iteration"] >= wandb_from:
+                run.log(row, step=row["iteration"])
+        return cls(path, file, run, wandb_from, start)
+
+    def write(self, row: dict[str, float], iterations: int) -> None:
+        """One row, to the file (flushed: a kill loses no row the process logged) and to wandb."""
+        iteration = int(row["iteration"])
+        with writing(self.path):
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
+        if iteration >= self.wandb_from:
+            self.run.log(row, step=iteration)
+        if self.plain:
+            now = time.perf_counter()
+            rate = (iteration - self.window_start) / max(now - self.window_began, 1e-9)
+            eta = round((iterations - iteration) / rate)
+            print(
+                f"meta-train {iteration}/{iterations} ({100 * iteration // iterations} %): "
+                f"meta-loss {row['train/meta_loss']:.4g}, {rate:.1f} it/s, "
+                f"ETA {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}",
+                file=sys.stderr,
+                flush=True,
+            )
+            self.window_began, self.window_start = now, iteration
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.file.close()
+
+
 # ---------------------------------------------------------------------- wandb
 
 _MODES = ("offline", "online", "disabled")  # --wandb's choices
@@ -160,102 +253,12 @@ def init_wandb(opts: RunOptions, cfg: Any, name: str, run_id: str | None) -> Any
     return run
 
 
-def finish(
-    opts: RunOptions,
-    cfg: Any,
-    run: Any,
-    trained: Mapping[str, Any],
-    data_files: Mapping[str, Mapping[str, str | None]],
-    test: dict[str, dict[str, Any]],
-    metric: str,
-    **extra: Any,
-) -> None:
-    """Puts the test metric in the wandb summary, writes results.json, and closes the wandb run.
-
-    ``trained``: what the trainer keeps (``Trainer.results()``); ``data_files``: the data's identity by config key.
-    """
-    for key, r in test.items():
-        run.summary[f"test/{metric}_{key}"] = r[metric]
-        run.summary[f"test/{metric}_{key}_ci95"] = r["ci95"]
-    config = dataclasses.asdict(cfg)
-    # No path of this machine in a result file: the data's path relative to the working directory, its fingerprint.
-    data = {
-        k: {"path": os.path.relpath(v), "fingerprint": data_files.get(k, {}).get("fingerprint")}
-        for k in DATA_KEYS
-        if isinstance(v := config.get(k), str)
-    }
-    config.update({k: d["path"] for k, d in data.items()})
-    results = {
-        "experiment": opts.experiment,
-        "config": config,
-        **({"data_files": data} if data else {}),
-        **extra,
-        "test": test,
-        **trained,
-        "device": str(opts.device),
-        "processes": opts.world_size,
-        **provenance(),
-    }
-    atomic_write(opts.out / "results.json", lambda p: p.write_text(json.dumps(results, indent=2) + "\n"))
-    finish_wandb(run)
-
-
 def finish_wandb(run: Any, exit_code: int | None = None) -> None:
     """Finishes the wandb run (marked failed for an ``exit_code`` other than 0 and None)."""
     import wandb
 
     run.finish(exit_code=exit_code)
     wandb.teardown()  # finish() can return before the offline .wandb file is complete; teardown waits for it
-
-
-class Logbook:
-    """Rank 0's log of a run: every row to ``metrics.jsonl`` and to wandb. A start rewrites the file with the
-    checkpoint's history, so after a kill it holds each logged iteration once and none that is redone. Where stderr
-    is no terminal (a batch job), tqdm is silent and a plain progress line per log window goes to stderr instead."""
-
-    def __init__(self, path: Path, file: IO[str], run: Any, wandb_from: int, start: int) -> None:
-        self.path, self.file, self.run, self.wandb_from = path, file, run, wandb_from
-        # tqdm switches itself off without a terminal (disable=None); then a plain line per log window.
-        self.plain = sys.stderr is not None and not sys.stderr.isatty()
-        self.window_began, self.window_start = time.perf_counter(), start
-
-    @classmethod
-    def open(cls, path: Path, history: list[dict[str, float]], run: Any, start: int) -> Logbook:
-        """Rewrites ``path`` with ``history``, opens it for appending, and replays to wandb what its run lacks."""
-        atomic_write(path, lambda p: p.write_text("".join(json.dumps(row) + "\n" for row in history)))
-        with writing(path):
-            file = path.open("a")
-        # wandb's next step: 0 offline; online, past the last row its server holds (it has the earlier ones).
-        wandb_from = run.starting_step
-        for row in history:
-            if row["iteration"] >= wandb_from:
-                run.log(row, step=row["iteration"])
-        return cls(path, file, run, wandb_from, start)
-
-    def write(self, row: dict[str, float], iterations: int) -> None:
-        """One row, to the file (flushed: a kill loses no row the process logged) and to wandb."""
-        iteration = int(row["iteration"])
-        with writing(self.path):
-            self.file.write(json.dumps(row) + "\n")
-            self.file.flush()
-        if iteration >= self.wandb_from:
-            self.run.log(row, step=iteration)
-        if self.plain:
-            now = time.perf_counter()
-            rate = (iteration - self.window_start) / max(now - self.window_began, 1e-9)
-            eta = round((iterations - iteration) / rate)
-            print(
-                f"meta-train {iteration}/{iterations} ({100 * iteration // iterations} %): "
-                f"meta-loss {row['train/meta_loss']:.4g}, {rate:.1f} it/s, "
-                f"ETA {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}",
-                file=sys.stderr,
-                flush=True,
-            )
-            self.window_began, self.window_start = now, iteration
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.file.close()
 
 
 # ---------------------------------------------------------------------- plots
