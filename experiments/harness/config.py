@@ -53,8 +53,9 @@ class RunFlags:
 class RunOptions:
     """How to run, as opposed to what to train (the experiment's config dataclass).
 
-    Under ``torchrun``, ``rank`` and ``world_size`` place this process among the ones that
-    share each meta-batch, and ``device`` is its own (``cuda:LOCAL_RANK`` for ``--device cuda``).
+    Under ``torchrun``, ``rank`` and ``world_size`` place this process among the ones that share each meta-batch,
+    ``device`` is its own (``cuda:LOCAL_RANK`` for ``--device cuda``), and ``restart`` counts the processes' restarts
+    so far (``--max-restarts``): a restart goes on from the checkpoint in ``out``.
     """
 
     experiment: str
@@ -66,6 +67,7 @@ class RunOptions:
     config_file: Path | None
     rank: int = 0
     world_size: int = 1
+    restart: int = 0
 
     @property
     def main(self) -> bool:
@@ -184,11 +186,8 @@ def check_config(cfg: Any, positive: Sequence[str] = ()) -> None:
             if any(v < low for v in values):
                 raise ValueError(f"{flag(key)} {show(value)}{': each' if listed else ''} must be an integer >= {low}.")
             if low == 0 and any(v > MAX_STEPS for v in values):
-                if listed:
-                    raise ValueError(
-                        f"{flag(key)} {show(value)}: each must be at most {most}; pass values up to {MAX_STEPS}."
-                    )
-                raise ValueError(f"{flag(key)} {value} is above {most}; pass at most {MAX_STEPS}.")
+                each, up_to = (": each must be at most", "values up to") if listed else (" is above", "at most")
+                raise ValueError(f"{flag(key)} {show(value)}{each} {most}; pass {up_to} {MAX_STEPS}.")
     if cfg.cg_iterations > MAX_CG_ITERATIONS:
         raise ValueError(
             f"--cg-iterations {cfg.cg_iterations} is above {MAX_CG_ITERATIONS}: conjugate gradient solves an "

@@ -149,7 +149,9 @@ def setup(name: str, cfg: Any, flags: RunFlags, life: Lifecycle | None = None) -
     set_threads(flags.threads)
     device, rank, size = join_processes(device, life.joined if life is not None else None)
     check_device(device)  # this process's own (under torchrun, cuda:LOCAL_RANK)
-    return cfg, RunOptions(name, flags.out, flags.resume, flags.overwrite, wandb, device, flags.config, rank, size)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # set by torchrun (--max-restarts)
+    opts = RunOptions(name, flags.out, flags.resume, flags.overwrite, wandb, device, flags.config, rank, size, restart)
+    return cfg, opts
 
 
 def _fit(experiment: Experiment, argv: Sequence[str] | None, life: Lifecycle) -> None:
@@ -164,6 +166,8 @@ def _fit(experiment: Experiment, argv: Sequence[str] | None, life: Lifecycle) ->
     if experiment.needs is not None:  # sizes whose tensors cannot fit: one line, before anything is written
         check_fits(experiment.needs(cfg, parameter_bytes(lambda: experiment.model(cfg).module)), opts.device)
     resumed = prepare_out(opts, cfg, lock)  # before writing anything; a resume's code is checked against its start's
+    if resumed is not None:  # (a torchrun restart resumes without --resume; an --overwrite'n run is this one now)
+        opts = dataclasses.replace(opts, resume=True, overwrite=False)
     # The code is recorded as the run starts: one changed and reverted before its end would pass for clean there.
     began = resumed["git_history"] if resumed else [{"at": "start", "iteration": 0, **source()}] if opts.main else []
     data = experiment.load(cfg) if experiment.load is not None else None
@@ -297,15 +301,20 @@ def join_processes(device: torch.device, joined: threading.Event | None = None) 
         return device, 0, 1
     if not dist.is_available():
         raise UsageError("this PyTorch build has no torch.distributed; run the script without torchrun.")
-    # Nothing listens where the launcher's agent kept the run's store (it opens it before starting the processes):
-    # the agent died, maybe before leave_with_launcher could see it, and joining would wait 30 minutes in C++.
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # (a rank 0 of another launcher opens it)
-        try:
-            socket.create_connection((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])), timeout=10).close()
+    store: dict[str, Any] = {}  # where the processes meet (empty: torch.distributed's env:// default)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # the launcher's agent keeps the run's store
+        address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+        try:  # nothing listens there: the agent died, and joining would wait 30 minutes in C++
+            socket.create_connection(address, timeout=10).close()
         except ConnectionRefusedError:
             raise Terminated from None  # as the SIGTERM that the launcher's death would have sent
-        except (OSError, KeyError, ValueError):  # unreachable for now, or no address: joining says what is wrong
+        except OSError:  # unreachable for now: joining says what is wrong
             pass
+        # One store serves each attempt of a run that torchrun restarts (--max-restarts), where a process may read
+        # the address a process of the attempt before left: each attempt's keys apart (pytorch/pytorch#167288).
+        agent = dist.TCPStore(*address, is_master=False, timeout=dist.default_pg_timeout)
+        prefix = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent)
+        store = {"store": prefix, "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
     if device.type == "cuda":
         local_rank, local_size = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         if device.index is not None and local_size > 1:
@@ -322,11 +331,9 @@ def join_processes(device: torch.device, joined: threading.Event | None = None) 
                 )
             device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)  # NCCL and broadcast_object_list use the current device
-        dist.init_process_group("nccl")
-    elif device.type == "cpu":
-        dist.init_process_group("gloo")
-    else:
+    elif device.type != "cpu":
         raise UsageError(f"--device {device}: several processes need --device cpu (gloo) or --device cuda (NCCL).")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", **store)
     # gloo's init returns on a process whose connections are made while another still makes its own: one
     # that then stopped on a usage error would break the other's init. All leave together.
     dist.barrier()

@@ -48,17 +48,11 @@ class RankUsageError(UsageError):
     machine prints the errors that all meet alike."""
 
 
-def _distributed() -> Any:
-    """``torch.distributed``, imported when a run needs it (this module is imported before torch, see above)."""
+def _group() -> Any:
+    """``torch.distributed`` in a process group (torchrun's, once joined), else None; imported when a run needs it."""
     import torch.distributed as dist
 
-    return dist
-
-
-def _grouped() -> bool:
-    """Whether this process is in a process group (torchrun's, once joined)."""
-    dist = _distributed()
-    return dist.is_available() and dist.is_initialized()
+    return dist if dist.is_available() and dist.is_initialized() else None
 
 
 # ---------------------------------------------------------------------- start-up
@@ -120,7 +114,7 @@ def catch_stop_signals(main: bool = True, patience: float | None = None) -> tupl
 
 def process_rank() -> int:
     """This process's rank under torchrun (0 alone): the process group's, or before it exists torchrun's RANK."""
-    return _distributed().get_rank() if _grouped() else int(os.environ.get("RANK", "0"))
+    return dist.get_rank() if (dist := _group()) is not None else int(os.environ.get("RANK", "0"))
 
 
 def prints_usage_errors() -> bool:
@@ -308,17 +302,16 @@ class Lifecycle:
         if self.main_thread and lost is None and self._sigterm is not None:
             signal.signal(signal.SIGTERM, self._sigterm)
         self.lock.release()
-        if _grouped():
-            self._leave_group(together, lost)
+        if (dist := _group()) is not None:
+            self._leave_group(dist, together, lost)
         if lost is not None:  # (a collective's error comes from a process group: not reached)
             print(self.ending_line(lost), file=sys.stderr)
             code = EXIT_FAILED
         if code is not None:
             raise SystemExit(code) from None
 
-    def _leave_group(self, together: int | None, lost: str | None) -> None:
+    def _leave_group(self, dist: Any, together: int | None, lost: str | None) -> None:
         """Leaves the process group; an end the ranks reach together, or another process's, ends this one here."""
-        dist = _distributed()
         if together is not None:
             # Ranks > 0 finish before rank 0 (which evaluates and writes): they wait for it, so that
             # no rank tears down its gloo connections while another still uses them.
@@ -340,8 +333,18 @@ class Lifecycle:
 
 def main(run: Callable[[Sequence[str] | None, Lifecycle], None], argv: Sequence[str] | None = None) -> None:
     """Runs a script's entry point ``run(argv, life)`` in a :class:`Lifecycle`: a UsageError is one line and exit
-    code 2, a stop one line and 130 or 143; under torchrun the death of the launcher stops it as SIGTERM does."""
-    with Lifecycle() as life:
-        if life.main_thread and "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun's agent, its parent
-            life.leave_with_launcher()  # (its SIGTERM, if the launcher is gone already, raises Terminated here)
-        run(argv, life)
+    code 2, a stop one line and 130 or 143. Under torchrun the death of the launcher stops it as SIGTERM does, and an
+    error no line explains (a bug, a CUDA fault) is the failing rank's report in torchrun's summary (``record``)."""
+    torchrun = "TORCHELASTIC_RUN_ID" in os.environ  # started by torchrun's agent, its parent
+
+    def lifecycle() -> None:
+        with Lifecycle() as life:
+            if life.main_thread and torchrun:
+                life.leave_with_launcher()  # (its SIGTERM, if the launcher is gone already, raises Terminated here)
+            run(argv, life)
+
+    if not torchrun:
+        return lifecycle()
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    record(lifecycle)()

@@ -89,8 +89,10 @@ def _check_out(opts: RunOptions, cfg: Any, lock: FolderLock) -> dict[str, Any] |
     if out.is_dir():
         lock.take(out)  # before reading it: a run still writing there would change what the checks see
     unstarted, taken = _unstarted(out, cfg), [f for f in RUN_FILES if (out / f).exists()]
-    if opts.resume:
-        path = out / "checkpoint.pt"
+    path = out / "checkpoint.pt"
+    if opts.restart and path.is_file():  # torchrun restarted the processes: the run goes on from its last checkpoint
+        print(f"torchrun restart {opts.restart}: resuming the run in {out} from its last checkpoint", file=sys.stderr)
+    if opts.resume or (opts.restart and path.is_file()):
         if not path.is_file() and unstarted:
             print(
                 f"--resume: {out} holds no checkpoint, as its run ended before the first; starting it from the beginning",

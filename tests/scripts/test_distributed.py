@@ -304,6 +304,98 @@ def test_a_process_whose_launcher_died_before_it_asked_to_be_told_stops(tmp_path
     assert said.read_text() == "imported\nSIGTERM\n"
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the processes from /proc")
+def test_a_run_that_torchrun_restarts_goes_on_from_its_last_checkpoint(tmp_path):
+    """torchrun --max-restarts: a killed process ends the attempt, torchrun starts the processes again with the same
+    command (and --overwrite), and the run resumes from the checkpoint in --out instead of starting over."""
+    out = tmp_path / "run"
+    args = [*endless_sine(out, iterations=2000), "--overwrite"]
+    launcher = torchrun(
+        [
+            "--max-restarts",
+            "1",
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--redirects",
+            "3",
+            "-m",
+            "experiments.sine",
+            *args,
+        ],
+        tmp_path,
+    )
+    try:
+        os.kill(training(launcher, out)[1], signal.SIGKILL)
+        _, err = launcher.communicate(timeout=600)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate(timeout=60)
+    assert launcher.returncode == 0, err[-3000:]
+    (restarted,) = (tmp_path / "logs").glob("*/attempt_1/0/stderr.log")
+    assert f"torchrun restart 1: resuming the run in {out} from its last checkpoint" in restarted.read_text()
+    results = json.loads((out / "results.json").read_text())
+    resumed = [entry["iteration"] for entry in results["git_history"] if entry["at"] == "resume"]
+    assert results["iterations"] == 2000 and len(resumed) == 1 and resumed[0] >= 20, results["git_history"]
+    logged = [json.loads(line)["iteration"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert logged == list(range(50, 2001, 50))  # each row once: the restart rewrote the log from the checkpoint
+
+
+def torchrun_program(program: str, tmp_path: Path, *options: str) -> tuple[int, str]:
+    """torchrun of the Python ``program`` (each process's output under tmp_path/logs): its exit code and stderr."""
+    path = tmp_path / "program.py"
+    path.write_text(program)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(PROCESSES), *options]
+        + ["--log-dir", str(tmp_path / "logs"), "--redirects", "3", str(path)],
+        cwd=REPO,
+        env={**env(tmp_path), "PYTHONPATH": str(REPO)},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    _, err = launcher.communicate(timeout=300)
+    return launcher.returncode, err
+
+
+def test_a_restarted_attempt_joins_though_the_attempt_before_left_its_keys_in_the_store(tmp_path):
+    """torchrun's agent keeps one store for every attempt: without a prefix of its own, a process of the second
+    attempt that reads the store before the other has written it connects to the address of the first attempt."""
+    program = (
+        "import os, time, torch\n"
+        "from experiments.harness.fit import join_processes\n"
+        "attempt, rank = os.environ['TORCHELASTIC_RESTART_COUNT'], os.environ['RANK']\n"
+        "if attempt == '1' and rank == '0':\n"
+        "    time.sleep(5)  # rank 1 reads the store first\n"
+        "join_processes(torch.device('cpu'))\n"
+        "if attempt == '0' and rank == '1':\n"
+        "    os._exit(1)  # ends the first attempt: torchrun starts both again\n"
+        "torch.distributed.barrier()\n"
+        "print(f'attempt {attempt} joined', flush=True)\n"
+    )
+    code, err = torchrun_program(program, tmp_path, "--max-restarts", "1")
+    assert code == 0, err[-3000:]
+    said = [path.read_text() for path in sorted((tmp_path / "logs").glob("*/attempt_1/*/stdout.log"))]
+    assert said == ["attempt 1 joined\n"] * PROCESSES, said
+
+
+def test_an_error_no_line_explains_is_the_failing_ranks_report_in_torchruns_summary(tmp_path):
+    """An error the lifecycle leaves as it is (a bug, a CUDA fault) goes into torchrun's error file (``record``), so
+    torchrun's "Root Cause" shows the failing rank's traceback instead of ``error_file: <N/A>``."""
+    program = (
+        "import os\n"
+        "from experiments.harness.lifecycle import main\n"
+        "def run(argv, life):\n"
+        "    if os.environ['RANK'] == '1':\n"
+        "        raise RuntimeError('a bug that only rank 1 meets')\n"
+        "main(run)\n"
+    )
+    code, err = torchrun_program(program, tmp_path)
+    assert code == 1, err[-3000:]
+    root = err[err.index("Root Cause") :]
+    assert "rank      : 1" in root and "RuntimeError: a bug that only rank 1 meets" in root, err[-3000:]
+    assert "<N/A>" not in root, root
+
+
 def test_the_scripts_check_the_meta_batch_against_the_number_of_processes(tmp_path):
     check_shards(24, 3)
     with pytest.raises(
