@@ -1,10 +1,11 @@
 """What stops a run early, each in one line that names the flags to change: a size whose tensors cannot fit this
-machine (:func:`check_fits`, before anything is written; exit code 2), and a divergence (NaN/Inf) of the outer loop
+machine (:func:`check_fits`, before anything is written; exit code 2), an allocation that fails all the same
+(:func:`out_of_memory`: PyTorch's error, caught where it happens), and a divergence (NaN/Inf) of the outer loop
 (lower ``--meta-lr``) or the inner loop (lower ``--inner-lr``).
 
 The trainer asks :class:`DivergenceWatch` when the engine's check stops ``learner.run`` (an inner
 loss is NaN/Inf) and after each optimizer step; either way the run ends with :class:`Diverged`,
-which :func:`stop_on_divergence` turns into one line on stderr and exit code 1.
+which :func:`stop_on_failure` turns into one line on stderr and exit code 1.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -25,7 +27,7 @@ from experiments.harness.folder import EXIT_FAILED, UsageError
 from experiments.harness.report import finish_wandb
 
 __all__ = ["Need", "parameter_bytes", "free_bytes", "check_fits", "FLOAT_BYTES"]
-__all__ += ["Diverged", "DivergenceWatch", "stop_on_divergence"]
+__all__ += ["Diverged", "DivergenceWatch", "out_of_memory", "stop_on_failure"]
 
 
 # ---------------------------------------------------------------------- memory
@@ -267,13 +269,28 @@ class DivergenceWatch:
         )
 
 
+def out_of_memory(error: BaseException) -> str | None:
+    """What an allocation that failed asked for, in PyTorch's words (CPU or GPU); None for any other error."""
+    text = str(error)  # the CPU's: "DefaultCPUAllocator: can't allocate memory" (or "not enough memory")
+    if not isinstance(error, torch.OutOfMemoryError) and not (
+        isinstance(error, RuntimeError) and re.search("DefaultCPUAllocator|out of memory", text)
+    ):
+        return None
+    asked = re.search(r"[Tt]ried to allocate ([\d.]+ ?\w+)", text)
+    return asked.group(1) if asked else "memory"
+
+
 @contextlib.contextmanager
-def stop_on_divergence(out: Path, run: Any, main: bool = True) -> Iterator[None]:
-    """Turns a divergence inside the block into one line on stderr and exit code 1, naming the last checkpoint
-    (only finite meta-parameters are checkpointed); the wandb ``run`` (None on ranks > 0) is marked failed."""
+def stop_on_failure(out: Path, run: Any, needs: Sequence[Need] = (), main: bool = True) -> Iterator[None]:
+    """Turns a divergence, or an allocation that fails, inside the block into one line on stderr and exit code 1,
+    naming the last checkpoint (only finite meta-parameters are checkpointed) and, for memory, the size flags of
+    ``needs``; the wandb ``run`` (None on ranks > 0) is marked failed."""
     try:
         yield
-    except Diverged as e:
+    except (Diverged, RuntimeError) as e:
+        asked = None if isinstance(e, Diverged) else out_of_memory(e)
+        if asked is None and not isinstance(e, Diverged):
+            raise
         if run is not None:
             finish_wandb(run, exit_code=1)
         if main:
@@ -282,5 +299,9 @@ def stop_on_divergence(out: Path, run: Any, main: bool = True) -> Iterator[None]
                 kept = f"{path} keeps meta-iteration {torch.load(path, map_location='cpu', weights_only=False)['iteration']}"
             except Exception:  # none, or unreadable: say no more than that
                 kept = "no checkpoint was written"
-            print(f"error: {e}. The run stopped; {kept}.", file=sys.stderr)
+            what = str(e)
+            if asked is not None:
+                sizes = ", ".join(dict.fromkeys(f for need in needs for f in need.flags.split(", "))) or "the sizes"
+                what = f"out of memory: an allocation of {asked} failed; lower {sizes}, or set --memory-budget"
+            print(f"error: {what}. The run stopped; {kept}.", file=sys.stderr)
         raise SystemExit(EXIT_FAILED) from None

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 import maml
 from experiments.harness import recipes
 from experiments.harness.config import RunFlags, RunOptions, parse_args
-from experiments.harness.failures import DivergenceWatch, Need, check_fits, parameter_bytes, stop_on_divergence
+from experiments.harness.failures import DivergenceWatch, Need, check_fits, parameter_bytes, stop_on_failure
 from experiments.harness.folder import UsageError
 from experiments.harness.lifecycle import Lifecycle, RankUsageError, Terminated, main
 from experiments.harness.report import finish, init_wandb, wandb_mode
@@ -163,8 +163,8 @@ def _fit(experiment: Experiment, argv: Sequence[str] | None, life: Lifecycle) ->
     if experiment.resolve is not None:
         cfg = experiment.resolve(cfg)
     check_shards(cfg.meta_batch, opts.world_size)
-    if experiment.needs is not None:  # sizes whose tensors cannot fit: one line, before anything is written
-        check_fits(experiment.needs(cfg, parameter_bytes(lambda: experiment.model(cfg).module)), opts.device)
+    needs = experiment.needs(cfg, parameter_bytes(lambda: experiment.model(cfg).module)) if experiment.needs else ()
+    check_fits(needs, opts.device)  # sizes whose tensors cannot fit: one line, before anything is written
     resumed = prepare_out(opts, cfg, lock)  # before writing anything; a resume's code is checked against its start's
     if resumed is not None:  # (a torchrun restart resumes without --resume; an --overwrite'n run is this one now)
         opts = dataclasses.replace(opts, resume=True, overwrite=False)
@@ -211,13 +211,13 @@ def _fit(experiment: Experiment, argv: Sequence[str] | None, life: Lifecycle) ->
     name = experiment.run_name(cfg) if experiment.run_name is not None else experiment.name
     wandb_run = init_wandb(opts, cfg, name, resumed["wandb_id"] if resumed else None) if opts.main else None
     life.training(opts.out)
-    # A NaN/Inf: one line naming the loop and the flag, exit code 1.
-    with stop_on_divergence(opts.out, wandb_run, opts.main):
+    # A NaN/Inf (one line naming the loop and its flag), or memory that runs out: exit code 1.
+    with stop_on_failure(opts.out, wandb_run, needs, opts.main):
         trainer.run(opts, cfg, resumed, wandb_run)
     life.evaluating()
     if not opts.main:
         return  # rank 0 tests and writes the results
-    with stop_on_divergence(opts.out, wandb_run):
+    with stop_on_failure(opts.out, wandb_run, needs):
         results = experiment.test(Fitted(cfg, opts, data, net, learner, trainer))
     finish(opts, cfg, wandb_run, trainer.results(), trainer.data_files, results.test, results.metric, **results.extra)
     print(results.summary)

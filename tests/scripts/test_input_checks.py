@@ -87,6 +87,25 @@ def test_more_threads_than_cpus_are_refused(capsys, tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("where", ["training", "the final test"])
+def test_an_allocation_that_fails_all_the_same_is_one_line_naming_the_size_flags(capsys, tmp_path, monkeypatch, where):
+    """What the lower bounds let through (a model's activations, say) and PyTorch then cannot allocate: PyTorch's own
+    error, caught where it happens, is one line with the bytes it asked for, the size flags and the checkpoint kept."""
+
+    def allocate(*args: object, **kwargs: object) -> None:
+        torch.empty(1 << 60, dtype=torch.uint8)  # an exabyte: PyTorch's allocator refuses it, as it would any too big
+
+    from experiments.harness.trainer import Trainer
+
+    monkeypatch.setattr(*((Trainer, "run") if where == "training" else (sine, "evaluate")), allocate)
+    out = tmp_path / "run"
+    line = one_error(run_sine(capsys, ["--iterations", "2", "--out", str(out)], code=1))
+    says(line, "out of memory", f"{1 << 60} bytes", "lower --hidden, --meta-batch, --shots, --query", "--memory-budget")
+    kept = "no checkpoint was written" if where == "training" else f"{out / 'checkpoint.pt'} keeps meta-iteration 2"
+    assert line.endswith(f"The run stopped; {kept}."), line
+    assert not (out / "results.json").exists()
+
+
 def test_the_memory_check_refuses_only_what_cannot_fit():
     free = memory.free_bytes(torch.device("cpu"))
     assert free is not None and free > 0
