@@ -1,6 +1,6 @@
 """The run's folder (``--out``): the checks before anything is written, resuming, and making it the run's.
 
-:func:`prepare_out` checks the folder and, with ``--resume``, the checkpoint's
+:func:`prepare_out` checks the folder and, with ``--resume`` (or on torchrun's restart), the checkpoint's
 config against this run's (the data by its files, wherever they now are) and its code (:func:`source`)
 against this one; :func:`take_out` then clears an ``--overwrite``'n run's files and writes ``config.yaml``.
 """
