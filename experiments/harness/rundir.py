@@ -90,9 +90,10 @@ def _check_out(opts: RunOptions, cfg: Any, lock: FolderLock) -> dict[str, Any] |
         lock.take(out)  # before reading it: a run still writing there would change what the checks see
     unstarted, taken = _unstarted(out, cfg), [f for f in RUN_FILES if (out / f).exists()]
     path = out / "checkpoint.pt"
-    if opts.restart and path.is_file():  # torchrun restarted the processes: the run goes on from its last checkpoint
+    restarted = opts.restart > 0 and path.is_file()  # torchrun restarted the processes: on from the last checkpoint
+    if restarted:
         print(f"torchrun restart {opts.restart}: resuming the run in {out} from its last checkpoint", file=sys.stderr)
-    if opts.resume or (opts.restart and path.is_file()):
+    if opts.resume or restarted:
         if not path.is_file() and unstarted:
             print(
                 f"--resume: {out} holds no checkpoint, as its run ended before the first; starting it from the beginning",

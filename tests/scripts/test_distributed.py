@@ -166,16 +166,17 @@ def endless_sine(out: Path, iterations: int = 100_000) -> list[str]:
     ]
 
 
-def torchrun_logged(args: list[str], tmp_path: Path) -> subprocess.Popen:
-    """torchrun of ``experiments.sine args``, each process's stdout and stderr in its own file under tmp_path/logs."""
+def torchrun_logged(args: list[str], tmp_path: Path, *options: str) -> subprocess.Popen:
+    """torchrun (with ``options``) of ``experiments.sine args``, each process's stdout and stderr in its own file
+    under tmp_path/logs."""
     return torchrun(
-        ["--log-dir", str(tmp_path / "logs"), "--redirects", "3", "-m", "experiments.sine", *args], tmp_path
+        [*options, "--log-dir", str(tmp_path / "logs"), "--redirects", "3", "-m", "experiments.sine", *args], tmp_path
     )
 
 
-def rank_log(tmp_path: Path, rank: int) -> str:
-    """What the process of local rank ``rank`` wrote on stderr (see torchrun_logged)."""
-    (path,) = (tmp_path / "logs").glob(f"*/attempt_0/{rank}/stderr.log")
+def rank_log(tmp_path: Path, rank: int, attempt: int = 0) -> str:
+    """What the process of local rank ``rank`` wrote on stderr in torchrun's ``attempt`` (see torchrun_logged)."""
+    (path,) = (tmp_path / "logs").glob(f"*/attempt_{attempt}/{rank}/stderr.log")
     return path.read_text()
 
 
@@ -310,20 +311,7 @@ def test_a_run_that_torchrun_restarts_goes_on_from_its_last_checkpoint(tmp_path)
     command (and --overwrite), and the run resumes from the checkpoint in --out instead of starting over."""
     out = tmp_path / "run"
     args = [*endless_sine(out, iterations=2000), "--overwrite"]
-    launcher = torchrun(
-        [
-            "--max-restarts",
-            "1",
-            "--log-dir",
-            str(tmp_path / "logs"),
-            "--redirects",
-            "3",
-            "-m",
-            "experiments.sine",
-            *args,
-        ],
-        tmp_path,
-    )
+    launcher = torchrun_logged(args, tmp_path, "--max-restarts", "1")
     try:
         os.kill(training(launcher, out)[1], signal.SIGKILL)
         _, err = launcher.communicate(timeout=600)
@@ -332,8 +320,7 @@ def test_a_run_that_torchrun_restarts_goes_on_from_its_last_checkpoint(tmp_path)
             launcher.kill()
             launcher.communicate(timeout=60)
     assert launcher.returncode == 0, err[-3000:]
-    (restarted,) = (tmp_path / "logs").glob("*/attempt_1/0/stderr.log")
-    assert f"torchrun restart 1: resuming the run in {out} from its last checkpoint" in restarted.read_text()
+    assert f"torchrun restart 1: resuming the run in {out} from its last checkpoint" in rank_log(tmp_path, 0, 1)
     results = json.loads((out / "results.json").read_text())
     resumed = [entry["iteration"] for entry in results["git_history"] if entry["at"] == "resume"]
     assert results["iterations"] == 2000 and len(resumed) == 1 and resumed[0] >= 20, results["git_history"]
