@@ -3,6 +3,7 @@ real Omniglot archives, small image data sets written on the fly, and running th
 
 from __future__ import annotations
 
+import csv
 import io
 import json
 import os
@@ -403,6 +404,32 @@ def write_ren_mini(root: Path, counts: tuple[int, ...], per_class: int = 2) -> N
         class_dict = {f"n{c:08d}": np.flatnonzero(labels == c).tolist() for c in np.unique(labels)}
         with open(root / f"mini-imagenet-cache-{split}.pkl", "wb") as f:
             pickle.dump({"image_data": images, "class_dict": class_dict}, f)
+
+
+def write_csv(root: Path, counts: tuple[int, ...], per_class: int = 2) -> None:
+    """Ravi and Larochelle's layout: ``<split>.csv`` (``filename,label``) beside ``images/`` of JPEGs."""
+    (root / "images").mkdir()
+    for split in SPLITS:
+        images, labels = split_data(counts, split, 84, per_class)
+        with open(root / f"{split}.csv", "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["filename", "label"])
+            for i, (image, label) in enumerate(zip(images, labels)):
+                name = f"n{label:08d}{i:08d}.jpg"
+                (root / "images" / name).write_bytes(image_bytes(image, "JPEG"))
+                w.writerow([name, f"n{label:08d}"])
+
+
+def write_ren_tiered(root: Path, counts: tuple[int, ...], per_class: int = 2) -> None:
+    """Ren et al.'s tieredImageNet: ``<split>_images_png.pkl`` (PNG bytes as uint8 arrays) and ``<split>_labels.pkl``."""
+    for split in SPLITS:
+        images, labels = split_data(counts, split, 84, per_class)
+        names = [f"n{c:08d}" for c in np.unique(labels)]  # WordNet ids, distinct over the splits
+        labels = labels - labels.min()  # Ren's labels count from 0 in each split, and name a class by its id
+        with open(root / f"{split}_images_png.pkl", "wb") as f:
+            pickle.dump([np.frombuffer(image_bytes(im), dtype=np.uint8) for im in images], f)
+        with open(root / f"{split}_labels.pkl", "wb") as f:
+            pickle.dump({"label_specific": labels, "label_specific_str": names}, f)
 
 
 def folder_writer(side: int) -> Callable[..., None]:

@@ -36,6 +36,7 @@ from experiments.harness.folder import (
     atomic_write,
     writing,
 )
+from tasks._src import cache as data_cache
 
 __all__ = ["RESUMABLE", "DATA_KEYS", "prepare_out", "take_out"]
 __all__ += ["fingerprint", "data_identity", "source"]
@@ -238,31 +239,33 @@ def _check_writable(out: Path) -> None:
         ) from None
 
 
-def fingerprint(path: str) -> str | None:
-    """A digest of the names and sizes of the files at ``path`` (a file, or a folder's non-hidden files), None if missing.
-
-    Names and sizes tell data apart without reading it, wherever the files are (hidden caches left out).
-    """
+def _data_files(path: str) -> tuple[Path, list[Path]] | None:
+    """The files at ``path`` (a file, or a folder's non-hidden ones: caches left out) and their root; None if missing."""
     root = Path(path)
-    if root.is_file():
-        entries = [(root.name, root.stat().st_size)]
-    elif root.is_dir():
-        entries = []
-        for folder, dirs, files in os.walk(root, followlinks=True):
-            dirs[:] = [d for d in dirs if not d.startswith(".")]
-            rel = Path(folder).relative_to(root)
-            entries += [
-                ((rel / f).as_posix(), os.path.getsize(Path(folder) / f)) for f in files if not f.startswith(".")
-            ]
-    else:
-        return None
-    return hashlib.sha256(json.dumps(sorted(entries)).encode()).hexdigest()
+    if not root.is_dir():
+        return (root.parent, [root]) if root.is_file() else None
+    found = []
+    for folder, dirs, files in os.walk(root, followlinks=True):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        found += [Path(folder) / f for f in files if not f.startswith(".")]
+    return root, found
+
+
+def fingerprint(path: str) -> str | None:
+    """A digest of the names and sizes of the files at ``path`` (a file, or a folder's non-hidden files), None if missing:
+    they tell data apart without reading it, wherever the files are (hidden caches left out)."""
+    found = _data_files(path)
+    entries = sorted((p.relative_to(found[0]).as_posix(), p.stat().st_size) for p in found[1]) if found else None
+    return hashlib.sha256(json.dumps(entries).encode()).hexdigest() if found else None
 
 
 def data_identity(path: str) -> dict[str, str | None]:
-    """What a checkpoint keeps of a data path: the resolved path and the files' fingerprint."""
+    """What a checkpoint keeps of a data path: the resolved path, the files' fingerprint, and what the data caches
+    key on (``tasks._src.cache.fingerprint``'s ``digest`` as ``state``, and ``content``, which a copy keeps)."""
     resolved = str(Path(path).expanduser().resolve())
-    return {"path": resolved, "fingerprint": fingerprint(resolved)}
+    keyed = data_cache.fingerprint(*found) if (found := _data_files(resolved)) is not None else {}
+    return {"path": resolved, "fingerprint": fingerprint(resolved), "state": keyed.get("digest"),
+            "content": keyed.get("content")}  # fmt: skip
 
 
 def _same_data(old: str, new: str, kept: dict[str, str | None] | None, key: str = "data") -> str | None:
@@ -275,17 +278,22 @@ def _same_data(old: str, new: str, kept: dict[str, str | None] | None, key: str 
     before = kept["path"] if kept else str(Path(old).expanduser().resolve())
     now = data_identity(new)
     if now["path"] == before:
-        if kept is None or kept["fingerprint"] in (None, now["fingerprint"]):
+        # What the cache compares: a file rewritten at its size decodes again (a checkpoint without it: names, sizes).
+        same = [kept[k] in (None, now[k]) for k in ("fingerprint", "state") if kept and k in kept]
+        if all(same):
             return None
         raise UsageError(
-            f"--resume: {flag(key)} {new}: its files are not those the run began with (their names or sizes differ: "
-            f"files added, removed or rewritten in place since); put them back, or start a new run with --overwrite "
-            f"or another --out."
+            f"--resume: {flag(key)} {new}: its files are not those the run began with (their names, sizes, "
+            f"modification times or contents differ, as the decoded cache compares them: files added, removed, "
+            f"touched or rewritten in place since); put them back, or start a new run with --overwrite or another "
+            f"--out."
         )
     if kept is None or kept["fingerprint"] is None:
         return "its checkpoint keeps no record of the files to compare; pass the path the run began with"
     if now["fingerprint"] != kept["fingerprint"]:
         return "not the same files: their names or sizes differ" if now["fingerprint"] else f"{new} does not exist"
+    if None not in (kept.get("content"), now["content"]) and kept.get("content") != now["content"]:
+        return "not the same files: their contents differ"
     print(f"resuming with --data {new}: the same files as {before}, where the run began", file=sys.stderr)
     return None
 

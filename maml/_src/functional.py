@@ -79,7 +79,8 @@ def call(model: nn.Module, params: Mapping[str, Tensor], *args: Any, **kwargs: A
         params: tensors keyed by ``named_parameters()`` / ``named_buffers()`` names, e.g. what
             ``MetaLearner.adapt`` returns (or one task's slice of ``MetaOutput.fast``); a name
             left out takes the model's own tensor.
-        args, kwargs: the model's inputs, e.g. ``x`` ``(n, *x_shape)``.
+        *args: the model's positional inputs, e.g. ``x`` ``(n, *x_shape)``.
+        **kwargs: the model's keyword inputs.
 
     Returns:
         What ``model`` returns; differentiable with respect to ``params``.

@@ -3,8 +3,9 @@
 Each split is decoded once into a uint8 cache file (``tasks._src.cache``) that later loads map
 into memory instead of reading, so a 16 GB tieredImageNet costs no start-up and no private copy.
 The cache is keyed on every file the split is read from (``cache.fingerprint``: relative paths,
-sizes, times, and content up to 256 MiB), so a moved image, a renamed class folder or a file
-replaced with its time kept decodes again.
+sizes, times, and content up to 256 MiB, each file's digest kept under its stat), so a moved image,
+a renamed class folder or a file replaced with its time kept decodes again, and the whole folder
+moved does not.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from torch import Tensor
 
 from . import cache as cache_files
 from . import checks
+from . import image_files as files
 from .image_layouts import CIFAR_FS, FC100, MINI_IMAGENET, SPLITS, TIERED_IMAGENET, DataSpec, Layout, detect
 from .sampler import FewShotSampler
 
 # Bump when decoding changes, so that caches written by older code are never read.
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2  # 2: 16-bit images scaled to 8 bits (1 read them white); what the classes' names leave unchecked
 _SPLIT_NAMES = {"train": "train", "val": "val", "validation": "val", "test": "test"}
 
 
@@ -61,6 +63,8 @@ class FewShotImages:
         classes: the name of each class (a WordNet id such as ``n01532829``, or a number).
         layout: the layout read, e.g. ``"ren-pickles"``.
         from_cache: whether the images came from the decoded cache.
+        unchecked: what the classes' names cannot tell, also warned at each load (tieredImageNet's labels
+            without ``label_specific_str``: whether a class is in two splits), else ``""``.
         cache_path: the cache file read or written, or ``None``.
 
     Raises:
@@ -77,8 +81,10 @@ class FewShotImages:
     layout: str
     root: Path
     from_cache: bool
+    unchecked: str
     cache_path: Path | None
     _files: list[Path]  # the layout's files of this split, for messages
+    _digests_path: Path | None = None  # the file of the digests this load wrote (cache.Digests), if any
 
     def __init__(
         self,
@@ -96,15 +102,18 @@ class FewShotImages:
         counts = _counts(class_counts, spec)
         self.root = _root(spec, root)
         layout = detect(spec, self.root, split)
+        folders = cache_files.candidates(self.root, cache_dir) if cache else []
+        # The files' digests beside the cache: a warm load reads only the files changed since (one name per split:
+        # the same files moved keep their inodes, and two copies of a data set in one cache folder take turns).
+        digests = cache_files.Digests([folder / f"{spec.key}-{split}.hashes.json" for folder in folders])
+        # Not the folder's path: the same files moved elsewhere (with their .maml-cache) load the cache they wrote.
         identity = json.dumps(
             {"format": _CACHE_FORMAT, "data": spec.key, "split": split, "layout": layout.name, "side": spec.side,
-             "root": str(self.root.resolve()),
-             "files": cache_files.fingerprint(self.root, layout.read_files(self.root, split))},
+             "files": _fingerprint(spec, layout, self.root, split, digests)},
             sort_keys=True,
         )  # fmt: skip
         key = hashlib.sha256(identity.encode()).hexdigest()
         name = f"{spec.key}-{split}-{spec.side}px-{key[:24]}.pt"
-        folders = cache_files.candidates(self.root, cache_dir) if cache else []
         expected = counts[SPLITS.index(split)]
         found = cache_files.load(folders, name, lambda p: _valid(p, key, spec.side), mmap=True)
         if found is None:
@@ -121,7 +130,11 @@ class FewShotImages:
             _check_count(len(payload["classes"]), expected, spec, layout, self.root, split)
         if found is not None:
             payload = found[0]
+            self._digests_path = digests.save()  # once a cache is there to go with them
         self.images, self.labels, self.classes = payload["images"], payload["labels"], list(payload["classes"])
+        self.unchecked = payload["unchecked"]
+        if self.unchecked:  # at every load: a warm one leaves the check undone as the first did
+            warnings.warn(f"{self.unchecked}.", RuntimeWarning, stacklevel=2)
         self.split, self.layout = split, layout.name
         self._files = layout.files(self.root, split)
 
@@ -148,15 +161,21 @@ class FewShotImages:
                 _check_count(len(names), count, spec, layout, where, split)
                 named.append((split, names, layout.files(where, split)))
             _check_disjoint(where, named, spec)
+            # An image in two splits (a hard link, a link to the same file) is a class's of both.
+            files.one_file_each(
+                [p for split, layout in zip(SPLITS, layouts) for p in layout.read_files(where, split)], spec.help()
+            )
         parts: list[FewShotImages] = []
         try:
             for split in SPLITS:
                 parts.append(cls(root, split, **kwargs))
-            _check_disjoint(where, [(p.split, p.classes, p._files) for p in parts], spec)
+            _check_disjoint(where, [(p.split, p.classes, p._files) for p in parts if not p.unchecked], spec)
         except ValueError:  # a refusal; an interrupted run keeps the valid caches it wrote
             for part in parts:
                 if not part.from_cache and part.cache_path is not None:
                     part.cache_path.unlink(missing_ok=True)
+                    if part._digests_path is not None:
+                        part._digests_path.unlink(missing_ok=True)
             raise
         return ImageSplits(*parts)
 
@@ -227,9 +246,20 @@ def _root(spec: DataSpec, root: str | os.PathLike[str] | None) -> Path:
     return Path(root).expanduser()
 
 
+def _fingerprint(
+    spec: DataSpec, layout: Layout, root: Path, split: str, digests: cache_files.Digests
+) -> dict[str, Any]:
+    """The cache key's summary of the split's files (``cache.fingerprint``); a file it cannot stat is one line."""
+    try:
+        return cache_files.fingerprint(root, layout.read_files(root, split), digests)
+    except OSError as exc:  # a broken link among the images, a file removed while listed, no permission
+        raise ValueError(f"{files.unreadable(Path(exc.filename or root), exc)}; {spec.help()}") from None
+
+
 def _decode(spec: DataSpec, layout: Layout, root: Path, split: str) -> dict[str, Any]:
-    images, labels, classes = layout.read(root, split, spec.side, spec.help())
+    images, labels, classes, unchecked = layout.read(root, split, spec.side, spec.help())
     return {
+        "unchecked": unchecked,
         "format": _CACHE_FORMAT,
         # (N, S, S, 3) as stored -> (N, 3, S, S) as the network reads, contiguous, once.
         "images": torch.from_numpy(images).permute(0, 3, 1, 2).contiguous(),
@@ -247,26 +277,50 @@ def _check_disjoint(root: Path, parts: list[tuple[str, list[str], list[Path]]], 
     """
     for i, (split_a, classes_a, paths_a) in enumerate(parts):
         for split_b, classes_b, paths_b in parts[i + 1 :]:
-            in_b = set(classes_b)
-            shared = [c for c in classes_a if c in in_b]
-            if shared:
-                files_a, files_b = (", ".join(p.name for p in paths) for paths in (paths_a, paths_b))
-                raise ValueError(
-                    f"{root}: class {shared[0]} is in the {split_a} split ({files_a}) and in the {split_b} split "
-                    f"({files_b}), {len(shared)} shared classes in all; the splits of {spec.name} hold disjoint "
-                    f"classes, else the accuracy on held-out classes is measured on classes seen: a split's file was "
-                    f"copied over another's, or a class is listed in two splits; {spec.help()}"
-                )
+            # By case-folded name: a folder copied in as NTR000000 beside ntr000000 is the same class.
+            in_b = {str(c).casefold(): c for c in classes_b}
+            shared = [(a, in_b[str(a).casefold()]) for a in classes_a if str(a).casefold() in in_b]
+            if not shared:
+                continue
+            files_a, files_b = (", ".join(p.name for p in paths) for paths in (paths_a, paths_b))
+            a, b = shared[0]
+            what = (
+                f"class {a} is in the {split_a} split ({files_a}) and in the {split_b} split ({files_b})"
+                if a == b
+                else f"class {a} of the {split_a} split ({_class_path(paths_a, a)}) and class {b} of the {split_b} "
+                f"split ({_class_path(paths_b, b)}) differ only by case"
+            )
+            raise ValueError(
+                f"{root}: {what}, {len(shared)} shared classes in all; the splits of {spec.name} hold disjoint "
+                f"classes, else the accuracy on held-out classes is measured on classes seen: a split's file was "
+                f"copied over another's, or a class is listed in two splits; {spec.help()}"
+            )
+
+
+def _class_path(paths: list[Path], name: str) -> str:
+    """Where a split keeps the class ``name``: its folder, or the split's files."""
+    folder = paths[0] / name
+    return str(folder) if folder.is_dir() else ", ".join(p.name for p in paths)
 
 
 def _check_count(got: int, expected: int, spec: DataSpec, layout: Layout, root: Path, split: str) -> None:
-    if got != expected:
-        where = ", ".join(p.name for p in layout.files(root, split))
-        raise ValueError(
-            f"{root / where} holds {got} classes, and the {split} split of {spec.name} has {expected} "
-            f"({layout.name} layout): the file is incomplete or of another data set (class_counts= accepts a "
-            f"subset made on purpose); {spec.help()}"
-        )
+    if got == expected:
+        return
+    paths = layout.files(root, split)
+    # Two files (a CSV and its images/) are named as two, not joined into one path.
+    where = str(paths[0]) if len(paths) == 1 else f"{root}: " + " and ".join(_name(p) for p in paths)
+    holds = "holds" if len(paths) == 1 else "hold"
+    odd = files.odd_class_folders(paths[0]) if layout.name == "folders" and got > expected else []
+    extra = f"; what looks like no class: {', '.join(odd[:5])}" if odd else ""
+    raise ValueError(
+        f"{where} {holds} {got} classes, and the {split} split of {spec.name} has {expected} ({layout.name} "
+        f"layout){extra}: the file is incomplete or of another data set (class_counts= accepts a subset made on "
+        f"purpose); {spec.help()}"
+    )
+
+
+def _name(path: Path) -> str:
+    return path.name + "/" if path.is_dir() else path.name
 
 
 def _valid(p: Any, key: str, side: int) -> bool:
@@ -274,6 +328,8 @@ def _valid(p: Any, key: str, side: int) -> bool:
         return False
     images, labels, classes = p.get("images"), p.get("labels"), p.get("classes")
     if not isinstance(images, Tensor) or not isinstance(labels, Tensor) or not isinstance(classes, list):
+        return False
+    if not isinstance(p.get("unchecked"), str):
         return False
     n = images.shape[0]
     return (

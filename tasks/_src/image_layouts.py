@@ -124,7 +124,7 @@ def _read_metaoptnet(path_of: Callable[[Path, str], Path]) -> Callable[[Path, st
         names = payload.get("catname2label") if isinstance(payload, dict) else None
         by_label = {v: str(k) for k, v in names.items()} if isinstance(names, dict) else None
         labels, classes = files.relabel(raw, by_label)
-        return images, labels, classes
+        return Decoded(images, labels, classes)
 
     return read
 
@@ -160,7 +160,7 @@ def _read_ren_mini(root: Path, split: str, side: int, help: str) -> Decoded:
             )
         labels[index] = c
     keep = labels >= 0  # an image in no class is not in the split
-    return images[keep], labels[keep], [str(c) for c in classes]
+    return Decoded(images[keep], labels[keep], [str(c) for c in classes])
 
 
 def _indices(value: object, where: str, help: str) -> np.ndarray:
@@ -203,7 +203,18 @@ def _read_ren_tiered(root: Path, split: str, side: int, help: str) -> Decoded:
     )
     by_label = {i: str(n) for i, n in enumerate(names)} if isinstance(names, (list, tuple)) else None
     labels, classes = files.relabel(raw, by_label)
-    return images, labels, classes
+    if by_label is not None:
+        return Decoded(images, labels, classes)
+    # Ren's label_specific restarts at 0 in each split: class 0 of train and class 0 of val are two classes,
+    # which only the names tell apart. Without them the split is read, and the check it escapes is said.
+    return Decoded(
+        images,
+        labels,
+        classes,
+        f"{label_path} holds no label_specific_str (the classes' WordNet ids), and its label_specific numbers "
+        f"restart at 0 in each split: its classes are named by those numbers, and whether the {split} split "
+        f"shares a class with another was not checked",
+    )
 
 
 def _png(blob: object, index: int, path: Path, help: str) -> Callable[[], bytes]:
@@ -238,7 +249,7 @@ def _read_metaoptnet_tiered(root: Path, split: str, side: int, help: str) -> Dec
     payload = files.read_pickle(label_path, help)
     raw = _checked(images, files.field(payload, ["labels", "label_specific"], label_path, help), label_path, help)
     labels, classes = files.relabel(raw)
-    return images, labels, classes
+    return Decoded(images, labels, classes)
 
 
 # ---------------------------------------------------------------------- layouts

@@ -22,6 +22,7 @@ from PIL import Image
 from torch import Tensor
 
 from . import cache, checks
+from .image_files import pil_reason
 from .sampler import FewShotSampler
 
 OMNIGLOT_URL = "https://github.com/brendenlake/omniglot"
@@ -448,7 +449,7 @@ def _decode_chunk(jobs: list[tuple[str, bytes]], size: int, out: np.ndarray, sta
             out[start + i] = _decode(blob, size)
         except Exception as exc:  # noqa: BLE001 - PIL reports broken PNGs as OSError, SyntaxError, ...
             raise ValueError(
-                f"cannot decode the image {where} ({exc}); the data is corrupt: download it again from {OMNIGLOT_URL}."
+                f"cannot decode the image {where} ({pil_reason(exc)}); the data is corrupt: download it again from {OMNIGLOT_URL}."
             ) from exc
 
 

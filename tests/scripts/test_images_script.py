@@ -12,7 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import folder_writer, says, write_ren_mini
+from helpers import (
+    folder_writer,
+    random_images,
+    replace_keeping_size_and_time,
+    says,
+    uncompressed_png,
+    write_ren_mini,
+)
 from torch import nn
 
 import maml
@@ -210,19 +217,27 @@ def test_the_final_test_holds_one_chunk_of_tasks_at_a_time_and_scores_the_same(t
         assert results[f"{steps}step"]["accuracy"] == fewshot.mean_ci95(acc)[0]
 
 
-def test_resume_with_the_same_data_path_refuses_files_changed_in_place(tmp_path: Path, monkeypatch, capsys) -> None:
-    """The same --data path was never compared: data changed between the run and the resume went unnoticed."""
+@pytest.mark.parametrize("change", ["image-added", "image-rewritten-at-its-size-and-time"])
+def test_resume_with_the_same_data_path_refuses_files_changed_in_place(
+    tmp_path: Path, monkeypatch, capsys, change: str
+) -> None:
+    """The same --data path was never compared: data changed between the run and the resume went unnoticed; then
+    names and sizes were, and an image rewritten at its size (which the cache decodes again) went on unnoticed."""
     monkeypatch.setenv("MAML_CACHE_DIR", str(tmp_path / "cache"))
     data, out = tmp_path / "data", tmp_path / "run"
     folder_writer(32)(data, (64, 16, 20), per_class=2)
+    image = data / "train" / "n00000005" / "10.png"
+    image.write_bytes(uncompressed_png(random_images(1, 32, seed=1)[0]))  # of a size another image can have
     args = ["--dataset", "cifarfs", "--data", str(data), "--out", str(out), *SHORT]
     fit.main(images.run, args)
     capsys.readouterr()
     fit.main(images.run, [*args, "--resume", "--iterations", "3"])  # unchanged: resumed
     assert json.loads((out / "results.json").read_text())["iterations"] == 3
     capsys.readouterr()
-    image = data / "train" / "n00000005" / "10.png"
-    shutil.copy(image, image.with_name("99.png"))  # an image added in place
+    if change == "image-added":
+        shutil.copy(image, image.with_name("99.png"))
+    else:  # as cp -p or rsync -a replace it
+        replace_keeping_size_and_time(image, uncompressed_png(random_images(1, 32, seed=2)[0]))
     with pytest.raises(SystemExit) as e:
         fit.main(images.run, [*args, "--resume", "--iterations", "4"])
     err = capsys.readouterr().err.strip()

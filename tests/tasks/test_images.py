@@ -17,12 +17,13 @@ import torch
 from helpers import (
     SPLITS,
     folder_writer,
-    image_bytes,
     random_images,
     replace_keeping_size_and_time,
     split_data,
     uncompressed_png,
+    write_csv,
     write_ren_mini,
+    write_ren_tiered,
 )
 from PIL import Image
 
@@ -40,30 +41,6 @@ def metaopt_writer(names: dict[str, str], side: int) -> Callable[..., None]:
                 pickle.dump({"data": images, "labels": labels.tolist()}, f, protocol=2)
 
     return write
-
-
-def write_csv(root: Path, counts: tuple[int, ...], per_class: int = 2) -> None:
-    (root / "images").mkdir()
-    for split in SPLITS:
-        images, labels = split_data(counts, split, 84, per_class)
-        with open(root / f"{split}.csv", "w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(["filename", "label"])
-            for i, (image, label) in enumerate(zip(images, labels)):
-                name = f"n{label:08d}{i:08d}.jpg"
-                (root / "images" / name).write_bytes(image_bytes(image, "JPEG"))
-                w.writerow([name, f"n{label:08d}"])
-
-
-def write_ren_tiered(root: Path, counts: tuple[int, ...], per_class: int = 2) -> None:
-    for split in SPLITS:
-        images, labels = split_data(counts, split, 84, per_class)
-        names = [f"n{c:08d}" for c in np.unique(labels)]  # WordNet ids, distinct over the splits
-        labels = labels - labels.min()  # Ren's labels count from 0 in each split, and name a class by its id
-        with open(root / f"{split}_images_png.pkl", "wb") as f:
-            pickle.dump([np.frombuffer(image_bytes(im), dtype=np.uint8) for im in images], f)
-        with open(root / f"{split}_labels.pkl", "wb") as f:
-            pickle.dump({"label_specific": labels, "label_specific_str": names}, f)
 
 
 def write_metaopt_tiered(root: Path, counts: tuple[int, ...], per_class: int = 2) -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -55,3 +57,31 @@ def test_the_readme_is_an_entry_page():
     assert lines <= README_LINES, f"README.md has {lines} lines; move detail into docs/ (at most {README_LINES})"
     for page in os.listdir(REPO / "docs"):
         assert page.endswith(".md") or page in ("stylesheets", "img"), page  # img: figures drawn by scripts
+
+
+def _ci_docs(folder: Path) -> subprocess.CompletedProcess[str]:
+    """CI's docs step (``.ci/docs``, as ``.ci/run`` runs it) on the site of ``folder``."""
+    env = {**os.environ, "MKDOCS": str(REPO / ".venv" / "bin" / "mkdocs")}
+    return subprocess.run(
+        ["bash", str(REPO / ".ci" / "docs")], cwd=folder, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_the_ci_docs_build_fails_on_every_warning_and_the_site_has_none(tmp_path):
+    """``mkdocs build --strict --quiet`` passed on two griffe warnings: --quiet drops them before --strict counts."""
+    site = tmp_path / "site"
+    site.mkdir()
+    for name in ("mkdocs.yml", "docs", "maml", "tasks"):  # the pages and the packages whose docstrings they show
+        copy = shutil.copytree if (REPO / name).is_dir() else shutil.copy
+        copy(REPO / name, site / name)
+    clean = _ci_docs(site)
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    functional = site / "maml" / "_src" / "functional.py"
+    text = functional.read_text()
+    broken = text.replace("        **kwargs: the model's keyword inputs.\n", "        nothing: no such parameter.\n", 1)
+    assert broken != text
+    functional.write_text(broken)
+    failed = _ci_docs(site)
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    assert "WARNING" in failed.stdout and "'nothing' does not appear in the function signature" in failed.stdout
+    assert "CI: the docs build failed or warned" in failed.stderr
