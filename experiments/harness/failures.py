@@ -26,7 +26,7 @@ import maml
 from experiments.harness.folder import EXIT_FAILED, UsageError
 from experiments.harness.report import finish_wandb
 
-__all__ = ["Need", "parameter_bytes", "free_bytes", "check_fits", "FLOAT_BYTES"]
+__all__ = ["Need", "parameter_bytes", "free_bytes", "check_fits", "FLOAT_BYTES", "plan_memory"]
 __all__ += ["Diverged", "DivergenceWatch", "out_of_memory", "stop_on_failure"]
 
 
@@ -93,6 +93,17 @@ def check_fits(needs: Sequence[Need], device: torch.device) -> None:
     raise UsageError(
         f"{worst.flags}: {worst.what} need {amount}, and {where} has {_size(free)} of memory free; lower {which}."
     )
+
+
+def plan_memory(learner: maml.MetaLearner, batch: maml.TaskBatch, flag: str, out: Path, needs: Sequence[Need]) -> Any:
+    """The learner's plan of a training step on ``batch`` within ``--memory-budget`` (``flag``), before anything is
+    written: a budget too small is a UsageError naming the smallest that runs; an allocation refused while the
+    planner measures is the out-of-memory line of :func:`stop_on_failure`, as in training."""
+    try:
+        with stop_on_failure(out, None, needs):
+            return learner.plan_for(batch, return_output=True)  # the trainer's backward keeps its outputs
+    except ValueError as e:
+        raise UsageError(f"--memory-budget {flag}: {e}") from None
 
 
 # ---------------------------------------------------------------------- divergence

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 import maml
-from experiments.harness import recipes
+from experiments.harness import failures, recipes
 from experiments.harness.config import RunFlags, RunOptions, parse_args
 from experiments.harness.failures import DivergenceWatch, Need, check_fits, parameter_bytes, stop_on_failure
 from experiments.harness.folder import UsageError
@@ -176,11 +176,9 @@ def _fit(experiment: Experiment, argv: Sequence[str] | None, life: Lifecycle) ->
     net = model.module.to(opts.device)
     learner = recipes.learner(cfg, net, model.loss, model.meta_only)
     tasks = experiment.tasks(cfg, data, opts.device)
-    if cfg.memory_budget is not None:  # planned on a batch of its own (the run's draws stay the run's): one line
-        try:
-            plan = learner.plan_for(maml.shard(tasks.sample(torch.Generator().manual_seed(cfg.seed))).to(opts.device))
-        except ValueError as e:
-            raise UsageError(f"--memory-budget {cfg.memory_budget}: {e}") from None
+    if cfg.memory_budget is not None:  # planned on a batch of its own (the run's draws stay the run's)
+        batch = maml.shard(tasks.sample(torch.Generator().manual_seed(cfg.seed))).to(opts.device)
+        plan = failures.plan_memory(learner, batch, cfg.memory_budget, opts.out, needs)
         if opts.main:
             print(f"memory plan: {plan}", file=sys.stderr)
     if opts.main:

@@ -18,7 +18,7 @@ tasks and chunks of ``c``, segments of ``e`` steps keep ``n T / e + e c`` iterat
 ``e = sqrt(n T / c)`` (:func:`segment_steps`, the default where the learner plans nothing):
 ``2 sqrt(n T c)`` iterates instead of ``n T`` with ``e = 1``. But a segment replays ``e - 1`` of its
 steps for values, so with ``e > 1`` each step's forward pass runs about once more than with
-``e = 1``: the learner's plan (``budget.plan_checkpointed``) takes the shortest segments that fit.
+``e = 1``: the learner's plan (``planner.Planner``) takes the shortest segments that fit.
 
 How a node's backward pulls the cotangents back through a step is the learner's
 ``maml.Checkpointed(hvp=...)``: ``"reverse_over_reverse"`` (the default) replays it with

@@ -440,13 +440,19 @@ def learner_state(
             )
     plans = state.get("plans", {})  # what the memory planner measured, by configuration
     if not isinstance(plans, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, Mapping) and all(isinstance(n, int) for n in v.values())
-        for k, v in plans.items()
+        isinstance(k, str) and isinstance(v, Mapping) for k, v in plans.items()
     ):
         raise ValueError(
             f"state['plans'] must map configurations to measured bytes, as MetaLearner.state_dict() saves them; "
             f"got {type(plans).__name__}: load a state_dict a learner saved."
         )
+    for key, measured in plans.items():
+        for name, n in measured.items():
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise ValueError(
+                    f"state['plans'][{key!r}][{name!r}] is {n!r}; what the planner measured is bytes, a non-negative "
+                    f"int: load a state_dict a learner saved, or drop its 'plans' entry (the learner measures again)."
+                )
     hint = {"inner_lrs": "the same learn_inner_lr and steps", "model": "the same model", "rule": "the same rule"}
     parts = [("model", model_state), ("inner_lrs", rates)]
     parts += [("rule", rule.state_dict())] if rule is not None else []

@@ -53,6 +53,7 @@ def backward_in_chunks(
     cut = {k: getattr(batch, k).detach().requires_grad_() for k in on_graph}
     whole = dataclasses.replace(batch, **cut) if cut else batch
     total, outputs = None, []
+    fast: dict[str, Tensor] = {}  # the batch's fast weights, written chunk by chunk (return_output)
     for lo in range(0, tasks, size):
         part = whole[lo : lo + size]
         out = run(part)
@@ -62,9 +63,13 @@ def backward_in_chunks(
         loss.backward()
         total = loss.detach() if total is None else total + loss.detach()
         if return_output:
-            outputs.append(out)
+            for k, v in out.fast.items():
+                fast.setdefault(k, v.new_empty((tasks, *v.shape[1:])))[lo : lo + part.num_tasks] = v.detach()
+            outputs.append(dataclasses.replace(out, loss=total, fast={}))
+        # A chunk's output (its fast weights above all) goes before the next chunk runs: a memory plan counts one.
+        del out, loss
     assert total is not None
     reached = [k for k in on_graph if cut[k].grad is not None]
     if reached:  # the inputs' own graph, once, with every chunk's gradient summed
         torch.autograd.backward([getattr(batch, k) for k in reached], [cut[k].grad for k in reached])
-    return MetaOutput.joined(outputs, total) if return_output else total
+    return MetaOutput.joined(outputs, total, fast) if return_output else total

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Literal
 
 import torch
@@ -28,50 +27,6 @@ except ImportError:  # older torch: the same switch under its earlier name (belo
 Params = dict[str, Tensor]
 LossFn = Callable[[Tensor, Tensor], Tensor]
 Batching = Literal["auto", "vmap", "loop"]
-# "auto" takes the loop only when it times this much faster than vmap; measured ratios are far from it
-# both ways (CPU, Omniglot 32 tasks: max-pool net loop 2-2.5x faster, strided net vmap 2x faster).
-LOOP_MARGIN = 1.5
-_CHOICES: dict[tuple[object, ...], str] = {}  # what "auto" timed, by configuration (TaskForward.choose)
-TIMED_TASKS = 16  # "auto" times at most this many tasks of its first batch (the cost grows with them, the ratio little)
-
-
-def time_batchings(
-    forward: TaskForward, fast: Params, consts: Params, data: Sequence[tuple[Tensor, Tensor]]
-) -> dict[str, float]:
-    """Seconds of forward and backward passes over ``data`` for each batching, ``{"vmap": s, "loop": s}``.
-
-    Which is faster depends on the model, the sizes and the device, not on layer types: under
-    ``vmap`` a convolution with per-task weights becomes one grouped convolution. Measured on the
-    CPU (one thread, 32 Omniglot tasks, forward and backward): the reference's strided net, 5
-    support and 5 query images a task, 209 + 292 ms batched against 340 + 373 ms in a loop; the
-    max-pool net with 15 query images a class, 0.7 + 15.9 s batched against 0.8 + 8.0 s in a
-    loop. So ``batching="auto"`` times both on the learner's first batch, support and query sets
-    alike (the query set can decide, as there), on at most :data:`TIMED_TASKS` of its tasks:
-    one warm-up pass (allocations, kernel choice), then the better of two.
-
-    Args:
-        fast: ``(T, *shape)`` per-task parameters.
-        data: ``(x, y)`` pairs of ``(T, n, ...)`` inputs and targets, e.g. the support and query sets.
-    """
-    tasks = min(next(iter(data))[0].shape[0], TIMED_TASKS)
-    weights = {k: v[:tasks].detach().requires_grad_() for k, v in fast.items()}
-    sync = torch.cuda.synchronize if data[0][0].is_cuda else (lambda: None)
-    devices = [data[0][0].device.index] if data[0][0].is_cuda else []
-    seconds: dict[str, float] = {}
-
-    with torch.random.fork_rng(devices=devices), torch.enable_grad():  # dropout draws leave the stream alone
-        for batching in ("vmap", "loop"):
-            times = []
-            for _ in range(3):
-                sync()
-                began = time.perf_counter()
-                for x, y in data:
-                    losses, _ = forward(weights, consts, x[:tasks], y[:tasks], batching=batching)
-                    torch.autograd.grad(losses.sum(), list(weights.values()))
-                sync()
-                times.append(time.perf_counter() - began)
-            seconds[batching] = min(times[1:])
-    return seconds
 
 
 @contextlib.contextmanager
@@ -121,7 +76,7 @@ class TaskForward:
         loss_fn: ``loss_fn(output, y) -> scalar`` for one task's examples.
         batching: ``"vmap"`` runs all tasks as one batched forward pass, ``"loop"`` runs
             them one after another, ``"auto"`` the faster of the two on each device, as timed on
-            the first batch there (:meth:`choose`; ``"vmap"`` until then).
+            the first batch there (``planner.choose_batching``; ``"vmap"`` until then).
         chunk_size: with ``"vmap"``, at most this many tasks per batched call (``None``: all).
     """
 
@@ -152,39 +107,10 @@ class TaskForward:
         """Whether ``"auto"`` has chosen a batching on ``device`` (a fixed batching always has)."""
         return self.batching != "auto" or device in self._chosen
 
-    def use_loop(self, device: torch.device) -> None:
-        """Runs the tasks on ``device`` one after another from now on (vmap cannot batch the model)."""
-        self._chosen[device] = "loop"
-
-    def choose(self, fast: Params, consts: Params, data: Sequence[tuple[Tensor, Tensor]], prefer: str = "vmap") -> None:
-        """With ``"auto"``, settles the batching on the device of ``data``: the other where it is clearly faster on it.
-
-        "Clearly": by :data:`LOOP_MARGIN` (:func:`time_batchings`); otherwise ``prefer`` (``"vmap"``;
-        a memory plan prefers the loop, whose tasks hold less each), so that where the two are
-        close, timing noise rarely decides. A configuration (device, model
-        architecture, loss, shapes) is timed once per process: its learners batch alike and agree
-        to the bit. Across processes a choice near the margin can differ (``cudnn.benchmark``'s
-        caveat): an explicit ``"vmap"`` or ``"loop"`` makes two runs agree to the bit.
-        """
-        device = data[0][0].device
-        if self.batching != "auto" or device in self._chosen or data[0][0].shape[0] == 1:
-            return  # settled, or one task, which runs unbatched whatever is chosen: a larger batch decides
-        # One timing per configuration and process: learners of one architecture on equal sizes batch alike.
-        shapes = lambda tensors: tuple((tuple(t.shape), t.dtype) for t in tensors)  # noqa: E731
-        key = (
-            device,
-            repr(self.model),
-            getattr(self.loss_fn, "__qualname__", repr(self.loss_fn)),
-            shapes(fast.values()),
-            shapes(consts.values()),
-            shapes(t for pair in data for t in pair),
-            prefer,
-        )
-        if key not in _CHOICES:
-            seconds = time_batchings(self, fast, consts, data)
-            other = "loop" if prefer == "vmap" else "vmap"
-            _CHOICES[key] = other if seconds[other] * LOOP_MARGIN < seconds[prefer] else prefer
-        self._chosen[device] = _CHOICES[key]
+    def settle(self, device: torch.device, batching: str) -> None:
+        """Runs the tasks on ``device`` by ``batching`` from now on: what ``"auto"`` chose (``planner.choose_batching``),
+        or the loop for a model vmap cannot batch."""
+        self._chosen[device] = batching
 
     @property
     def chosen(self) -> dict[str, str]:

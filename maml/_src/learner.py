@@ -18,15 +18,14 @@ from typing import Any, Literal, overload
 import torch
 from torch import Tensor, nn
 
-from . import budget, checks, modes, options
+from . import checks, modes, options
 from .batch import TaskBatch
-from .budget import Plan
 from .chunked import backward_in_chunks
 from .forward import LossFn, Params, TaskForward, check_finite, unfused_layers
-from .loop import InnerLoop, MetaOutput, Problem, per_task
+from .loop import InnerLoop, MetaOutput, Problem
 from .modes import Checkpointed, Mode
 from .options import Batching, InnerOptimizer, LearnInnerLr
-from .planner import Planner
+from .planner import Plan, Planner, TooSmall
 from .probe import Probe
 from .rates import InnerRates
 from .rules import BoundRule, UpdateRule, rule_tensors
@@ -205,6 +204,7 @@ class MetaLearner:
             memory_budget=memory_budget,
         )
         self._plan: Plan | None = None  # the last training call's
+        self._asked: str | None = None  # what a backward call was asked, for its advice (_call)
         initial = self._rates.init(dict(model.named_parameters()), steps)
         self._options["rate_parameters"] = {k: nn.Parameter(v) for k, v in initial.items()}
 
@@ -272,11 +272,12 @@ class MetaLearner:
         """
         return self._plan
 
-    def plan_for(self, batch: TaskBatch) -> Plan | None:
+    def plan_for(self, batch: TaskBatch, *, return_output: bool = False) -> Plan | None:
         """The plan of a training step on ``batch`` (as :attr:`plan` will show it), without taking the step.
 
         Measures one task on a new configuration, as the first training call would; a budget too
         small for one task raises here, before any training. ``None`` where nothing is planned.
+        ``return_output``: plan :meth:`backward` with it, which keeps the batch's fast weights.
 
         Raises:
             ValueError: ``memory_budget`` is below what one task holds, naming the smallest that runs.
@@ -284,7 +285,7 @@ class MetaLearner:
         if not isinstance(batch, TaskBatch):
             raise TypeError(f"batch must be a maml.TaskBatch, got {type(batch).__name__}.")
         with torch.enable_grad():
-            plan = self._planned(batch)
+            plan = self._planned(batch, return_output)
         self._plan = plan if plan is not None else self._plan
         return plan
 
@@ -367,15 +368,16 @@ class MetaLearner:
         run = functools.partial(self.run, step_weights=step_weights)
         per_chunk = functools.partial(modes.tasks_per_chunk, self.chunk_size, self.resolved_batching)
         if chunk is None and self.chunk_size is None and isinstance(batch, TaskBatch) and torch.is_grad_enabled():
-            plan = self._planned(batch)
-            if (
-                plan is not None
-            ):  # a budget's chunks of second or first order; the checkpointed mode's segments fit whole
-                per_task = plan.tasks if plan.checkpoint_every is None else batch.num_tasks
-                out = backward_in_chunks(run, batch, chunk, lambda tasks: per_task, return_output=return_output)
-                self._plan = plan  # the whole batch's, not its last chunk's
+            plan = self._planned(batch, return_output)
+            if plan is not None:  # a budget's calls (second and first order: its chunks; checkpointed: its replays)
+                out = backward_in_chunks(run, batch, None, lambda tasks: plan.tasks, return_output=return_output)
+                self._plan = plan  # the whole batch's, not its last call's
                 return out
-        return backward_in_chunks(run, batch, chunk, per_chunk, return_output=return_output)
+        self._asked = f"backward(chunk={chunk})" if chunk is not None else "chunk_size" if self.chunk_size else None
+        try:
+            return backward_in_chunks(run, batch, chunk, per_chunk, return_output=return_output)
+        finally:
+            self._asked = None
 
     def run(
         self,
@@ -554,7 +556,7 @@ class MetaLearner:
         self._rates = rates
         self._loop = InnerLoop(self._forward, BoundRule(rule), rates, self._check)
         self._compiled: dict[str, Any] = {}  # each mode's compiled step (modes.compiled_path)
-        self._planner = Planner()  # what it measured holds for this loop only
+        self._planner = Planner(self._forward)  # what it measured holds for this loop only
 
     def _follow_model(self) -> None:
         """Follows the model as it is now: weights tied or untied, or a module registered twice, since the last call.
@@ -584,17 +586,12 @@ class MetaLearner:
     ) -> modes.Call:
         """What the mode's paths get (:class:`modes.Call`), with the chunks and segments a plan chose for training."""
         problem = Problem(self._loop, params, self._rate_values(), consts, batch, steps)
-        plan = self._plan_of(problem) if self._plans(torch.is_grad_enabled()) else None
-        if plan is not None and plan.checkpoint_every is None and batch.num_tasks > plan.tasks:
-            raise ValueError(
-                f"{batch.num_tasks} tasks of mode={self._mode.name!r} hold about {budget.fmt(batch.num_tasks * plan.task_bytes)}"
-                f", over memory_budget={budget.fmt(plan.budget)}: learner.backward(batch) runs them {plan.tasks} "
-                f"at a time within it, to the same .grad."
-            )
+        plan = self._plan_of(problem, steps != self.steps) if self._plans(torch.is_grad_enabled()) else None
         mode = self._mode
-        if plan is not None and isinstance(mode, Checkpointed):  # planned: the tasks and the segments
-            every = mode.every or plan.checkpoint_every
-            return modes.Call(problem, step_weights, plan.tasks, dataclasses.replace(mode, every=every))
+        if plan is not None and isinstance(mode, Checkpointed):  # planned: the tasks replayed together, the segments
+            return modes.Call(
+                problem, step_weights, plan.replayed, dataclasses.replace(mode, every=plan.checkpoint_every)
+            )
         tasks = mode.tasks if isinstance(mode, Checkpointed) else None
         chunk = tasks or modes.tasks_per_chunk(self.chunk_size, self.resolved_batching, batch.num_tasks)
         return modes.Call(problem, step_weights, chunk, mode)
@@ -606,43 +603,44 @@ class MetaLearner:
         segments = kind == "segments" and getattr(self._mode, "tasks", None) is None
         return grad and (segments or (kind == "chunks" and self.memory_budget is not None))
 
-    def _planned(self, batch: TaskBatch) -> Plan | None:
-        """The plan of a training call on ``batch`` from the model's parameters (for :meth:`backward`'s chunks)."""
+    def _planned(self, batch: TaskBatch, outputs: bool) -> Plan | None:
+        """The plan of :meth:`backward` on ``batch`` from the model's parameters: its calls, each within the budget
+        (``outputs``: with its ``return_output``, which keeps the batch's fast weights across them)."""
         if not self._plans(True):
             return None
         params, consts, steps = self._prepare("run", None, None, batch.support_x, batch.query_x)
         self._probe(params, consts, batch, batching=self.batching, lean=self._mode.plans == "segments", choose=False)
-        return self._plan_of(Problem(self._loop, params, self._rate_values(), consts, batch, steps))
-
-    def _plan_of(self, problem: Problem) -> Plan | None:
-        """Plans ``problem``'s step (:class:`planner.Planner`); with ``batching="auto"``, times vmap against the
-        loop on as many tasks as the plan runs at once, and plans again if the loop wins. A plan takes vmap only
-        where it is clearly faster: batched tasks hold more each, and a budget fits fewer of them."""
-        device = problem.batch.support_x.device
-        settled = self._forward.settled(device)
-        batching = self._forward.resolve(device) if settled else "vmap"
-
-        def plan(batching: str) -> Plan | None:
-            return self._planner.plan(
-                problem,
-                mode=self._mode.name,
-                memory_budget=self.memory_budget,
-                batching=batching,
-                every=getattr(self._mode, "every", None),
+        problem = Problem(self._loop, params, self._rate_values(), consts, batch, steps)
+        try:
+            plan = self._planner.plan(
+                problem, mode=self._mode, memory_budget=self.memory_budget, one_call=False, outputs=outputs
             )
+        except TooSmall as e:
+            raise ValueError(str(e)) from None
+        self._plan = plan
+        return plan
 
-        made = plan(batching)
-        if made is not None and not settled and made.tasks > 1:
-            part = problem.batch[: made.tasks]
-            one = per_task({k: v.detach() for k, v in problem.params.items()}, made.tasks)
-            shared = {k: v.detach() for k, v in problem.consts.items()}
-            data = [(part.support_x, part.support_y), (part.query_x, part.query_y)]
-            with unfused_layers():
-                self._forward.choose(one, shared, data, prefer="loop")
-            if self._forward.resolve(device) != batching:
-                made = plan(self._forward.resolve(device))
-        elif made is not None and not settled and self._mode.plans == "segments":
-            self._forward.use_loop(device)  # one task at a time: the plain call
+    def _plan_of(self, problem: Problem, own_steps: bool) -> Plan | None:
+        """Plans one call of ``problem``'s tasks (:class:`planner.Planner`); refuses one over the budget, naming the
+        call or argument that would fit (``own_steps``: the call was given ``steps``)."""
+        try:
+            made = self._planner.plan(problem, mode=self._mode, memory_budget=self.memory_budget, one_call=True)
+        except TooSmall as e:
+            if e.fits is None:
+                raise ValueError(str(e)) from None
+            k = e.fits.tasks
+            if self._asked == "chunk_size":
+                way = f"set learner.chunk_size = {k} (or None: backward(batch) then plans its calls within it)"
+            elif self._asked is not None:
+                way = f"{self._asked} asks for more: pass chunk={k}, or no chunk (backward(batch) plans its calls)"
+            elif own_steps:
+                way = (
+                    f"learner.backward(batch) runs them {k} at a time within it, to the same .grad; it takes "
+                    f"the learner's steps: set learner.steps = {problem.steps} first"
+                )
+            else:
+                way = f"learner.backward(batch) runs them {k} at a time within it, to the same .grad"
+            raise ValueError(f"{e}: {way}.") from None
         self._plan = made
         return made
 

@@ -83,7 +83,7 @@ def check_model(
                     f"no rule for an operator of its forward pass. Use batching='loop', or batching='auto', "
                     f"which picks the loop for such a model. (PyTorch: {str(e).splitlines()[0]})"
                 ) from e
-            forward.use_loop(x.device)
+            forward.settle(x.device, "loop")
 
 
 def _unbatchable(error: RuntimeError) -> bool:

@@ -11,7 +11,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from . import budget, checks, modes
+from . import checks, modes, planner
 from .layers import check_step_layers
 from .rates import LEARN_INNER_LR
 from .rules import INNER_OPTIMIZERS, UpdateRule, make_rule, rule_tensors
@@ -76,7 +76,7 @@ def check_arguments(
         checks.update_rule(inner_optimizer, inner_optimizer_options)
     checks.integer("chunk_size", chunk_size, 1, optional=True)
     modes.check_options(mode.name, batching=batching, chunk_size=chunk_size)
-    budget.budget_bytes(memory_budget, torch.device("cpu"))  # its form; bytes are read on the call's device
+    planner.budget_bytes(memory_budget, torch.device("cpu"))  # its form; bytes are read on the call's device
     if memory_budget is not None and mode.plans is None:
         raise ValueError(
             f"memory_budget={memory_budget!r} does not apply to mode={mode.name!r}, whose memory is flat in the "

