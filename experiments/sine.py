@@ -138,7 +138,8 @@ def final_test(fitted: fit.Fitted) -> fit.Results:
     results = evaluate(learner, cfg, opts.device, seed=cfg.seed + 20_000)
     report.learning_curves(opts.out, fitted.trainer.history, PANELS)
     sine_fit(opts.out, fitted.model, learner, opts.device)
-    return fit.Results(results, "mse", _table(results, cfg))
+    # What "auto" chose, as a resume keeps it (the learner's state_dict): a rerun reads which path this one took.
+    return fit.Results(results, "mse", _table(results, cfg), {"batching": learner.resolved_batching})
 
 
 def sine_fit(out: Path, model: nn.Module, learner: maml.MetaLearner, device: torch.device) -> None:

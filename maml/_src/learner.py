@@ -122,8 +122,9 @@ class MetaLearner:
             ``"reptile"`` and ``"implicit"`` refuse a trainable parameter outside ``adapt``
             (the Concepts page).
         batching: ``"vmap"`` (tasks as one batched call), ``"loop"`` (one task after another) or
-            ``"auto"``: the loop where it is 1.5x faster on the first batch of more than one task on
-            each device, else ``"vmap"`` (kept by :meth:`state_dict`); one task runs unbatched, the
+            ``"auto"``: the loop where it is 1.5x faster (in the thread's CPU time, which a busy
+            machine does not flip) on the first batch of more than one task on each device, else
+            ``"vmap"`` (kept by :meth:`state_dict`); one task runs unbatched, the
             checkpointed mode follows its memory plan (``memory_budget``; given its ``tasks``,
             the loop, untimed: it holds less), and a model vmap cannot batch (recurrent layers) the loop. All give the same meta-gradients to float rounding; pass
             ``"vmap"`` or ``"loop"`` for bit-identical reruns.
@@ -157,12 +158,12 @@ class MetaLearner:
             it the learner plans what would otherwise be guessed (:attr:`plan`): in second and
             first order the tasks whose graphs :meth:`backward` holds at once (:meth:`meta_loss`
             refuses a batch over it, naming ``backward``); in the checkpointed mode the most tasks
-            replayed together (batched if faster), then the shortest segments. It plans from one task's
-            tensor peak, measured before the first training step of each configuration. Default:
+            replayed together (batched if faster), each a call of :meth:`backward`, then the shortest
+            segments. It plans from what one inner step of one task holds, measured before the first
+            training step of each configuration (no probe holds more than the budget). Default:
             none in second and first order (every task at once); in the checkpointed mode one
-            task's second-order step (bounded above by ``steps`` replays of one step), at least
-            16 MiB (``docs/memory-and-speed.md``); with ``Checkpointed(tasks=...)`` it plans
-            nothing and replays that many tasks in a loop.
+            task's second-order step, at least 16 MiB (``docs/memory-and-speed.md``); with
+            ``Checkpointed(tasks=...)`` it plans nothing and replays that many tasks in a loop.
         inner_optimizer_options: a named rule's options: momentum ``{"momentum": 0.9, "nesterov": False}``,
             adam ``{"betas": (0.9, 0.999), "eps": 1e-8}``.
     """
