@@ -618,7 +618,6 @@ class MetaLearner:
             )
         except TooSmall as e:
             raise ValueError(str(e)) from None
-        self._plan = plan
         return plan
 
     def _plan_of(self, problem: Problem, own_steps: bool) -> Plan | None:

@@ -267,9 +267,9 @@ class MetaOutput:
         )
 
     @classmethod
-    def joined(cls, outputs: list[MetaOutput], loss: Tensor, fast: Params | None = None) -> MetaOutput:
-        """Chunks' outputs as one over all their tasks (detached), with the meta-loss ``loss``; ``fast``: the fast
-        weights already joined (the chunks' own then are not read)."""
+    def joined(cls, outputs: list[MetaOutput], loss: Tensor, fast: Params) -> MetaOutput:
+        """Chunks' outputs as one over all their tasks (detached), with the meta-loss ``loss`` and the fast weights
+        ``fast``, joined as the chunks ran (``chunked.py``: a chunk's own go before the next runs)."""
 
         def cat(tensors: list[Tensor], dim: int = 0) -> Tensor:
             return torch.cat(tensors, dim).detach()
@@ -280,6 +280,6 @@ class MetaOutput:
             query_losses=cat([o.query_losses for o in outputs]),
             query_out=cat([o.query_out for o in outputs]),
             support_losses=cat([o.support_losses for o in outputs], dim=1),
-            fast=fast if fast is not None else {k: cat([o.fast[k] for o in outputs]) for k in outputs[0].fast},
+            fast=fast,
             step_query_losses=None if steps[0] is None else cat(steps, dim=1),  # type: ignore[arg-type]
         )

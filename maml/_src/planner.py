@@ -6,18 +6,19 @@ of it: reading the budget (:func:`budget_bytes`), measuring (:func:`measure`, :f
 the memory model (:class:`Footprint`), the plan (:class:`Plan`, :class:`Planner`), the choice of
 ``batching="auto"`` (:func:`choose_batching`), and what a checkpoint keeps (``Planner.measured``).
 
-**What is measured.** Only one inner step: the mode's own training step (meta-loss and its
-gradient) of one task at one inner step, and of the same task at no step (the query pass alone);
+**What is measured.** At most two inner steps: the mode's own training step (meta-loss and its
+gradient) of one task at one inner step, or at two where the call has more (a first step starts
+from views of the parameters and holds less than any later one), and its forward pass at one step;
 where a plan could run two tasks in one call and the budget holds them, the same step of two tasks
 (in a loop, and batched by ``vmap``). Each probe's tensor peak and the bytes it still holds when its
 forward pass ends are read from one pass (:func:`measure`). A probe runs only where the step it
 stands for could fit the budget, so no probe holds more than the plans it decides between.
 
-**The memory model.** A call of ``B`` tasks at ``n`` inner steps holds the one-task, one-step peak
-``P1``, plus for each further task what a second task added (``P2 - P1``, measured: its graph, its
-fast weights, the cotangents ``backward`` holds for it), plus for each further inner step of each
-task the bytes one step leaves on the graph (``g``, the forward pass's held bytes at one step less
-those at none; a peak is not linear in the steps, what the graph holds is). The checkpointed mode
+**The memory model.** A call of ``B`` tasks at ``n`` inner steps holds one task's step at the
+probes' depth ``P``, plus for each further task what a second task added (``P2 - P``, measured: its
+graph, its fast weights, the cotangents ``backward`` holds for it), plus for each further inner step
+of each task the bytes one step leaves on the graph (``g``, the forward pass's held bytes at two
+steps less those at one; a peak is not linear in the steps, what the graph holds is). The checkpointed mode
 keeps, instead of a graph per step, one iterate (fast weights and rule state, counted from their
 shapes) per task and kept step, and one per step of the segment being replayed. Every term is an
 upper bound of what is alive at the peak: ``tests/engine/test_memory_budget.py`` holds the first call
@@ -357,15 +358,18 @@ class Footprint:
     """What one configuration's probes measured, bytes; the memory model of its calls (module docstring).
 
     Attributes:
-        one: ``P1``, one task's step at one inner step (the checkpointed mode: replaying it).
+        depth: the inner steps the probes ran: one, or two for second and first order at two steps or more
+            (a first step starts from views of the parameters, and holds less than any later one).
+        one: one task's step at ``depth`` inner steps (the checkpointed mode: replaying one).
         task: what a second task adds to a call, run one after the other (``P2 - P1``); ``None``: not measured.
         batched: what a second task adds batched by ``vmap``; ``None``: not measured.
-        step: what one inner step of one task leaves on the graph (second and first order).
+        step: what one more inner step of one task leaves on the graph (second and first order).
         batched_step: the same per task, two tasks batched; ``None``: not measured.
         iterate: one task's fast weights and rule state; ``fast``: its fast weights alone.
         grads: the meta-gradients (``.grad`` of every meta-parameter), which a call may allocate.
     """
 
+    depth: int
     one: int
     task: int | None
     batched: int | None
@@ -377,7 +381,7 @@ class Footprint:
 
     def eager(self, tasks: int, steps: int, batching: str) -> int | None:
         """Second and first order: a call of ``tasks`` tasks at ``steps`` inner steps; ``None``: not known (not measured)."""
-        more = max(steps, 1) - 1
+        more = max(steps, 1) - self.depth
         if tasks == 1:
             return self.grads + self.one + more * self.step
         if batching == "vmap":
@@ -446,14 +450,13 @@ class TooSmall(ValueError):
     """The budget holds no plan of the call.
 
     Attributes:
-        tasks: the call's tasks; ``need``: the least a call of them in one piece holds, bytes.
         fits: a plan of the batch in several calls (``MetaLearner.backward``'s chunks) within the
             budget, where the call was one piece and such a plan exists; else ``None``.
     """
 
-    def __init__(self, message: str, tasks: int, need: int, fits: Plan | None) -> None:
+    def __init__(self, message: str, fits: Plan | None) -> None:
         super().__init__(message)
-        self.tasks, self.need, self.fits = tasks, need, fits
+        self.fits = fits
 
 
 class Planner:
@@ -494,20 +497,20 @@ class Planner:
         settled = self.forward.settled(device)
         batchings = [self.forward.resolve(device)] if settled else ["loop", "vmap"]
         lone = "vmap" if self.forward.batching == "vmap" else "loop"  # how one task runs (auto: the plain call)
-        key = repr((str(device), repr(mode), lone, _shapes(p)))
+        depth = 1 if kind == "segments" else min(max(steps, 1), 2)
+        key = repr((str(device), repr(_replay(mode)), lone, depth, _shapes(p)))  # what the probes run
         m = self.measured.setdefault(key, {})
         default = limit is None
-        _measure_one(m, p, mode, lone, default)
+        _measure_one(m, p, mode, lone, default, depth)
         if default:  # one task's second-order step at the call's steps, at least the floor
             limit = max(DEFAULT_FLOOR, m["grads"] + m["one"] + (max(steps, 1) - 1) * m.get("step", 0))
         if tasks > 1:
-            # On a default budget no probe holds more than the plan chosen: the loop's (one task at a time) at most.
-            lean = (
-                _best(_footprint(m, 0), kind, tasks, steps, every, "loop", limit, default, False) if default else None
-            )
-            room = lean.estimate if lean is not None else limit
-            _measure_two(m, p, mode, room, batchings, whole=one_call or kind == "chunks", default=default)
-        fp = _footprint(m, tasks * m["fast"] if outputs and not one_call else 0)
+            room = limit
+            if default:  # no probe holds more than the plan chosen: the loop's (one task at a time) at most
+                lean = _best(_footprint(m, depth, 0), kind, tasks, steps, every, "loop", limit, default, False)
+                room = lean.estimate if lean is not None else limit
+            _measure_two(m, p, mode, room, batchings, depth, whole=one_call or kind == "chunks", default=default)
+        fp = _footprint(m, depth, tasks * m["fast"] if outputs and not one_call else 0)
         plans = {b: _best(fp, kind, tasks, steps, every, b, limit, default, one_call) for b in batchings}
         made = plans[batchings[0]] if settled else self._choose(p, plans)
         if made is not None:
@@ -532,16 +535,16 @@ class Planner:
                 f"memory_budget={fmt(limit)} is below what {name} holds replaying one task at a time "
                 f"(about {fmt(least)}): pass at least memory_budget={least}."
             )
-        raise TooSmall(message, tasks, need, split)
+        raise TooSmall(message, split)
 
     def _choose(self, p: Problem, plans: dict[str, Plan | None]) -> Plan | None:
         """With ``"auto"``: the loop's plan, unless vmap's batches tasks and times clearly faster on them; settled."""
         device = p.batch.support_x.device
         loop, vmap = plans["loop"], plans["vmap"]
         if vmap is None or vmap.replayed < 2:
-            if loop is not None:
-                self.forward.settle(device, "loop")  # nothing to batch: one task at a time, the plain call
-            return loop
+            if loop is not None and p.batch.num_tasks > 1:
+                self.forward.settle(device, "loop")  # the budget batches none: one task at a time, the plain call
+            return loop  # (one task runs unbatched whatever is chosen: a larger batch decides)
         # Timed on the tasks the batched plan runs together (at most TIMED_TASKS): a first-order pass over them
         # holds less than the plan's step of them.
         k = min(vmap.replayed, TIMED_TASKS)
@@ -553,38 +556,47 @@ class Planner:
         return vmap if chosen == "vmap" or loop is None else loop
 
 
-def _measure_one(m: dict[str, int], p: Problem, mode: modes.Mode, lone: str, default: bool) -> None:
-    """One task's probes, where ``m`` lacks them: the mode's step at one inner step (the checkpointed mode: replaying
-    it), and, for more steps, the bytes one more inner step leaves on the graph (the forward pass at two steps less at
-    one; for the checkpointed mode second order's, and only where it sets the default budget)."""
+def _measure_one(m: dict[str, int], p: Problem, mode: modes.Mode, lone: str, default: bool, depth: int) -> None:
+    """One task's probes, where ``m`` lacks them: the mode's step at ``depth`` inner steps (the checkpointed mode:
+    replaying one), and, for more steps, the bytes one more inner step leaves on the graph (the forward pass at two
+    steps less at one; for the checkpointed mode second order's, and only where it sets the default budget)."""
     segments = mode.plans == "segments"
     if "one" not in m:
-        one = _probe(p, _replay(mode), 1, 1, 1, lone)
+        one = _probe(p, _replay(mode), 1, 1, depth, lone)
         m.update(one=one.peak, held=one.held)
         m["iterate"], m["fast"] = _iterate_bytes(p)
-        trained = [v for v in (*p.params.values(), *p.rate_values.values(), *p.consts.values()) if v.requires_grad]
-        m["grads"] = sum(v.numel() * v.element_size() for v in trained)
+        m["grads"] = sum(v.numel() * v.element_size() for v in _trained(p))
     if "step" not in m and p.steps >= 2 and (not segments or default):
         graph = modes.Mode.of("second_order") if segments else mode
-        at_one = _probe(p, graph, 1, 1, 1, lone, backward=False).held if segments else m["held"]
-        m["step"] = max(_probe(p, graph, 1, 1, 2, lone, backward=False).held - at_one, 0)
+        at_one = _probe(p, graph, 1, 1, 1, lone, backward=False).held
+        at_two = _probe(p, graph, 1, 1, 2, lone, backward=False).held if segments else m["held"]
+        m["step"] = max(at_two - at_one, 0)
 
 
 def _measure_two(
-    m: dict[str, int], p: Problem, mode: modes.Mode, limit: int, batchings: list[str], *, whole: bool, default: bool
+    m: dict[str, int],
+    p: Problem,
+    mode: modes.Mode,
+    limit: int,
+    batchings: list[str],
+    depth: int,
+    *,
+    whole: bool,
+    default: bool,
 ) -> None:
-    """Two tasks' probes, where ``m`` lacks them and a plan could run them: one after the other in one call (``whole``),
-    and batched by vmap; each only where the budget could hold the step it stands for."""
+    """Two tasks' probes at ``depth`` steps, where ``m`` lacks them and a plan could run them: one after the other in
+    one call (``whole``), and batched by vmap; each only where the budget could hold the step it stands for."""
     segments = mode.plans == "segments"
-    # A call of two tasks holds at least a second task's graph: the forward pass's bytes of one. On a default
-    # budget a whole call of them runs anyway.
-    if whole and "task" not in m and (default and segments or m["one"] + m["held"] <= limit):
-        m["task"] = max(_probe(p, _replay(mode), 2, 1, 1, "loop").peak - m["one"], 0)
+    # Two tasks in a loop can hold twice one (the wide MLP of benchmarks.budgets does: its backward's cotangents
+    # weigh as much as its graph). On a default budget a whole call of them runs anyway.
+    if whole and "task" not in m and (default and segments or 2 * m["one"] <= limit):
+        m["task"] = max(_probe(p, _replay(mode), 2, 1, depth, "loop").peak - m["one"], 0)
     if "vmap" in batchings and "batched" not in m and 2 * _VMAP_ROOM * m["one"] <= limit:
-        m["batched"] = max(_probe(p, _replay(mode), 2, 2, 1, "vmap").peak - m["one"], 0)
-    if "vmap" in batchings and "batched_step" not in m and not segments and p.steps >= 2 and "batched" in m:
-        held = [_probe(p, mode, 2, 2, s, "vmap", backward=False).held for s in (1, 2)]
-        m["batched_step"] = math.ceil(max(held[1] - held[0], 0) / 2)
+        two = _probe(p, _replay(mode), 2, 2, depth, "vmap")
+        m["batched"] = max(two.peak - m["one"], 0)
+        if depth == 2:  # what a further step leaves per task, batched: the forward pass at two steps less at one
+            at_one = _probe(p, mode, 2, 2, 1, "vmap", backward=False).held
+            m["batched_step"] = math.ceil(max(two.held - at_one, 0) / 2)
 
 
 def _replay(mode: modes.Mode) -> modes.Mode:
@@ -592,9 +604,11 @@ def _replay(mode: modes.Mode) -> modes.Mode:
     return modes.Checkpointed(every=1, hvp=mode.hvp) if isinstance(mode, modes.Checkpointed) else mode
 
 
-def _footprint(m: dict[str, int], kept: int) -> Footprint:
-    """The memory model of what ``m`` measured; ``kept``: bytes a call's plan holds besides (outputs kept across calls)."""
+def _footprint(m: dict[str, int], depth: int, kept: int) -> Footprint:
+    """The memory model of what ``m`` measured at ``depth`` steps; ``kept``: bytes a call's plan holds besides
+    (outputs kept across calls)."""
     return Footprint(
+        depth=depth,
         one=m["one"],
         task=m.get("task"),
         batched=m.get("batched"),
@@ -627,8 +641,8 @@ def _candidates(
     lengths = [every] if every else range(1, max(steps, 1) + 1)
     for most in range(tasks, 0, -1) if batching == "vmap" else [1]:
         # backward's calls replay their tasks together; one call of the batch replays chunks of it.
-        size, calls = (tasks, 1) if one_call else _chunk(tasks, most)
-        replayed = _chunk(tasks, most)[0] if one_call else size
+        chunk, calls = _chunk(tasks, most)
+        size, replayed, calls = (tasks, chunk, 1) if one_call else (chunk, chunk, calls)
         for e in lengths:
             need = fp.checkpointed(size, replayed, steps, e, batching)
             if need is not None:
@@ -667,6 +681,11 @@ def _shapes(p: Problem) -> tuple[Any, ...]:
     return (*((tuple(t.shape), str(t.dtype)) for t in tensors), trained)
 
 
+def _trained(p: Problem) -> list[Tensor]:
+    """The meta-parameters a step differentiates: the adapted parameters, the rates, the trained constants."""
+    return [v for v in (*p.params.values(), *p.rate_values.values(), *p.consts.values()) if v.requires_grad]
+
+
 def _iterate_bytes(p: Problem) -> tuple[int, int]:
     """One task's fast weights and rule state, and its fast weights alone, bytes (what the checkpointed mode keeps)."""
     fast = per_task({k: v.detach() for k, v in p.params.items()}, 1)
@@ -690,7 +709,7 @@ def _probe(
     loop = dataclasses.replace(p.loop, forward=TaskForward(f.model, f.loss_fn, batching, None))
     problem = p._replace(loop=loop, batch=p.batch[:tasks], steps=steps)
     call = modes.Call(problem, None, replayed, mode)
-    leaves = [v for v in (*p.params.values(), *p.rate_values.values(), *p.consts.values()) if v.requires_grad]
+    leaves = _trained(p)
     device = p.batch.support_x.device
 
     def step() -> None:

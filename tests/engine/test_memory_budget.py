@@ -235,3 +235,13 @@ def test_the_checkpointed_default_plans_within_one_tasks_second_order_step():
     learner.meta_loss(batch).backward()
     assert learner.plan.default and learner.plan.budget >= planner.DEFAULT_FLOOR
     assert learner.plan.estimate <= learner.plan.budget
+
+
+def test_a_one_task_batch_leaves_auto_to_a_larger_one():
+    """One task runs unbatched whatever is chosen: a planned call of one task records no batching."""
+    planner._CHOICES.clear()
+    learner = maml.MetaLearner(conv_net(), F.cross_entropy, inner_lr=0.1, steps=2, memory_budget="1GiB")
+    learner.backward(image_batch(1))
+    assert learner.state_dict()["batching"] == {}
+    learner.backward(image_batch(4))
+    assert set(learner.state_dict()["batching"]) == {"cpu"}
