@@ -125,7 +125,7 @@ def test_the_fastest_plan_within_the_budget_most_tasks_then_the_shortest_segment
     """A segment of e steps replays e - 1 for values: the shortest that fit are the fastest (maml._src.planner)."""
     kb = 1024  # 8 tasks, 20 steps; replaying one task's step holds 100 KiB, a second batched task 80, an iterate 1
     fp = planner.Footprint(
-        one=100 * kb, task=None, batched=80 * kb, step=0, batched_step=0, iterate=kb, fast=kb, grads=0
+        depth=1, one=100 * kb, task=None, batched=80 * kb, step=0, batched_step=0, iterate=kb, fast=kb, grads=0
     )
 
     def plan(limit: int, batching: str = "loop", every: int | None = None) -> tuple[int, int | None]:
