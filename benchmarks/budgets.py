@@ -136,7 +136,7 @@ def smallest_budget(family: Family, mode: str | maml.Mode) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Trial:
-    """One configuration's peaks, bytes, and its plan."""
+    """One configuration's peaks, bytes, its plan and the plan's estimate of a call."""
 
     family: str
     mode: str
@@ -167,8 +167,7 @@ def trial(family_name: str, mode_name: str, budget: int | None) -> Trial:
     run.model.zero_grad(set_to_none=True)
     later = dispatch_peak_bytes(lambda: run.backward(batch))
     assert run.plan is not None
-    return Trial(family_name, mode_name, budget, str(run.plan), run.plan.budget if budget else run.plan.estimate,
-                 first, later, grad)  # fmt: skip
+    return Trial(family_name, mode_name, budget, str(run.plan), run.plan.estimate, first, later, grad)
 
 
 def main() -> None:

@@ -500,6 +500,36 @@ def plans(path: Path = REPO / "results/benchmarks/plans.json") -> str:
     return "\n".join(lines) + "\n"
 
 
+def budgets(path: Path = REPO / "results/benchmarks/budgets.json") -> str:
+    """``benchmarks/budgets.py --json``: each family, mode and budget, the plan, and the first and a later call's peak."""
+    report = _json(path)
+    lines = [
+        "| family | mode | budget | the plan | first call | later call | first / budget |",
+        "|---|---|---:|---|---:|---:|---:|",
+    ]
+    mib = lambda n: f"{n / 2**20:,.1f} MiB"  # noqa: E731
+    worst = 0.0
+    for r in report["rows"]:
+        held = r["budget"] if r["budget"] is not None else r["estimate"]
+        worst = max(worst, max(r["first"], r["later"]) - held)
+        budget = mib(r["budget"]) if r["budget"] is not None else f"default ({mib(r['estimate'])} planned)"
+        lines.append(
+            f"| {r['family']} | {r['mode']} | {budget} | {r['plan'].split('; about')[0]} | {mib(r['first'])} | "
+            f"{mib(r['later'])} | {r['first'] / held:.2f} |"
+        )
+    lines += [
+        "",
+        f"A new learner's first `backward(batch)` (its planner's probes and the choice of `\"auto\"` included) and its "
+        f'second, float64, `"auto"` batching; peaks of live tensor bytes counted by a dispatch mode the engine does '
+        f"not use (`benchmarks.tensor_peak.dispatch_peak_bytes`); budgets: the smallest the learner accepts and three "
+        f"times it, and the checkpointed mode's default (its plan's estimate stands for the budget). "
+        f"{len(report['rows'])} configurations; the most any call held over its budget: {mib(max(worst, 0))} "
+        f"(the allowance: {mib(report['slack'])}). `{report['command']}`; torch "
+        f"{report['versions'].get('torch', '?')}; {provenance([report])}.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def image_sampling(path: Path = REPO / "results/benchmarks/image_sampling.json") -> str:
     """``benchmarks/image_sampling.py``: meta-batches a second of the image sampler against learn2learn's TaskDataset."""
     r = _json(path)
@@ -708,6 +738,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "memory_auto": memory_auto,
     "memory_budget": functools.partial(memory, REPO / "results/benchmarks/memory_budget.json", ()),
     "plans": plans,
+    "budgets": budgets,
     "flags-run": _flags_of("run"),
     "flags-sine": _flags_of("sine"),
     "flags-omniglot": _flags_of("omniglot"),
