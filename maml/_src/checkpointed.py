@@ -48,7 +48,6 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from .batch import TaskBatch
 from .forward import Params, TaskForward, exact_attention
@@ -98,6 +97,13 @@ def _rng_forked(device: torch.device) -> Iterator[None]:
         yield
 
 
+_NOT_AGAIN = (
+    "mode='checkpointed' computes the meta-gradient from replayed steps, as values: it cannot be differentiated "
+    "again (backward with create_graph=True, a gradient penalty, gradgradcheck); use mode='second_order', whose "
+    "meta-gradient is differentiable (learner.backward(batch, chunk=1) holds one task's graph at a time)."
+)
+
+
 def _join(pieces: list[Tensor]) -> Tensor:
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
@@ -119,8 +125,9 @@ class _Segment(torch.autograd.Function):
         return outs
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, *cotangents: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        if torch.is_grad_enabled():  # create_graph=True: the pullback's cotangents are values, not functions
+            raise RuntimeError(_NOT_AGAIN)
         saved = list(ctx.saved_tensors)
         grads = ctx.pullback(saved[: ctx.n_inputs], saved[ctx.n_inputs :], cotangents, ctx.needs_input_grad[3:])
         return (None, None, None, *grads)

@@ -560,13 +560,15 @@ class MetaLearner:
         self._planner = Planner(self._forward)  # what it measured holds for this loop only
 
     def _follow_model(self) -> None:
-        """Follows the model as it is now: weights tied or untied, or a module registered twice, since the last call.
+        """Follows the model as it is now: weights tied or untied, a module registered twice, or a parameter
+        unfrozen that ``adapt`` selects, since the last call.
 
-        Such a change alters which parameters exist, so the learner is reconfigured as if built
-        now (one walk of the model per call finds it); learnable rates kept per parameter cannot
-        follow a change of the adapted parameters, and say so.
+        Such a change alters which parameters exist or are adapted, so the learner is reconfigured as if
+        built now (a walk of the model per call finds it); learnable rates kept per parameter cannot
+        follow a change of the adapted parameters, and say so. A parameter frozen since is refused
+        (``checks.still_trainable``).
         """
-        if not self._forward.stale():
+        if not self._forward.stale() and not self._unfrozen():
             return
         adapted = checks.adapt_set(self._options["adapt"], self.model)
         if adapted != self._adapted and self.learn_inner_lr not in (None, "scalar"):
@@ -581,6 +583,15 @@ class MetaLearner:
         self._configure()
         self._probe = Probe(self.model, self._forward)  # a new structure is checked anew
         self._compiled = {}
+
+    def _unfrozen(self) -> bool:
+        """Whether a parameter ``adapt`` selects was made trainable (``requires_grad_(True)``) since the learner was built."""
+        adapt, adapted = self._options["adapt"], set(self._adapted)
+
+        def selected(name: str) -> bool:
+            return adapt is None or (adapt(name) if callable(adapt) else name in adapt)
+
+        return any(p.requires_grad and k not in adapted and selected(k) for k, p in self.model.named_parameters())
 
     def _call(
         self, params: Params, consts: Params, batch: TaskBatch, steps: int, step_weights: Tensor | None

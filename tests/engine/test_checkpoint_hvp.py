@@ -423,3 +423,22 @@ def test_saved_tensor_hooks_name_the_switch():
     learner.mode = "checkpointed"
     with torch.autograd.graph.save_on_cpu():
         assert error(meta_grad(learner, batch), expected) < 1e-10
+
+
+@pytest.mark.parametrize("batching", ["vmap", "loop"])
+@pytest.mark.parametrize("mode", [maml.Checkpointed(), maml.Checkpointed(every=2, hvp="forward_over_reverse")])
+def test_the_checkpointed_meta_gradient_refuses_to_be_differentiated_again(mode, batching):
+    """Its gradients are values (replayed steps' pullbacks): a second derivative is refused, not silently zero."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    batch = regression_batch(torch.Generator().manual_seed(0))
+    learner = maml.MetaLearner(model, F.mse_loss, 0.1, 3, mode=mode, batching=batching)
+    with pytest.raises(
+        RuntimeError,
+        match=r"^mode='checkpointed' computes the meta-gradient from replayed steps, as values: it cannot be "
+        r"differentiated again \(backward with create_graph=True, a gradient penalty, gradgradcheck\); use "
+        r"mode='second_order'",
+    ):
+        torch.autograd.grad(learner.meta_loss(batch), list(model.parameters()), create_graph=True)
+    learner.meta_loss(batch).backward()  # without create_graph, as ever
+    assert all(p.grad is not None for p in model.parameters())

@@ -238,3 +238,26 @@ def test_maml_call_names_an_unknown_key():
         r"'0.wieght' \(did you mean '0.weight'",
     ):
         maml.call(shared_model(), {"0.wieght": torch.zeros(3, 3)}, torch.zeros(1, 3))
+
+
+@pytest.mark.parametrize("mode", ["second_order", "first_order", "checkpointed"])
+def test_a_parameter_unfrozen_after_build_is_adapted_as_in_a_learner_built_then(mode):
+    """Float64: unfreezing is followed as ties are; the learner then adapts it, as one built afterwards does."""
+    model, b = mlp(), batch()
+    model[0].weight.requires_grad_(False)
+    learner = maml.MetaLearner(model, F.mse_loss, 0.1, 2, mode=mode)
+    learner.meta_loss(b).backward()
+    assert "0.weight" not in learner.adapted
+    model[0].weight.requires_grad_(True)
+    model.zero_grad(set_to_none=True)
+    got = learner.meta_loss(b)
+    got.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    assert "0.weight" in learner.adapted
+    fresh = maml.MetaLearner(model, F.mse_loss, 0.1, 2, mode=mode)
+    model.zero_grad(set_to_none=True)
+    expected = fresh.meta_loss(b)
+    expected.backward()
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-13)
+    for g, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=0, atol=1e-12)
