@@ -98,7 +98,8 @@ class MetaLearner:
     Options set on a live learner (``learner.inner_lr = 0.5``) act as in a learner built with
     them: ``loss_fn``, ``inner_lr`` (a fixed rate), ``steps``, ``mode`` (with its options),
     ``batching``, ``chunk_size``, ``check_finite``, ``compile`` and ``memory_budget``; the others are fixed and refuse to be set, naming the way. The model is read as
-    it is at each call: weights tied or untied since construction are followed.
+    it is at each call: weights tied or untied, and parameters unfrozen that ``adapt`` selects, since
+    construction are followed.
 
     Args:
         model: any network of ordinary layers. Parameters with ``requires_grad=False`` are
