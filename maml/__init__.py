@@ -14,9 +14,26 @@ from ._src.functional import call
 from ._src.learner import MetaLearner
 from ._src.loop import MetaOutput
 from ._src.modes import CHECKPOINT_HVPS, COMPILED_MODES, MODES, UNROLLED_MODES, Checkpointed, Implicit, Mode
+from ._src.optimizers import (
+    ASGD,
+    INNER_OPTIMIZERS,
+    SGD,
+    Adadelta,
+    Adagrad,
+    Adam,
+    Adamax,
+    AdamState,
+    AdamW,
+    Momentum,
+    MomentumState,
+    NAdam,
+    RAdam,
+    RMSprop,
+    Rprop,
+)
 from ._src.options import BATCHINGS
 from ._src.rates import LEARN_INNER_LR
-from ._src.rules import INNER_OPTIMIZERS, SGD, Adam, AdamState, Momentum, MomentumState, UpdateRule
+from ._src.rules import UpdateRule
 
 __all__ = [
     "BATCHINGS",
@@ -26,9 +43,14 @@ __all__ = [
     "Implicit",
     "LEARN_INNER_LR",
     "MODES",
+    "ASGD",
     "SGD",
+    "Adadelta",
+    "Adagrad",
     "Adam",
     "AdamState",
+    "AdamW",
+    "Adamax",
     "Checkpointed",
     "MetaCurvature",
     "MetaLearner",
@@ -36,6 +58,10 @@ __all__ = [
     "Mode",
     "Momentum",
     "MomentumState",
+    "NAdam",
+    "RAdam",
+    "RMSprop",
+    "Rprop",
     "TaskBatch",
     "UNROLLED_MODES",
     "UpdateRule",

@@ -33,7 +33,7 @@ def update_rule(rule: Any, options: Any) -> None:
     missing = [m for m in ("init", "update") if not callable(getattr(rule, m, None))]
     if missing:
         raise TypeError(
-            f"inner_optimizer={rule!r} is neither a rule's name ('sgd', 'momentum', 'adam') nor an update rule: "
+            f"inner_optimizer={rule!r} is neither a rule's name (maml.INNER_OPTIMIZERS: 'sgd', 'adam', ...) nor an update rule: "
             f"it has no {' or '.join(missing)} method; see maml.UpdateRule for the contract."
         )
     if options is not None:

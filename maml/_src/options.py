@@ -13,8 +13,9 @@ from torch import nn
 
 from . import checks, modes, planner
 from .layers import check_step_layers
+from .optimizers import INNER_OPTIMIZERS, make_rule
 from .rates import LEARN_INNER_LR
-from .rules import INNER_OPTIMIZERS, UpdateRule, make_rule, rule_tensors
+from .rules import UpdateRule, rule_tensors
 
 __all__ = [
     "BATCHINGS",
@@ -28,7 +29,9 @@ __all__ = [
 
 Batching = Literal["auto", "vmap", "loop"]
 LearnInnerLr = Literal["scalar", "per_parameter", "per_layer_per_step"] | None
-InnerOptimizer = Literal["sgd", "momentum", "adam"]
+InnerOptimizer = Literal[
+    "sgd", "momentum", "adam", "adamw", "rmsprop", "adagrad", "adadelta", "adamax", "nadam", "radam", "rprop", "asgd"
+]
 
 BATCHINGS: tuple[str, ...] = ("auto", "vmap", "loop")
 
@@ -84,7 +87,11 @@ def check_arguments(
         )
     if not isinstance(compile, bool):
         raise TypeError(f"compile must be True or False, got {compile!r} ({type(compile).__name__}).")
-    rule = make_rule(inner_optimizer, inner_optimizer_options) if isinstance(inner_optimizer, str) else inner_optimizer
+    rule = (
+        make_rule(inner_optimizer, inner_optimizer_options, model, steps)
+        if isinstance(inner_optimizer, str)
+        else inner_optimizer
+    )
     adapted = checks.adapt_set(adapt, model)
     check_step_layers(model)
     modes.check_mode(mode.name, compile=compile, learned=learned(learn_inner_lr, rule))

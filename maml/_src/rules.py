@@ -1,9 +1,9 @@
-"""Inner-loop update rules: differentiable SGD, momentum and Adam as pure ``init``/``update`` pairs.
+"""The update-rule contract (``init``/``update``), and the rule as the inner loop calls it (:class:`BoundRule`).
 
 A rule in the optax manner: ``init(params) -> state`` and ``update(grads, state, params, step,
 rates) -> (new_params, new_state)``. Every tensor is a function of its inputs (nothing is
 written in place), so the meta-gradient flows through the rule and through its state. The
-state is a tuple (a NamedTuple names its fields: :class:`MomentumState`, :class:`AdamState`)
+state is a tuple (a NamedTuple names its fields: ``maml.MomentumState``, ``maml.AdamState``)
 of dicts keyed like the parameters and shaped like them, so it stacks per task exactly as the
 fast weights do (``(T, *shape)``) and the checkpointed mode can keep it beside the kept iterates.
 
@@ -13,17 +13,13 @@ beside the learnable rates, keyed ``"rule." + name``, through every execution pa
 :class:`BoundRule` puts them back into the rule by ``torch.func.functional_call`` at each
 update: so they get exact meta-gradients wherever the rates do.
 
-Momentum and Adam follow ``torch.optim.SGD(momentum=...)`` and ``torch.optim.Adam`` step for
-step: with zero dampening, SGD's first momentum buffer is the gradient itself, which is what a
-zero-initialised buffer gives; Adam corrects both moments' bias with the inner step index.
+``torch.optim``'s optimizers are rules of this contract in ``optimizers.py``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from collections.abc import Mapping
-from typing import Any, ClassVar, NamedTuple, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -35,23 +31,9 @@ Params = dict[str, Tensor]
 State = tuple[Params, ...]
 StepRates = Mapping[str, float | Tensor]
 
-__all__ = [
-    "INNER_OPTIMIZERS",
-    "RULE_PREFIX",
-    "Adam",
-    "AdamState",
-    "BoundRule",
-    "Momentum",
-    "MomentumState",
-    "SGD",
-    "UpdateRule",
-    "make_rule",
-    "rule_tensors",
-]
+__all__ = ["RULE_PREFIX", "BoundRule", "Params", "State", "StepRates", "UpdateRule", "rule_tensors"]
 
 RULE_PREFIX = "rule."  # the keys of a rule's own tensors among the learnable rates
-
-INNER_OPTIMIZERS: tuple[str, ...] = ("sgd", "momentum", "adam")
 
 
 class UpdateRule(Protocol):
@@ -81,101 +63,6 @@ class UpdateRule(Protocol):
                 tensor shaped like the parameter (broadcasting over a leading task dimension).
         """
         ...
-
-
-def _scaled(p: Tensor, rate: float | Tensor, d: Tensor) -> Tensor:
-    """``p - rate * d``, with a fused kernel for a fixed rate."""
-    return p - rate * d if isinstance(rate, Tensor) else torch.add(p, d, alpha=-rate)
-
-
-@dataclasses.dataclass(frozen=True)
-class SGD:
-    """Plain gradient descent, MAML's inner loop: ``p - rate * g``."""
-
-    linear: ClassVar[bool] = True
-
-    def init(self, params: Params) -> State:
-        return ()
-
-    def update(self, grads: Params, state: State, params: Params, step: int, rates: StepRates) -> tuple[Params, State]:
-        return {k: _scaled(p, rates[k], grads[k]) for k, p in params.items()}, ()
-
-
-class MomentumState(NamedTuple):
-    """:class:`Momentum`'s state: the momentum buffer of every parameter."""
-
-    buffer: Params
-
-
-@dataclasses.dataclass(frozen=True)
-class Momentum:
-    """``torch.optim.SGD(momentum=momentum, nesterov=nesterov)`` (no dampening, no weight decay)."""
-
-    linear: ClassVar[bool] = True
-
-    momentum: float = 0.9
-    nesterov: bool = False
-
-    def init(self, params: Params) -> MomentumState:
-        return MomentumState({k: torch.zeros_like(p) for k, p in params.items()})
-
-    def update(
-        self, grads: Params, state: MomentumState, params: Params, step: int, rates: StepRates
-    ) -> tuple[Params, MomentumState]:
-        buf = state.buffer
-        # torch.optim.SGD starts the buffer at the first gradient: mu * 0 + g is the same value.
-        buf = {k: torch.add(g, buf[k], alpha=self.momentum) if step else g for k, g in grads.items()}
-        direction = {k: torch.add(g, buf[k], alpha=self.momentum) for k, g in grads.items()} if self.nesterov else buf
-        return {k: _scaled(p, rates[k], direction[k]) for k, p in params.items()}, MomentumState(buf)
-
-
-def _safe_sqrt(v: Tensor) -> Tensor:
-    """``sqrt(v)`` whose derivative at ``v == 0`` is 0 instead of ``inf``.
-
-    Adam's second moment is 0 exactly where every gradient so far was 0, and there its first
-    moment is 0 too, so ``m / (sqrt(v) + eps)`` does not depend on ``sqrt(v)`` to first order:
-    the true derivative of the update is ``dm / (sqrt(v) + eps)``. Autograd's ``inf * 0`` would
-    make it NaN; a zero derivative at 0 gives the true value. Plain ops (no autograd.Function),
-    so torch.func transforms and double backward see through it.
-    """
-    positive = v > 0
-    return torch.where(positive, torch.where(positive, v, 1.0).sqrt(), 0.0)
-
-
-class AdamState(NamedTuple):
-    """:class:`Adam`'s state: the moving averages of the gradient and of its square (``torch.optim.Adam``'s names)."""
-
-    exp_avg: Params
-    exp_avg_sq: Params
-
-
-@dataclasses.dataclass(frozen=True)
-class Adam:
-    """``torch.optim.Adam(betas=betas, eps=eps)`` (no weight decay, no amsgrad), bias-corrected."""
-
-    linear: ClassVar[bool] = False
-
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-
-    def init(self, params: Params) -> AdamState:
-        zeros = {k: torch.zeros_like(p) for k, p in params.items()}
-        return AdamState(zeros, dict(zeros))
-
-    def update(
-        self, grads: Params, state: AdamState, params: Params, step: int, rates: StepRates
-    ) -> tuple[Params, AdamState]:
-        exp_avg, exp_avg_sq = state
-        beta1, beta2 = self.betas
-        t = step + 1
-        correction1, root_correction2 = 1 - beta1**t, math.sqrt(1 - beta2**t)
-        m = {k: torch.lerp(exp_avg[k], g, 1 - beta1) for k, g in grads.items()}
-        v = {k: torch.addcmul(exp_avg_sq[k] * beta2, g, g, value=1 - beta2) for k, g in grads.items()}
-        new = {}
-        for k, p in params.items():
-            denom = _safe_sqrt(v[k]) / root_correction2 + self.eps
-            new[k] = _scaled(p, rates[k], m[k] / (correction1 * denom))
-        return new, AdamState(m, v)
 
 
 def rule_tensors(rule: UpdateRule) -> dict[str, nn.Parameter]:
@@ -296,49 +183,3 @@ def _check_update(rule: UpdateRule, out: Any, params: Params) -> None:
         )
     _check_tensors(rule, "update's new parameters", out[0], params)
     _checked_state(rule, "update", out[1], params)
-
-
-def make_rule(name: str, options: Mapping[str, Any] | None) -> UpdateRule:
-    """The rule ``name`` (``"sgd"``, ``"momentum"``, ``"adam"``) built from ``options``, validated."""
-    if options is not None and not isinstance(options, Mapping):
-        raise TypeError(
-            f"inner_optimizer_options must be a mapping of option names to values, e.g. {{'momentum': 0.9}}, "
-            f"got {type(options).__name__} {options!r}."
-        )
-    options = dict(options or {})
-    allowed = {"sgd": (), "momentum": ("momentum", "nesterov"), "adam": ("betas", "eps")}[name]
-    unknown = sorted(set(options) - set(allowed))
-    if unknown:
-        keys = ", ".join(map(repr, allowed)) if allowed else "none"
-        raise ValueError(
-            f"inner_optimizer_options has {', '.join(map(repr, unknown))}, which inner_optimizer={name!r} "
-            f"does not take; its options are {keys}."
-        )
-    if name == "sgd":
-        return SGD()
-    if name == "momentum":
-        mu = options.get("momentum", 0.9)
-        if isinstance(mu, bool) or not isinstance(mu, (int, float)) or not 0 <= mu < 1:
-            raise ValueError(
-                f"inner_optimizer_options['momentum']={mu!r} is out of range; it must be a float in [0, 1)."
-            )
-        nesterov = options.get("nesterov", False)
-        if not isinstance(nesterov, bool):
-            raise TypeError(f"inner_optimizer_options['nesterov'] must be True or False, got {nesterov!r}.")
-        if nesterov and mu == 0:  # as torch.optim.SGD, which the rule follows, refuses it
-            raise ValueError(
-                "inner_optimizer_options={'momentum': 0, 'nesterov': True}: Nesterov momentum needs a momentum "
-                "> 0 (torch.optim.SGD refuses it too); pass a momentum in (0, 1), or nesterov=False."
-            )
-        return Momentum(float(mu), nesterov)
-    betas = options.get("betas", (0.9, 0.999))
-    if (
-        not isinstance(betas, (tuple, list))
-        or len(betas) != 2
-        or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas)
-    ):
-        raise ValueError(f"inner_optimizer_options['betas']={betas!r} must be two floats in [0, 1), e.g. (0.9, 0.999).")
-    eps = options.get("eps", 1e-8)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (math.isfinite(eps) and eps > 0):
-        raise ValueError(f"inner_optimizer_options['eps']={eps!r} is out of range; it must be a finite float > 0.")
-    return Adam((float(betas[0]), float(betas[1])), float(eps))

@@ -29,8 +29,8 @@ def save_state(
         "batching": forward.chosen,
         "plans": {k: dict(v) for k, v in planner.measured.items()},  # what the planner measured: a resume plans alike
     }
-    if isinstance(rule, nn.Module):
-        state["rule"] = rule.state_dict()
+    if _has_state(rule):
+        state["rule"] = rule.state_dict()  # type: ignore[union-attr]
     return state
 
 
@@ -47,7 +47,7 @@ def load_state(
 
     ``given``: the learner's ``inner_optimizer`` (a name, or the rule), to name the rule in the errors.
     """
-    module = rule if isinstance(rule, nn.Module) else None
+    module = rule if _has_state(rule) else None
     rule_name = given if isinstance(given, str) else type(rule).__name__
     checks.learner_state(state, model.state_dict(), dict(rates), module, rule_name)
     model.load_state_dict(state["model"])
@@ -58,6 +58,11 @@ def load_state(
     planner.measured.update({k: dict(v) for k, v in state.get("plans", {}).items()})  # checked: non-negative ints
     if module is not None:
         module.load_state_dict(state["rule"])
+
+
+def _has_state(rule: UpdateRule) -> bool:
+    """Whether the rule keeps tensors of its own (a module rule; a rule with fixed options keeps none)."""
+    return isinstance(rule, nn.Module) and bool(rule.state_dict())
 
 
 def move(model: nn.Module, rates: dict[str, nn.Parameter], rule: UpdateRule, *args: Any, **kwargs: Any) -> None:

@@ -239,7 +239,10 @@ def test_steps_per_call_is_checked(mlp):
 def test_inner_optimizer_options_are_checked_as_torch_optim_checks_them():
     model = torch.nn.Linear(2, 1)
     loss = torch.nn.functional.mse_loss
-    with pytest.raises(ValueError, match=r"Nesterov momentum needs a momentum > 0 \(torch.optim.SGD refuses it too\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"Nesterov momentum needs a momentum > 0 and zero dampening \(torch.optim.SGD refuses it too\)",
+    ):
         maml.MetaLearner(
             model, loss, 0.1, inner_optimizer="momentum", inner_optimizer_options={"momentum": 0.0, "nesterov": True}
         )

@@ -852,7 +852,7 @@ def test_error_unknown_inner_optimizer():
     [
         ("adam", {"beta": (0.9, 0.99)}, "beta"),
         ("momentum", {"momentun": 0.9}, "momentun"),
-        ("sgd", {"momentum": 0.9}, "momentum"),
+        ("sgd", {"betas": (0.9, 0.99)}, "betas"),
         ("adam", {"betas": (0.9, 1.5)}, "betas"),
         ("momentum", {"momentum": -0.1}, "momentum"),
         ("adam", {"eps": 0.0}, "eps"),
