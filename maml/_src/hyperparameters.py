@@ -19,7 +19,8 @@ gradient). The tensor stored, saved and trained is the unconstrained one:
 - ``"above_one"`` (Rprop's ``etaplus``): ``value = 1 + exp(raw)``;
 - ``"real"`` (weight decay): ``value = raw``.
 
-So a learned option must start strictly inside its range (a learned momentum cannot start at 0).
+So a learned option must start strictly inside its range (a learned momentum cannot start at 0);
+the value is also clamped to the open range in floating point, where a sigmoid of 40 rounds to 1.
 The rule's tensors are ``nn.Parameter``\\ s of the rule (an ``nn.Module``), so the engine threads
 them beside the rates through every execution path (``rules.BoundRule``) and saves them with the
 learner; :meth:`HyperparameterRule.extra_repr` shows the values in range.
@@ -58,10 +59,13 @@ def _raw(value: float, kind: Range) -> float:
 
 
 def _constrained(raw: Tensor, kind: Range) -> Tensor:
+    # Clamped to the open range in floating point too: a sigmoid of 40 rounds to 1 and an exp of -800 to 0, where
+    # a bias correction or a division would be 0 (their derivatives there are 0 to float precision anyway).
+    finfo = torch.finfo(raw.dtype)
     if kind == "unit":
-        return torch.sigmoid(raw)
+        return torch.sigmoid(raw).clamp(finfo.tiny, 1 - finfo.eps)
     if kind == "positive":
-        return raw.exp()
+        return raw.exp().clamp(finfo.tiny, finfo.max)
     if kind == "above_one":
         return 1 + raw.exp()
     return raw

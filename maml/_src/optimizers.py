@@ -463,8 +463,9 @@ class NAdam(_Rule):
     """``torch.optim.NAdam(betas, eps, weight_decay, momentum_decay, decoupled_weight_decay, maximize=...)``.
 
     The momentum schedule ``mu_t = beta1 (1 - 0.96^(t psi) / 2)`` and its running product
-    (``torch.optim``'s ``mu_product``) are computed from the step index. A square root at 0 has
-    derivative 0 (:func:`_safe_sqrt`).
+    (``torch.optim``'s ``mu_product``) are computed from the step index, each ``mu_t`` with step
+    ``t``'s options (as ``torch.optim`` with options changed between steps). A square root at 0
+    has derivative 0 (:func:`_safe_sqrt`).
     """
 
     RANGES: ClassVar[dict[str, Range]] = {
@@ -505,15 +506,22 @@ class NAdam(_Rule):
                 g, p = self._direction(grads[k], p, 0.0), self._decoupled(p, lr, wd)
             else:
                 g = self._direction(grads[k], p, wd)
-            mus = [b1 * (1.0 - 0.5 * 0.96 ** (i * psi)) for i in range(1, t + 2)]  # mu_1 .. mu_{t+1}
-            mu, mu_next = mus[-2], mus[-1]
-            mu_product = functools.reduce(lambda a, b: a * b, mus[:-1])
+            # mu_1 .. mu_t, each with its own step's beta1 and psi (torch.optim multiplies mu_product by each
+            # step's mu in turn), and mu_{t+1} with this step's.
+            mus = [self._mu(k, i) for i in range(step)] + [b1 * (1.0 - 0.5 * 0.96 ** (t * psi))]
+            mu, mu_next = mus[-1], b1 * (1.0 - 0.5 * 0.96 ** ((t + 1) * psi))
+            mu_product = functools.reduce(lambda a, b: a * b, mus)
             m = exp_avgs[k] = torch.lerp(state[0][k], g, 1 - b1)
             v = exp_avg_sqs[k] = _ema_sq(state[1][k], b2, g)
             denom = _safe_sqrt(v / (1 - b2**t)) + o["eps"]
             p = _scaled(p, lr * (1.0 - mu) / (1.0 - mu_product), g / denom)
             new[k] = _scaled(p, lr * mu_next / (1.0 - mu_product * mu_next), m / denom)
         return new, AdamState(exp_avgs, exp_avg_sqs)
+
+    def _mu(self, param: str, step: int) -> Value:
+        """The momentum ``mu`` of the 0-based step ``step``, with that step's options."""
+        b1, psi = self.option("beta1", param, step), self.option("momentum_decay", param, step)
+        return b1 * (1.0 - 0.5 * 0.96 ** ((step + 1) * psi))
 
 
 class RAdam(_Rule):
@@ -644,7 +652,8 @@ class ASGD(_Rule):
     """``torch.optim.ASGD(lambd, alpha, weight_decay, maximize=...)``: the parameters it steps.
 
     Step ``t`` uses ``eta = lr / (1 + lambd lr (t - 1))^alpha`` (``torch.optim``'s ``eta``, from the
-    step index). The running average ``ax`` (and its ``t0``), which ``torch.optim.ASGD`` keeps but
+    step index), with step ``t``'s options and rate (``torch.optim`` computes it at the end of step
+    ``t - 1`` from that step's: the same where they are fixed). The running average ``ax`` (and its ``t0``), which ``torch.optim.ASGD`` keeps but
     never steps with, is not kept: the fast weights are the iterates. Linear in (params, grads).
     """
 
