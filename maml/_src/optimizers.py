@@ -124,15 +124,16 @@ class _Rule(HyperparameterRule):
     def _flags(self) -> dict[str, Any]:
         return self._flag_values
 
-    def _direction(self, g: Tensor, p: Tensor, wd: Value) -> Tensor:
-        """``torch.optim``'s ``grad``: negated under ``maximize``, plus ``weight_decay * param`` (coupled)."""
+    def _decayed(self, g: Tensor, p: Tensor, rate: Value, wd: Value) -> tuple[Tensor, Tensor]:
+        """``torch.optim``'s ``grad`` and ``param`` before its step: the gradient negated under ``maximize``, then
+        weight decay, coupled (``grad + weight_decay * param``) or, with ``decoupled_weight_decay``, decoupled
+        (``param * (1 - lr * weight_decay)``, AdamW's)."""
         g = -g if self._flag_values.get("maximize") else g
-        return g if isinstance(wd, float) and wd == 0 else _axpy(g, wd, p)
-
-    @staticmethod
-    def _decoupled(p: Tensor, rate: Value, wd: Value) -> Tensor:
-        """``param.mul_(1 - lr * weight_decay)`` (AdamW's decay, before the step)."""
-        return p if isinstance(wd, float) and wd == 0 else p * (1 - rate * wd)
+        if isinstance(wd, float) and wd == 0:
+            return g, p
+        if self._flag_values.get("decoupled_weight_decay"):
+            return g, p * (1 - rate * wd)
+        return _axpy(g, wd, p), p
 
     def init(self, params: Params) -> tuple[Params, ...]:
         return self._state(*({k: torch.zeros_like(p) for k, p in params.items()} for _ in self._state._fields))
@@ -200,7 +201,7 @@ class SGD(_Rule):
         new, buffers = {}, {}
         for k, p in params.items():
             o = self.options(k, step)
-            g = self._direction(grads[k], p, o["weight_decay"])
+            g, p = self._decayed(grads[k], p, rates[k], o["weight_decay"])
             if self._state is MomentumState:
                 buf = g if step == 0 else _axpy(state[0][k] * o["momentum"], 1 - o["dampening"], g)
                 buffers[k] = buf
@@ -256,10 +257,7 @@ class Adam(_Rule):
         for k, p in params.items():
             o = self.options(k, step)
             b1, b2, wd = o["beta1"], o["beta2"], o["weight_decay"]
-            if flags["decoupled_weight_decay"]:
-                g, p = self._direction(grads[k], p, 0.0), self._decoupled(p, rates[k], wd)
-            else:
-                g = self._direction(grads[k], p, wd)
+            g, p = self._decayed(grads[k], p, rates[k], wd)
             m = torch.lerp(state[0][k], g, 1 - b1)
             v = _ema_sq(state[1][k], b2, g)
             parts[0][k], parts[1][k] = m, v
@@ -324,7 +322,7 @@ class RMSprop(_Rule):
         new = {}
         for k, p in params.items():
             o = self.options(k, step)
-            g = self._direction(grads[k], p, o["weight_decay"])
+            g, p = self._decayed(grads[k], p, rates[k], o["weight_decay"])
             square_avg = out["square_avg"][k] = _ema_sq(was["square_avg"][k], o["alpha"], g)
             if "grad_avg" in was:
                 grad_avg = out["grad_avg"][k] = torch.lerp(was["grad_avg"][k], g, 1 - o["alpha"])
@@ -380,7 +378,7 @@ class Adagrad(_Rule):
         new, sums = {}, {}
         for k, p in params.items():
             o = self.options(k, step)
-            g = self._direction(grads[k], p, o["weight_decay"])
+            g, p = self._decayed(grads[k], p, rates[k], o["weight_decay"])
             start = state[0][k] + o["initial_accumulator_value"] if step == 0 else state[0][k]
             total = sums[k] = torch.addcmul(start, g, g)
             clr = rates[k] / (1 + step * o["lr_decay"])
@@ -414,7 +412,7 @@ class Adadelta(_Rule):
         for k, p in params.items():
             o = self.options(k, step)
             rho, eps = o["rho"], o["eps"]
-            g = self._direction(grads[k], p, o["weight_decay"])
+            g, p = self._decayed(grads[k], p, rates[k], o["weight_decay"])
             square_avg = square_avgs[k] = _ema_sq(state[0][k], rho, g)
             delta = (state[1][k] + eps).sqrt() / (square_avg + eps).sqrt() * g
             acc_deltas[k] = _ema_sq(state[1][k], rho, delta)
@@ -452,7 +450,7 @@ class Adamax(_Rule):
         new, exp_avgs, exp_infs = {}, {}, {}
         for k, p in params.items():
             o = self.options(k, step)
-            g = self._direction(grads[k], p, o["weight_decay"])
+            g, p = self._decayed(grads[k], p, rates[k], o["weight_decay"])
             m = exp_avgs[k] = torch.lerp(state[0][k], g, 1 - o["beta1"])
             u = exp_infs[k] = torch.maximum(state[1][k] * o["beta2"], g.abs() + o["eps"])
             new[k] = _scaled(p, rates[k] / (1 - o["beta1"] ** (step + 1)), m / u)
@@ -502,10 +500,7 @@ class NAdam(_Rule):
         for k, p in params.items():
             o = self.options(k, step)
             b1, b2, wd, psi, lr = o["beta1"], o["beta2"], o["weight_decay"], o["momentum_decay"], rates[k]
-            if self._flag_values["decoupled_weight_decay"]:
-                g, p = self._direction(grads[k], p, 0.0), self._decoupled(p, lr, wd)
-            else:
-                g = self._direction(grads[k], p, wd)
+            g, p = self._decayed(grads[k], p, lr, wd)
             # mu_1 .. mu_t, each with its own step's beta1 and psi (torch.optim multiplies mu_product by each
             # step's mu in turn), and mu_{t+1} with this step's.
             mus = [self._mu(k, i) for i in range(step)] + [b1 * (1.0 - 0.5 * 0.96 ** (t * psi))]
@@ -559,10 +554,7 @@ class RAdam(_Rule):
         for k, p in params.items():
             o = self.options(k, step)
             b1, b2, wd, lr = o["beta1"], o["beta2"], o["weight_decay"], rates[k]
-            if self._flag_values["decoupled_weight_decay"]:
-                g, p = self._direction(grads[k], p, 0.0), self._decoupled(p, lr, wd)
-            else:
-                g = self._direction(grads[k], p, wd)
+            g, p = self._decayed(grads[k], p, lr, wd)
             m = exp_avgs[k] = torch.lerp(state[0][k], g, 1 - b1)
             v = exp_avg_sqs[k] = _ema_sq(state[1][k], b2, g)
             corrected = m / (1 - b1**t)
@@ -680,7 +672,7 @@ class ASGD(_Rule):
             o = self.options(k, step)
             lr, lambd = rates[k], o["lambd"]
             eta = lr if step == 0 else lr / ((1 + lambd * lr * step) ** o["alpha"])
-            g = self._direction(grads[k], p, o["weight_decay"])
+            g, p = self._decayed(grads[k], p, rates[k], o["weight_decay"])
             new[k] = _scaled(p * (1 - lambd * eta), eta, g)
         return new, self._state()
 
