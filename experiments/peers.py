@@ -28,6 +28,7 @@ def unsupported(cfg: Any) -> str | None:
     for key, default in (
         ("learn_inner_lr", None),
         ("inner_optimizer", "sgd"),
+        ("inner_optimizer_options", None),
         ("meta_optimizer", "adam"),
         ("backward_chunk", None),
         ("msl_fraction", 0.0),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import types
 import typing
 from collections.abc import Collection, Sequence
@@ -251,6 +252,8 @@ class UniqueKeys(yaml.SafeLoader):
 def load_yaml(path: Path, cls: type) -> dict[str, Any]:
     """The keys of a ``--config`` file, read as their flags are.
 
+    A mapping given for a key of text is read as its JSON (``inner_optimizer_options: {momentum: 0.9}``).
+
     Raises:
         UsageError: no such file, not YAML, not a mapping, an unknown key (with close matches),
             a list for a single value or the reverse, or a value its flag would refuse.
@@ -277,6 +280,8 @@ def load_yaml(path: Path, cls: type) -> dict[str, Any]:
             raise UsageError(
                 f"--config {path}: unknown key {key!r}{suggest(name, list(types_))}. Known keys: {', '.join(types_)}."
             )
+        if isinstance(value, dict) and str in (types_[name], *typing.get_args(types_[name])):
+            value = json.dumps(value)  # a mapping for a key of text is its JSON (--inner-optimizer-options)
         listed = typing.get_origin(types_[name]) is tuple
         if isinstance(value, dict) or isinstance(value, list) != listed:
             should = f"a list (e.g. [{show(value)}])" if listed else "a single value"

@@ -94,7 +94,7 @@ class ExperimentConfig:
     # 0.001 is what Finn et al.'s released code runs for sine (its --update_lr default; the paper's
     # text says 0.01): it reproduces their table, while 0.01 overshoots at 5 and 10 test steps (README).
     inner_lr: float = 0.001
-    """inner SGD learning rate (initial value if learned)"""
+    """inner learning rate: the lr of --inner-optimizer (initial value if learned)"""
     steps: int = 1
     """inner steps in training"""
     meta_lr: float = 0.001
@@ -122,9 +122,11 @@ class ExperimentConfig:
     adapt: Literal[recipes.ADAPT] = "all"  # type: ignore[valid-type]
     """what the inner loop adapts: all, head (ANIL) or body (BOIL)"""
     inner_optimizer: Literal[maml.INNER_OPTIMIZERS] = "sgd"  # type: ignore[valid-type]
-    """inner update rule"""
+    """inner update rule: the torch.optim optimizer of that name, differentiable (its lr is --inner-lr)"""
+    inner_optimizer_options: str | None = None
+    """the inner rule's torch.optim options as a JSON object, e.g. {"momentum": 0.9}; its "learn" meta-learns float options, e.g. {"learn": {"betas": "per_parameter"}} (docs/family.md); null: torch.optim's defaults"""
     inner_adam_betas: tuple[float, ...] = (0.9, 0.999)
-    """the betas of --inner-optimizer adam (Reptile's: 0,0.999)"""
+    """the betas of --inner-optimizer adam (Reptile's: 0,0.999); betas in --inner-optimizer-options replace them"""
     implicit_lam: float = 1.0
     """iMAML's proximal regularisation lambda (--mode implicit)"""
     cg_iterations: int = 5
@@ -216,9 +218,6 @@ def check_config(cfg: Any, positive: Sequence[str] = ()) -> None:
             f"--min-meta-lr {cfg.min_meta_lr:g} is above --meta-lr {cfg.meta_lr:g}, where the {cfg.meta_lr_schedule} "
             f"schedule starts: it would anneal the meta-lr upwards; pass a --min-meta-lr below --meta-lr."
         )
-    if len(cfg.inner_adam_betas) != 2 or not all(0 <= b < 1 for b in cfg.inner_adam_betas):
-        betas = ",".join(f"{b:g}" for b in cfg.inner_adam_betas)
-        raise ValueError(f"--inner-adam-betas {betas} must be two numbers in [0, 1), e.g. 0.9,0.999 (the default).")
     mode = maml.Mode.of(cfg.mode)  # what the mode differentiates, as the engine says
     if not mode.unrolled and cfg.msl_fraction > 0:
         raise ValueError(
@@ -259,6 +258,7 @@ def check_config(cfg: Any, positive: Sequence[str] = ()) -> None:
             f"--mode {cfg.mode} needs every trained parameter adapted ({why}), and --adapt {cfg.adapt} leaves "
             f"some out, which would never train; pass --adapt all, or pick another --mode."
         )
+    recipes.inner_options(cfg)  # --inner-adam-betas and --inner-optimizer-options, read and built
     if cfg.compile and not mode.compiles:
         raise ValueError(
             f"--compile true with --mode {cfg.mode}: only --mode {' or '.join(maml.COMPILED_MODES)} compiles; drop "

@@ -142,6 +142,8 @@ class DivergenceWatch:
         self.reptile = reptile
         self._names = {id(p): n for n, p in learner.model.named_parameters()}
         self._names.update({id(p): f"the inner rate {n}" for n, p in learner.rate_parameters.items()})
+        if isinstance(learner.rule, nn.Module):  # the inner optimizer's learned options
+            self._names.update({id(p): f"the inner optimizer's {n}" for n, p in learner.rule.named_parameters()})
         self._first: float | None = None  # the mean own loss at this process's first training iteration
         # The latest training iteration's meta-loss, support losses (steps, T) and query losses (T,), detached.
         self._losses: tuple[Tensor, Tensor, Tensor] | None = None

@@ -13,17 +13,29 @@ differs from its paper's released code, in the Recipes section of docs/experimen
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import maml
 from experiments.harness.folder import UsageError
 
-__all__ = ["ALGORITHMS", "PAPERS", "ADAPT", "recipe", "adapt_set", "learner", "meta_optimizer", "Schedule"]
+__all__ = [
+    "ADAPT",
+    "ALGORITHMS",
+    "PAPERS",
+    "Schedule",
+    "adapt_set",
+    "inner_options",
+    "learner",
+    "meta_optimizer",
+    "recipe",
+]
 
 ALGORITHMS = ("maml", "fomaml", "metasgd", "anil", "mamlpp", "reptile", "imaml")
 PAPERS = {
@@ -93,6 +105,67 @@ def adapt_set(model: nn.Module, adapt: str, meta_only: Collection[str] = ()) -> 
     return lambda name: not name.startswith(head) and name not in meta_only
 
 
+PAIRS = ("betas", "etas", "step_sizes")  # torch.optim's options that are pairs: a JSON list is read as a tuple
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's keys, refusing one given twice (``json.loads`` keeps the last silently)."""
+    keys = [k for k, _ in pairs]
+    if twice := next((k for k in keys if keys.count(k) > 1), None):
+        raise ValueError(f"the key {twice!r} is given twice; keep one")
+    return dict(pairs)
+
+
+def inner_options(cfg: Any) -> dict[str, Any] | None:
+    """The learner's ``inner_optimizer_options`` of a config: ``--inner-optimizer-options``' JSON object (torch.optim's
+    keyword names; a list of a pair option is a tuple), over ``--inner-adam-betas`` under ``--inner-optimizer adam``.
+
+    The options are checked by building the rule for a stand-in model (a learned option's layout is shaped by the
+    model's parameters; whether the options are valid does not depend on them).
+
+    Raises:
+        ValueError: one line naming the flag, its value and the fix.
+    """
+    betas = cfg.inner_adam_betas
+    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+        shown = ",".join(f"{b:g}" for b in betas)
+        raise ValueError(f"--inner-adam-betas {shown} must be two numbers in [0, 1), e.g. 0.9,0.999 (the default).")
+    text, name = cfg.inner_optimizer_options, cfg.inner_optimizer
+    named, example = f"--inner-optimizer-options {text}", "e.g. '{\"momentum\": 0.9}' (torch.optim's keyword names)"
+    try:
+        options = {} if text is None else json.loads(text, object_pairs_hook=_unique)
+    except ValueError as e:  # json.JSONDecodeError too
+        why = f"{e.msg} at character {e.pos + 1}" if isinstance(e, json.JSONDecodeError) else str(e)
+        raise ValueError(f"{named} is not a JSON object ({why}); pass one, {example}.") from None
+    if not isinstance(options, dict):
+        raise ValueError(f"{named} is not a JSON object of options; pass one, {example}.")
+    if "lr" in options:
+        raise ValueError(
+            f"{named}: torch.optim's lr is --inner-lr (learned with --learn-inner-lr); drop lr from the options and "
+            f"pass --inner-lr {options['lr']}."
+        )
+    options = {k: tuple(v) if k in PAIRS and isinstance(v, list) else v for k, v in options.items()}
+    if name == "adam":
+        options = {"betas": tuple(betas), **options}
+    try:
+        steps = max(cfg.steps or 1, 1)  # a per-step option's length: any, for the check
+        maml.MetaLearner(nn.Linear(1, 1), F.mse_loss, 0.1, steps, inner_optimizer=name, inner_optimizer_options=options)
+    except (TypeError, ValueError) as e:
+        # The engine's words, with the flags for its arguments.
+        why = str(e).removeprefix(f"inner_optimizer_options for inner_optimizer={name!r}: ")
+        why = why.replace("inner_optimizer_options has", "it has").replace("inner_optimizer=", "--inner-optimizer ")
+        raise ValueError(f"{named} (--inner-optimizer {name}): {why}") from None
+    learned = options.get("learn")
+    if learned and not maml.Mode.of(cfg.mode).unrolled:
+        what = ", ".join([learned] if isinstance(learned, str) else list(learned))
+        why = "differentiates no inner step" if cfg.mode == "reptile" else "does not depend on how the inner loop ran"
+        raise ValueError(
+            f"{named} learns {what}: --mode {cfg.mode}'s meta-gradient {why}, so it has none for them; drop "
+            f'"learn", or pick another --mode.'
+        )
+    return options or None
+
+
 def learner(
     cfg: Any,
     net: nn.Module,
@@ -113,7 +186,7 @@ def learner(
             compile=cfg.compile,
             adapt=adapt_set(net, cfg.adapt, meta_only),
             inner_optimizer=cfg.inner_optimizer,
-            inner_optimizer_options={"betas": cfg.inner_adam_betas} if cfg.inner_optimizer == "adam" else None,
+            inner_optimizer_options=inner_options(cfg),
             memory_budget=cfg.memory_budget,
         )
     except (TypeError, ValueError) as e:
@@ -125,14 +198,18 @@ def meta_optimizer(
 ) -> torch.optim.Optimizer:
     """The outer loop's optimizer (``kind``: ``"adam"`` or ``"sgd"``): the model's weights at ``meta_lr``, learned inner rates at ``rate_meta_lr``.
 
-    Learned rates get a parameter group of their own (``None``: at ``meta_lr`` too). Each group's
-    ``"scale"`` is its lr over ``meta_lr``, which ``Schedule.apply`` keeps through the schedule.
+    Learned rates get a parameter group of their own (``None``: at ``meta_lr`` too), and so do the update
+    rule's own tensors (the inner optimizer's learned options, at ``meta_lr``). Each group's ``"scale"``
+    is its lr over ``meta_lr``, which ``Schedule.apply`` keeps through the schedule.
     ``"sgd"`` is Reptile's outer step: with its direction in ``.grad``, ``theta += lr (phi - theta)``.
     """
     rate_lr = meta_lr if rate_meta_lr is None else rate_meta_lr
     groups = [{"params": list(learner.model.parameters()), "lr": meta_lr, "scale": 1.0}]
     if learner.rate_parameters:
         groups.append({"params": list(learner.rate_parameters.values()), "lr": rate_lr, "scale": rate_lr / meta_lr})
+    grouped = {id(p) for group in groups for p in group["params"]}
+    if rule := [p for p in learner.parameters() if id(p) not in grouped]:  # the rest: the rule's own tensors
+        groups.append({"params": rule, "lr": meta_lr, "scale": 1.0})
     # Adam's fused kernel: one call for every tensor instead of a dozen per tensor (0.13 against 0.45 ms a
     # step for the sine MLP on one CPU thread), the same update to float rounding.
     return torch.optim.SGD(groups, lr=meta_lr) if kind == "sgd" else torch.optim.Adam(groups, fused=True)

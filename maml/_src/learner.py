@@ -149,9 +149,10 @@ class MetaLearner:
             the name ``named_parameters()`` gives it.
         inner_optimizer: the update rule: an object with the :class:`~maml.UpdateRule` contract
             (``init(params) -> state``, ``update(grads, state, params, step, rates) -> (params,
-            state)``), or a name: ``"sgd"``, ``"momentum"`` or ``"adam"``, following
-            ``torch.optim.SGD(momentum=...)`` and ``torch.optim.Adam`` step for step, differentiable,
-            with its state kept per task. A rule that is an ``nn.Module`` (e.g.
+            state)``), or the name of one of ``torch.optim``'s optimizers (:data:`maml.INNER_OPTIMIZERS`:
+            ``"sgd"``, ``"momentum"``, ``"adam"``, ``"adamw"``, ``"rmsprop"``, ``"adagrad"``,
+            ``"adadelta"``, ``"adamax"``, ``"nadam"``, ``"radam"``, ``"rprop"``, ``"asgd"``), following it
+            step for step (``inner_lr`` is its ``lr``), differentiable, with its state kept per task. A rule that is an ``nn.Module`` (e.g.
             :class:`~maml.MetaCurvature`) is meta-learned with the model: its parameters are in
             :meth:`parameters` and :meth:`state_dict` and get exact meta-gradients in every mode.
         memory_budget: the tensor bytes a training step may hold: an int of bytes, a string
@@ -165,8 +166,10 @@ class MetaLearner:
             none in second and first order (every task at once); in the checkpointed mode one
             task's second-order step, at least 16 MiB (``docs/memory-and-speed.md``); with
             ``Checkpointed(tasks=...)`` it plans nothing and replays that many tasks in a loop.
-        inner_optimizer_options: a named rule's options: momentum ``{"momentum": 0.9, "nesterov": False}``,
-            adam ``{"betas": (0.9, 0.999), "eps": 1e-8}``.
+        inner_optimizer_options: a named rule's options, in ``torch.optim``'s keywords (``{"betas": (0.9, 0.99),
+            "weight_decay": 0.01, "amsgrad": True}``), and ``"learn"``: the float options the outer loop
+            learns, as the rule classes take it (``maml.Adam(learn=...)``: ``["betas"]``, or
+            ``{"betas": "per_layer_per_step"}``, shaped by this model and ``steps``).
     """
 
     def __init__(
