@@ -530,6 +530,80 @@ def budgets(path: Path = REPO / "results/benchmarks/budgets.json") -> str:
     return "\n".join(lines) + "\n"
 
 
+def optimizers(path: Path = REPO / "results/benchmarks/optimizers.json", slow: float = 1.5) -> str:
+    """``benchmarks/optimizers.py --json``: each inner optimizer's step against the engine's SGD and higher's same rule.
+
+    Below the tables, from the same figures: the rules over ``slow`` times SGD's CPU time, and those slower than
+    higher's version of the same ``torch.optim`` optimizer.
+    """
+    report = _json(path)
+    ms = lambda s: f"{1e3 * s:,.1f} ms" if s >= 0.1 else f"{1e3 * s:,.2f} ms"  # noqa: E731
+    mib = lambda n: f"{n / 2**20:,.2f} MiB" if n < 10 * 2**20 else f"{n / 2**20:,.0f} MiB"  # noqa: E731
+    blocks, over, behind = [], [], []
+    for table in report["tables"]:
+        lines = [
+            f"**{table['workload']}**: {table['name']}, {table['tasks']} task{'s' * (table['tasks'] != 1)}, {table['steps']} inner "
+            f'step{"s" * (table["steps"] != 1)} (`batching="{table["batching"]}"`'
+            + (', what `"auto"` picks for SGD' if table.get("batching_asked") == "auto" else "")
+            + f"; median of {table['repeats']} steps)",
+            "",
+            "| `inner_optimizer` | lr | CPU time | vs SGD | wall time | tensor peak | operators (vs SGD) "
+            "| higher | higher vs its SGD | ours / higher | higher's peak | meta-gradient vs higher |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in table["rows"]:
+            o, h = r["ours"], r["higher"]
+            ratio = lambda x: "-" if x is None else f"{x:.2f}x"  # noqa: E731
+            peer = (
+                [ms(h["cpu"]), ratio(r["higher_vs_sgd"]), ratio(r["vs_higher"]), mib(h["peak_bytes"])]
+                + [f"{r['grad_diff']:.0e}"]
+                if h
+                else ["-"] * 5
+            )
+            cells = [f"`{r['optimizer']}`", f"{r['lr']:g}", ms(o["cpu"]), ratio(r["vs_sgd"]), ms(o["wall"])]
+            cells += [mib(o["peak_bytes"]), f"{o['ops']:,} ({ratio(r['ops_vs_sgd'])})", *peer]
+            lines.append("| " + " | ".join(cells) + " |")
+            if r["vs_sgd"] is not None and r["vs_sgd"] > slow:
+                over.append(
+                    f"`{r['optimizer']}` on {table['workload']} ({r['vs_sgd']:.2f}x, with "
+                    f"{r['ops_vs_sgd']:.2f}x the operators)"
+                )
+            if r["vs_higher"] is not None and r["vs_higher"] > 1:
+                behind.append(f"`{r['optimizer']}` on {table['workload']} ({r['vs_higher']:.2f}x)")
+        blocks.append("\n".join(lines))
+    warmups = sorted({t["warmup"] for t in report["tables"]})
+    blocks.append(
+        f"One meta-training step, `learner.meta_loss(batch).backward()`, second order, per rule of "
+        f"`maml.INNER_OPTIMIZERS` (`torch.optim`'s default options, `momentum`'s 0.9; lr: the column), every method "
+        f"from the same weights, interleaved in one process in a random order after {_distinct(warmups)} warm-up "
+        f"step{'s' * (warmups != [1])} each; CPU time of {report['threads']} thread (and wall time), the median. "
+        f"vs SGD: the row's CPU time over "
+        f"the engine's SGD's; tensor peak: the peak of live tensor bytes of one step, from the profiler's memory "
+        f"events (`benchmarks.tensor_peak.peak_tensor_bytes`, as the memory tables count them); operators: the ATen "
+        f"operators one step calls, counted by a dispatch mode (under `vmap` a batched operator once), the rule's own "
+        f"arithmetic where the step is bound by per-operator overhead. higher: `higher.innerloop_ctx` with the "
+        f"`torch.optim` optimizer of the same name and options, per task, `(query loss / tasks).backward()` after "
+        f"each (so it holds one task's graph where `meta_loss` holds every task's: its smaller peak), Adam's `eps` "
+        f"overridden at each step so that its update is `torch.optim`'s; higher has no AdamW, NAdam or RAdam (-). "
+        f"Meta-gradient vs higher: the largest difference of the engine's from higher's, relative to higher's largest "
+        f"entry, from the same weights in float64."
+        + (
+            " The Omniglot images are synthetic (`benchmarks/memory.py`'s meta-batch: time and memory do not depend "
+            "on the pixels)."
+            if any(t["workload"] == "omniglot" for t in report["tables"])
+            else ""
+        )
+        + f" `{report['command']}`; torch "
+        f"{report['versions'].get('torch', '?')}; {provenance([report])}."
+        + ("" if report.get("complete", True) else " The run was stopped before its end.")
+    )
+    blocks.append(
+        f"Over {slow:g}x SGD's CPU time: {', '.join(over) or 'none'}. Slower than higher's version of the same "
+        f"optimizer: {', '.join(behind) or 'none'}."
+    )
+    return "\n\n".join(blocks) + "\n"
+
+
 def image_sampling(path: Path = REPO / "results/benchmarks/image_sampling.json") -> str:
     """``benchmarks/image_sampling.py``: meta-batches a second of the image sampler against learn2learn's TaskDataset."""
     r = _json(path)
@@ -739,6 +813,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "memory_budget": functools.partial(memory, REPO / "results/benchmarks/memory_budget.json", ()),
     "plans": plans,
     "budgets": budgets,
+    "optimizers": optimizers,
     "flags-run": _flags_of("run"),
     "flags-sine": _flags_of("sine"),
     "flags-omniglot": _flags_of("omniglot"),

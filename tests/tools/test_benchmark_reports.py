@@ -1,4 +1,5 @@
-"""What the benchmarks record: a memory worker finds the caller's packages, a stopped speed run says what it missed."""
+"""What the benchmarks record: a memory worker finds the caller's packages, a stopped speed run says what it missed,
+the inner-optimizer benchmark measures every rule beside higher's same step and its table says which are slow."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # benchmarks/ and tools/ are not installed, they live in the checkout
     sys.path.insert(0, str(REPO))
 
-from benchmarks import memory  # noqa: E402
+from benchmarks import memory, optimizers  # noqa: E402
 from tools import tables  # noqa: E402
 
 
@@ -62,3 +63,39 @@ def test_a_stopped_speed_run_names_the_workloads_it_did_not_reach(tmp_path: Path
     assert tables.speed(path).rstrip().endswith("The run was stopped before sine5, omniglot20.")
     path.write_text(json.dumps({**report, "complete": True}))
     assert "stopped" not in tables.speed(path)
+
+
+def test_the_optimizer_benchmark_times_each_rule_beside_highers_and_the_table_names_the_slow_ones(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "optimizers.json"
+    argv = ["--optimizers", "adam", "nadam", "--tasks", "1", "--steps", "1", "--repeats", "1", "--warmup", "0"]
+    assert optimizers.main([*argv, "--json", str(path)]) == 0
+    report = json.loads(path.read_text())
+    assert report["command"] == "python -m benchmarks.optimizers " + " ".join([*argv, "--json", str(path)])
+    assert [t["workload"] for t in report["tables"]] == ["sine", "omniglot"] and report["complete"]
+    for table in report["tables"]:
+        rows = {r["optimizer"]: r for r in table["rows"]}
+        assert list(rows) == ["sgd", "adam", "nadam"]  # SGD, the baseline, always
+        assert rows["sgd"]["vs_sgd"] == 1.0 and rows["adam"]["ours"]["ops"] > rows["sgd"]["ours"]["ops"]
+        assert all(r["ours"]["peak_bytes"] > 0 and r["ours"]["cpu"] > 0 for r in rows.values())
+        assert rows["nadam"]["higher"] is None and rows["nadam"]["vs_higher"] is None  # higher has no NAdam
+        # The same step as higher's: the meta-gradients agree in float64 (Adam's eps overridden in higher's).
+        assert rows["sgd"]["grad_diff"] < 1e-10 and rows["adam"]["grad_diff"] < 1e-6
+    # The table of a committed run (this tree may hold uncommitted changes), with Adam made slow.
+    report["git_dirty"] = False
+    adam = report["tables"][0]["rows"][1]
+    adam.update(vs_sgd=2.0, ops_vs_sgd=1.5, vs_higher=1.25)
+    path.write_text(json.dumps(report))
+    text = tables.optimizers(path)
+    assert "**sine**: sine MLP" in text and "**omniglot**: Omniglot conv net" in text
+    assert (
+        sum(
+            line.startswith("| `nadam` | 0.01 |") and line.endswith("| - | - | - | - | - |")
+            for line in text.splitlines()
+        )
+        == 2
+    )
+    assert "Over 1.5x SGD's CPU time: `adam` on sine (2.00x, with 1.50x the operators)." in text
+    slower = text.split("Slower than higher's version of the same optimizer: ")[1]
+    assert "`adam` on sine (1.25x)" in slower and "nadam" not in slower
