@@ -72,16 +72,22 @@ def _ema_sq(v: Tensor, beta: Value, g: Tensor) -> Tensor:
     return v * beta + (1 - beta) * g * g if isinstance(beta, Tensor) else torch.addcmul(v * beta, g, g, value=1 - beta)
 
 
+def _addcdiv(p: Tensor, rate: Value, num: Tensor, den: Tensor) -> Tensor:
+    """``p - rate * num / den``: ``torch.optim``'s ``param.addcdiv_(num, den, value=-rate)``, one kernel for a float rate."""
+    return p - rate * num / den if isinstance(rate, Tensor) else torch.addcdiv(p, num, den, value=-rate)
+
+
 def _safe_sqrt(v: Tensor) -> Tensor:
-    """``sqrt(v)`` whose derivative at ``v == 0`` is 0 instead of ``inf``.
+    """``sqrt(max(v, tiny))``: ``sqrt(v)`` for every ``v`` but 0 (``tiny``: the dtype's smallest normal number),
+    with derivative 0 at ``v == 0`` instead of ``inf``.
 
     A second moment is 0 exactly where every gradient so far was 0; there the numerator it divides
     is 0 too, so the update does not depend on ``sqrt(v)`` to first order, and a zero derivative
-    gives the true value where autograd's ``inf * 0`` would give NaN. Plain ops (no
-    ``autograd.Function``), so ``torch.func`` transforms and double backward see through it.
+    gives the true value where autograd's ``inf * 0`` would give NaN. Its value there,
+    ``sqrt(tiny)`` (1e-154 in float64, 1e-19 in float32), vanishes beside any ``eps`` it is added to.
+    Plain ops (no ``autograd.Function``), so ``torch.func`` transforms and double backward see through it.
     """
-    positive = v > 0
-    return torch.where(positive, torch.where(positive, v, 1.0).sqrt(), 0.0)
+    return v.clamp_min(torch.finfo(v.dtype).tiny).sqrt()
 
 
 def _state_type(name: str, fields: tuple[str, ...]) -> type:
@@ -264,7 +270,7 @@ class Adam(_Rule):
             if flags["amsgrad"]:
                 v = parts[2][k] = torch.maximum(state[2][k], v)
             denom = _safe_sqrt(v) / (1 - b2**t) ** 0.5 + o["eps"]
-            new[k] = _scaled(p, rates[k], m / ((1 - b1**t) * denom))
+            new[k] = _addcdiv(p, rates[k] / (1 - b1**t), m, denom)
         return new, self._state(*parts)
 
 
@@ -331,10 +337,10 @@ class RMSprop(_Rule):
                 avg = _safe_sqrt(square_avg)
             avg = avg + o["eps"]
             if self._momentum:
-                buf = out["momentum_buffer"][k] = was["momentum_buffer"][k] * o["momentum"] + g / avg
+                buf = out["momentum_buffer"][k] = torch.addcdiv(was["momentum_buffer"][k] * o["momentum"], g, avg)
                 new[k] = _scaled(p, rates[k], buf)
             else:
-                new[k] = _scaled(p, rates[k], g / avg)
+                new[k] = _addcdiv(p, rates[k], g, avg)
         return new, self._state(**out)
 
 
@@ -382,7 +388,7 @@ class Adagrad(_Rule):
             start = state[0][k] + o["initial_accumulator_value"] if step == 0 else state[0][k]
             total = sums[k] = torch.addcmul(start, g, g)
             clr = rates[k] / (1 + step * o["lr_decay"])
-            new[k] = _scaled(p, clr, g / (_safe_sqrt(total) + o["eps"]))
+            new[k] = _addcdiv(p, clr, g, _safe_sqrt(total) + o["eps"])
         return new, self._state(sums)
 
 
@@ -453,7 +459,7 @@ class Adamax(_Rule):
             g, p = self._decayed(grads[k], p, rates[k], o["weight_decay"])
             m = exp_avgs[k] = torch.lerp(state[0][k], g, 1 - o["beta1"])
             u = exp_infs[k] = torch.maximum(state[1][k] * o["beta2"], g.abs() + o["eps"])
-            new[k] = _scaled(p, rates[k] / (1 - o["beta1"] ** (step + 1)), m / u)
+            new[k] = _addcdiv(p, rates[k] / (1 - o["beta1"] ** (step + 1)), m, u)
         return new, self._state(exp_avgs, exp_infs)
 
 
@@ -509,8 +515,8 @@ class NAdam(_Rule):
             m = exp_avgs[k] = torch.lerp(state[0][k], g, 1 - b1)
             v = exp_avg_sqs[k] = _ema_sq(state[1][k], b2, g)
             denom = _safe_sqrt(v / (1 - b2**t)) + o["eps"]
-            p = _scaled(p, lr * (1.0 - mu) / (1.0 - mu_product), g / denom)
-            new[k] = _scaled(p, lr * mu_next / (1.0 - mu_product * mu_next), m / denom)
+            p = _addcdiv(p, lr * (1.0 - mu) / (1.0 - mu_product), g, denom)
+            new[k] = _addcdiv(p, lr * mu_next / (1.0 - mu_product * mu_next), m, denom)
         return new, AdamState(exp_avgs, exp_avg_sqs)
 
     def _mu(self, param: str, step: int) -> Value:
