@@ -78,16 +78,17 @@ def _addcdiv(p: Tensor, rate: Value, num: Tensor, den: Tensor) -> Tensor:
 
 
 def _safe_sqrt(v: Tensor) -> Tensor:
-    """``sqrt(max(v, tiny))``: ``sqrt(v)`` for every ``v`` but 0 (``tiny``: the dtype's smallest normal number),
-    with derivative 0 at ``v == 0`` instead of ``inf``.
+    """``sqrt(v)`` where ``v > 0``, else ``sqrt(tiny)`` (the dtype's smallest normal number), with derivative 0 at
+    ``v == 0`` instead of ``inf``.
 
     A second moment is 0 exactly where every gradient so far was 0; there the numerator it divides
     is 0 too, so the update does not depend on ``sqrt(v)`` to first order, and a zero derivative
     gives the true value where autograd's ``inf * 0`` would give NaN. Its value there,
     ``sqrt(tiny)`` (1e-154 in float64, 1e-19 in float32), vanishes beside any ``eps`` it is added to.
-    Plain ops (no ``autograd.Function``), so ``torch.func`` transforms and double backward see through it.
+    Plain ops (no ``autograd.Function``), so ``torch.func`` transforms and double backward see through it;
+    ``where`` keeps a boolean mask for the backward pass, where ``clamp_min`` would keep ``v`` itself.
     """
-    return v.clamp_min(torch.finfo(v.dtype).tiny).sqrt()
+    return torch.where(v > 0, v, torch.finfo(v.dtype).tiny).sqrt()
 
 
 def _state_type(name: str, fields: tuple[str, ...]) -> type:
@@ -599,7 +600,8 @@ class Rprop(_Rule):
 
     The step is ``-sign(g) * step_size``: ``sign`` has derivative 0, so the meta-gradient reaches
     the initial parameters only through the identity and reaches ``lr`` and the etas through the
-    step sizes (the clamp to ``step_sizes`` has derivative 0 outside it).
+    step sizes (the clamp to ``step_sizes`` has derivative 0 outside it). The etas can be learned;
+    ``step_sizes``, the clamp's bounds, are fixed.
     """
 
     RANGES: ClassVar[dict[str, Range]] = {"etaminus": "unit", "etaplus": "above_one"}
