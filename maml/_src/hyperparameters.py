@@ -43,8 +43,13 @@ Range = Literal["unit", "positive", "above_one", "real"]
 Learn = str | Sequence[str] | Mapping[str, str] | None
 LAYOUTS: tuple[str, ...] = ("scalar", "per_parameter", "per_layer_per_step")
 
-# The open range a learned option stays in, as text for an error.
-_OPEN = {"unit": "(0, 1)", "positive": "(0, inf)", "above_one": "(1, inf)", "real": "(-inf, inf)"}
+# The open interval a learned option stays in, by its range.
+_OPEN: dict[str, tuple[float, float]] = {
+    "unit": (0.0, 1.0),
+    "positive": (0.0, math.inf),
+    "above_one": (1.0, math.inf),
+    "real": (-math.inf, math.inf),
+}
 
 
 def _raw(value: float, kind: Range) -> float:
@@ -69,12 +74,6 @@ def _constrained(raw: Tensor, kind: Range) -> Tensor:
     if kind == "above_one":
         return 1 + raw.exp()
     return raw
-
-
-def _in_range(value: float, kind: Range) -> bool:
-    lower = {"unit": 0.0, "positive": 0.0, "above_one": 1.0, "real": -math.inf}[kind]
-    upper = 1.0 if kind == "unit" else math.inf
-    return lower < value < upper
 
 
 def _attribute(key: str) -> str:
@@ -150,10 +149,10 @@ class HyperparameterRule(nn.Module):
             params = {"": torch.zeros(())}  # a scalar layout reads nothing of the parameters but their dtype
         self.learned = nn.ModuleDict()
         for name, layout in layouts.items():
-            value = self._values[name]
-            if not _in_range(value, self.RANGES[name]):
+            value, (low, high) = self._values[name], _OPEN[self.RANGES[name]]
+            if not low < value < high:
                 raise ValueError(
-                    f"{type(self).__name__}: a learned {name} must start inside {_OPEN[self.RANGES[name]]}, where "
+                    f"{type(self).__name__}: a learned {name} must start inside ({low:g}, {high:g}), where "
                     f"its parametrisation maps it, got {value!r}; start it inside (e.g. {name}=0.5 for a value in "
                     f"(0, 1)), or do not learn it."
                 )

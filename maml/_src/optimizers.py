@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from collections import namedtuple
 from collections.abc import Mapping
 from typing import Any, ClassVar, NamedTuple
@@ -117,16 +118,23 @@ class _Rule(HyperparameterRule):
 
     linear: ClassVar[bool] = False
 
-    def __init__(self, values: Mapping[str, float], flags: Mapping[str, bool], learn: Learn, model, steps) -> None:  # type: ignore[no-untyped-def]
+    def __init__(
+        self, values: Mapping[str, Any], flags: Mapping[str, bool], learn: Learn, model: nn.Module | None, steps: int
+    ) -> None:
+        """``values``: the float options as the constructor takes them, a pair (``betas``) as one entry."""
         super().__init__()
-        for name, value in values.items():
-            shown = next((f"{pair}[{names.index(name)}]" for pair, names in self.PAIRS.items() if name in names), name)
-            _check_float(type(self).__name__, name, shown, value, self.RANGES[name])
+        floats: dict[str, float] = {}
+        for option, value in values.items():
+            if option in self.PAIRS:
+                for i, (name, v) in enumerate(zip(self.PAIRS[option], _pair(type(self).__name__, option, value))):
+                    floats[name] = _checked_float(type(self).__name__, name, f"{option}[{i}]", v, self.RANGES[name])
+            else:
+                floats[option] = _checked_float(type(self).__name__, option, option, value, self.RANGES[option])
         for name, flag in flags.items():
             if not isinstance(flag, bool):
                 raise TypeError(f"{type(self).__name__}: {name} must be True or False, got {flag!r}.")
         self._flag_values = dict(flags)
-        self._options({k: float(v) for k, v in values.items()}, learn, model, steps)
+        self._options(floats, learn, model, steps)
 
     def _flags(self) -> dict[str, Any]:
         return self._flag_values
@@ -148,28 +156,29 @@ class _Rule(HyperparameterRule):
     _state: ClassVar[Any] = _state_type("NoState", ())
 
 
-# Each option's allowed fixed values (closed where torch.optim allows the end), as (low, high, text).
-_FIXED: dict[Range, tuple[float, float, str]] = {
-    "unit": (0.0, 1.0, "[0, 1)"),
-    "positive": (0.0, float("inf"), "[0, inf)"),
-    "above_one": (1.0, float("inf"), "(1, inf)"),
-    "real": (0.0, float("inf"), "[0, inf)"),  # torch.optim refuses a negative weight decay; learned, any real
+# Each option's allowed fixed values as torch.optim allows them: (low, high, low allowed, high allowed), by its range
+# and, where one option differs from its range's, by its name (eps 0 would divide by zero; etaminus 0 freeze a step).
+_FIXED: dict[str, tuple[float, float, bool, bool]] = {
+    "unit": (0.0, 1.0, True, False),
+    "positive": (0.0, math.inf, True, False),
+    "above_one": (1.0, math.inf, False, False),
+    "real": (0.0, math.inf, True, False),  # torch.optim refuses a negative weight decay; learned, any real
+    "eps": (0.0, math.inf, False, False),
+    "etaminus": (0.0, 1.0, False, False),
+    "dampening": (0.0, 1.0, True, True),
 }
 
 
-def _check_float(rule: str, name: str, shown: str, value: Any, kind: Range) -> None:
-    """``value`` of the option ``name`` (``shown`` as the caller wrote it: ``betas[1]``) is in ``kind``'s fixed range."""
-    low, high, text = _FIXED[kind]
-    if name in ("eps", "etaminus"):
-        low_ok = lambda v: v > 0  # noqa: E731 (0 would divide by zero / freeze the step)
-        text = "(0, inf)" if name == "eps" else "(0, 1)"
-    elif kind == "above_one":
-        low_ok = lambda v: v > low  # noqa: E731
-    else:
-        low_ok = lambda v: v >= low  # noqa: E731
-    high_ok = (value <= 1) if name == "dampening" else (value < high)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (low_ok(value) and high_ok):
-        raise ValueError(f"{rule}: {shown}={value!r} is out of range; it must be a float in {text}.")
+def _checked_float(rule: str, name: str, shown: str, value: Any, kind: Range) -> float:
+    """``value`` of the option ``name`` (``shown`` as the caller wrote it: ``betas[1]``), in its fixed range."""
+    low, high, with_low, with_high = _FIXED.get(name, _FIXED[kind])
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not (
+        (low <= value if with_low else low < value) and (value <= high if with_high else value < high)
+    ):
+        interval = f"{'[' if with_low else '('}{low:g}, {high:g}{']' if with_high else ')'}"
+        raise ValueError(f"{rule}: {shown}={value!r} is out of range; it must be a float in {interval}.")
+    return float(value)
 
 
 class SGD(_Rule):
@@ -250,9 +259,8 @@ class Adam(_Rule):
         model: nn.Module | None = None,
         steps: int = 1,
     ) -> None:
-        b1, b2 = _pair(type(self).__name__, "betas", betas)
         decoupled = self._DECOUPLED if decoupled_weight_decay is None else decoupled_weight_decay
-        values = {"beta1": b1, "beta2": b2, "eps": eps, "weight_decay": weight_decay}
+        values = {"betas": betas, "eps": eps, "weight_decay": weight_decay}
         flags = {"amsgrad": amsgrad, "maximize": maximize, "decoupled_weight_decay": decoupled}
         super().__init__(values, flags, learn, model, steps)
         self._state = _state_type("AMSGradState", (*AdamState._fields, "max_exp_avg_sq")) if amsgrad else AdamState
@@ -448,8 +456,7 @@ class Adamax(_Rule):
         model: nn.Module | None = None,
         steps: int = 1,
     ) -> None:
-        b1, b2 = _pair(type(self).__name__, "betas", betas)
-        values = {"beta1": b1, "beta2": b2, "eps": eps, "weight_decay": weight_decay}
+        values = {"betas": betas, "eps": eps, "weight_decay": weight_decay}
         super().__init__(values, {"maximize": maximize}, learn, model, steps)
         self._state = _state_type("AdamaxState", ("exp_avg", "exp_inf"))
 
@@ -495,8 +502,7 @@ class NAdam(_Rule):
         model: nn.Module | None = None,
         steps: int = 1,
     ) -> None:
-        b1, b2 = _pair(type(self).__name__, "betas", betas)
-        values = {"beta1": b1, "beta2": b2, "eps": eps, "weight_decay": weight_decay, "momentum_decay": momentum_decay}
+        values = {"betas": betas, "eps": eps, "weight_decay": weight_decay, "momentum_decay": momentum_decay}
         flags = {"decoupled_weight_decay": decoupled_weight_decay, "maximize": maximize}
         super().__init__(values, flags, learn, model, steps)
         self._state = AdamState
@@ -510,7 +516,7 @@ class NAdam(_Rule):
             g, p = self._decayed(grads[k], p, lr, wd)
             # mu_1 .. mu_t, each with its own step's beta1 and psi (torch.optim multiplies mu_product by each
             # step's mu in turn), and mu_{t+1} with this step's.
-            mus = [self._mu(k, i) for i in range(step)] + [b1 * (1.0 - 0.5 * 0.96 ** (t * psi))]
+            mus = [self._mu(k, i) for i in range(t)]
             mu, mu_next = mus[-1], b1 * (1.0 - 0.5 * 0.96 ** ((t + 1) * psi))
             mu_product = functools.reduce(lambda a, b: a * b, mus)
             m = exp_avgs[k] = torch.lerp(state[0][k], g, 1 - b1)
@@ -549,8 +555,7 @@ class RAdam(_Rule):
         model: nn.Module | None = None,
         steps: int = 1,
     ) -> None:
-        b1, b2 = _pair(type(self).__name__, "betas", betas)
-        values = {"beta1": b1, "beta2": b2, "eps": eps, "weight_decay": weight_decay}
+        values = {"betas": betas, "eps": eps, "weight_decay": weight_decay}
         flags = {"decoupled_weight_decay": decoupled_weight_decay, "maximize": maximize}
         super().__init__(values, flags, learn, model, steps)
         self._state = AdamState
@@ -617,12 +622,11 @@ class Rprop(_Rule):
         model: nn.Module | None = None,
         steps: int = 1,
     ) -> None:
-        minus, plus = _pair(type(self).__name__, "etas", etas)
         lo, hi = _pair(type(self).__name__, "step_sizes", step_sizes)
         if not 0 <= lo <= hi:
             raise ValueError(f"Rprop: step_sizes={step_sizes!r} must be (min, max) with 0 <= min <= max.")
         self._bounds = (float(lo), float(hi))
-        super().__init__({"etaminus": minus, "etaplus": plus}, {"maximize": maximize}, learn, model, steps)
+        super().__init__({"etas": etas}, {"maximize": maximize}, learn, model, steps)
         self._state = _state_type("RpropState", ("prev", "step_size"))
 
     def update(self, grads: Params, state: tuple, params: Params, step: int, rates: StepRates) -> tuple[Params, tuple]:

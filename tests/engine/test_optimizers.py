@@ -482,6 +482,12 @@ def test_learned_options_are_saved_resumed_shown_and_meta_parameters():
         (lambda: maml.Adam(learn={"eps": "per_parameter"}), ValueError, r"pass model=model"),
         (lambda: maml.Adam(learn=3), TypeError, r"learn=3 must name the options to learn"),
         (lambda: maml.Rprop(etas=(0.5, 0.9)), ValueError, r"etas\[1\]=0.9 is out of range"),
+        (
+            lambda: maml.SGD(dampening=1.5),
+            ValueError,
+            r"dampening=1.5 is out of range; it must be a float in \[0, 1\]\.",
+        ),
+        (lambda: maml.Adam(eps=0.0), ValueError, r"eps=0.0 is out of range; it must be a float in \(0, inf\)\."),
         (lambda: maml.AdamW(decoupled_weight_decay=False), TypeError, r"decoupled by definition"),
         (lambda: maml.SGD(nesterov=True), ValueError, r"Nesterov momentum needs a momentum > 0"),
     ],
