@@ -71,7 +71,8 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import maml  # noqa: E402
 import tasks  # noqa: E402
-from benchmarks.memory import synthetic_batch  # noqa: E402
+from benchmarks.memory import relative_difference, synthetic_batch  # noqa: E402
+from benchmarks.peers import higher_backward  # noqa: E402
 from benchmarks.report import write_report  # noqa: E402
 from benchmarks.sampling import omniglot_net, sine_net  # noqa: E402
 from benchmarks.tensor_peak import peak_tensor_bytes  # noqa: E402
@@ -170,20 +171,13 @@ def ours(name: str, wl: Workload, model: nn.Module, batching: str = "auto") -> t
 def higher_innerloop(name: str, wl: Workload, model: nn.Module) -> tuple[list[Tensor], Backward]:
     """higher's ``innerloop_ctx`` with ``torch.optim``'s optimizer of the rule ``name``, as ``benchmarks/speed.py``'s
     ``higher_innerloop`` writes it (Adam's ``eps`` overridden at each step so that its update is torch.optim's)."""
-    with warnings.catch_warnings():  # higher warns about its RMSprop's and Rprop's second derivatives when built
-        warnings.simplefilter("ignore")
-        import higher
     inner_opt = HIGHER[name](model.parameters(), lr=lr_of(name, wl), **OPTIONS.get(name, {}))
-    eps = [[1e-8 * math.sqrt(1 - 0.999 ** (k + 1))] for k in range(wl.steps)]  # torch.optim.Adam's defaults
+    higher_step = higher_backward(model, inner_opt, wl.loss_fn, wl.steps, adam=name == "adam")
 
     def backward(batch: maml.TaskBatch) -> None:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings():  # higher warns about its RMSprop's and Rprop's second derivatives when built
             warnings.simplefilter("ignore")
-            for sx, sy, qx, qy in zip(batch.support_x, batch.support_y, batch.query_x, batch.query_y):
-                with higher.innerloop_ctx(model, inner_opt, copy_initial_weights=False) as (fmodel, diffopt):
-                    for k in range(wl.steps):
-                        diffopt.step(wl.loss_fn(fmodel(sx), sy), override={"eps": eps[k]} if name == "adam" else None)
-                    (wl.loss_fn(fmodel(qx), qy) / batch.num_tasks).backward()
+            higher_step(batch)
 
     return list(model.parameters()), backward
 
@@ -207,13 +201,6 @@ def operator_calls(fn: Callable[[], object]) -> int:
     with _Ops() as ops:
         fn()
     return ops.count
-
-
-def relative_difference(got: list[Tensor], expected: list[Tensor]) -> float:
-    """The largest entry of ``|got - expected|`` over the largest of ``|expected|``."""
-    flat = torch.cat([g.flatten() for g in got]).double()
-    ref = torch.cat([e.flatten() for e in expected]).double()
-    return float((flat - ref).abs().max() / ref.abs().max())
 
 
 def resolved_batching(wl: Workload, batch: maml.TaskBatch) -> str:

@@ -63,7 +63,6 @@ import argparse
 import copy
 import dataclasses
 import functools
-import math
 import os
 import random
 import re
@@ -87,6 +86,8 @@ from torch.func import functional_call  # noqa: E402
 import maml  # noqa: E402
 import tasks  # noqa: E402
 from benchmarks.flops import count_flops  # noqa: E402
+from benchmarks.memory import relative_difference  # noqa: E402
+from benchmarks.peers import higher_backward  # noqa: E402
 from benchmarks.report import write_report  # noqa: E402
 from benchmarks.sampling import omniglot_net, sine_net  # noqa: E402
 from experiments.nets import build_model as reference_net  # noqa: E402  # the default: strided
@@ -94,7 +95,6 @@ from experiments.nets import loss_function  # noqa: E402
 
 with warnings.catch_warnings():  # gym, imported by learn2learn, warns about its own deprecation
     warnings.simplefilter("ignore")
-    import higher
     import learn2learn as l2l
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
@@ -292,16 +292,7 @@ def higher_innerloop(rule: str = "sgd") -> Method:
             inner_opt: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=wl.inner_lr)
         else:
             inner_opt = torch.optim.SGD(model.parameters(), lr=wl.inner_lr, momentum=0.9 if rule == "momentum" else 0)
-        eps = [[1e-8 * math.sqrt(1 - 0.999 ** (k + 1))] for k in range(wl.steps)]  # torch.optim.Adam's defaults
-
-        def backward(batch: maml.TaskBatch) -> None:
-            for sx, sy, qx, qy in zip(batch.support_x, batch.support_y, batch.query_x, batch.query_y):
-                with higher.innerloop_ctx(model, inner_opt, copy_initial_weights=False) as (fmodel, diffopt):
-                    for k in range(wl.steps):
-                        diffopt.step(wl.loss_fn(fmodel(sx), sy), override={"eps": eps[k]} if rule == "adam" else None)
-                    (wl.loss_fn(fmodel(qx), qy) / batch.num_tasks).backward()
-
-        return list(model.parameters()), backward
+        return list(model.parameters()), higher_backward(model, inner_opt, wl.loss_fn, wl.steps, adam=rule == "adam")
 
     names = {"sgd": "higher innerloop_ctx", "momentum": "higher SGD momentum 0.9", "adam": "higher Adam"}
     return Method(names[rule], False, build)
@@ -407,12 +398,6 @@ def peak_flops(device: torch.device, clock: Clock, n: int = 4096) -> float:
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     a @ b
     return 2 * n**3 / min(clock.time(lambda: a @ b) for _ in range(5))
-
-
-def relative_difference(got: list[Tensor], expected: list[Tensor]) -> float:
-    flat = torch.cat([g.flatten() for g in got]).double()
-    ref = torch.cat([e.flatten() for e in expected]).double()
-    return float((flat - ref).abs().max() / ref.abs().max())
 
 
 def run_workload(
