@@ -182,7 +182,7 @@ class _Pass:
     def support_grad(self, c: int, consts: Params) -> Callable[[Params, int], tuple[Params, Tensor]]:
         """Chunk ``c``'s support gradient at given fast weights (values only), under each step's recorded random state."""
         part = self.parts[c]
-        support = autograd_support_grad(self.forward, consts, part.support_x, part.support_y, create_graph=False)
+        support = autograd_support_grad(self.forward, consts, part.support_at, create_graph=False)
 
         def support_grad(fast: Params, step: int) -> tuple[Params, Tensor]:
             _set_rng(self.rng["support", c, step])
@@ -249,9 +249,7 @@ def _values_pass(
         for c, part in enumerate(p.parts):
             p.record_rng("support", c, step)
             leaves = {k: v.detach().requires_grad_() for k, v in zip(names, p.chunk(list(fast.values()), c))}
-            g, loss = autograd_support_grad(forward, consts, part.support_x, part.support_y, create_graph=False)(
-                leaves, step
-            )
+            g, loss = autograd_support_grad(forward, consts, part.support_at, create_graph=False)(leaves, step)
             grads.append(g)
             losses.append(loss)
         return {k: _join([g[k] for g in grads]) for k in names}, _join(losses)
@@ -379,7 +377,7 @@ def _replay_segment(p: _Pass, c: int, start: int, count: int) -> Replay:
 
     def replay(kept_in: list[Tensor], other: list[Tensor]) -> list[Tensor]:
         seg_rates, seg_consts = p.unpack(other)
-        support = autograd_support_grad(p.forward, seg_consts, part.support_x, part.support_y, create_graph=True)
+        support = autograd_support_grad(p.forward, seg_consts, part.support_at, create_graph=True)
 
         def support_grad(fast: Params, step: int) -> tuple[Params, Tensor]:
             _set_rng(p.rng["support", c, step])
@@ -448,7 +446,7 @@ class _ForwardOverReverse:
     def _hvp(self, step: int, fixed: Params, phi: Params) -> HessianProducts:
         def products(fast: Params, tangent: Params) -> tuple[Params, Params, Params]:
             _set_rng(self.p.rng["support", self.c, step])
-            x, y = self.part.support_x, self.part.support_y
+            x, y = self.part.support_at(step)
             return support_hvp(self.p.forward, fixed, phi, x, y, fast, tangent, step=step)
 
         return products

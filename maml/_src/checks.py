@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import difflib
 import math
 import warnings
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -14,6 +14,8 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import _WeightNorm
 from torch.nn.utils.weight_norm import WeightNorm
+
+from .batch import TENSORS
 
 
 def close_matches(word: str, choices: Iterable[str]) -> str:
@@ -316,7 +318,7 @@ def differentiable(
     """
     path = "compile=True" if compiled else f"mode={mode!r}"
     if compiled or not inputs:
-        graphed = [f.name for f in dataclasses.fields(batch) if getattr(batch, f.name).requires_grad]
+        graphed = [k for k in TENSORS if getattr(batch, k).requires_grad]
         if graphed:
             raise ValueError(
                 f"batch.{graphed[0]} requires grad (it comes from a graph, e.g. an encoder upstream of the "
@@ -364,17 +366,43 @@ def same_tensors(what: str, saved: Any, mine: Mapping[str, Tensor], build: str) 
             )
 
 
-def one_task_support(support_x: Any, support_y: Any, example_shape: torch.Size | None) -> None:
-    """``adapt``'s support set: tensors of one task's examples, one target per input."""
+def one_task_support(support_x: Any, support_y: Any, example_shape: torch.Size | None, per_step: bool) -> None:
+    """``adapt``'s support set: tensors of one task's examples, one target per input (``per_step``: one set a step)."""
+    least, form = (2, "(S, n, ...)") if per_step else (1, "(n, ...)")
     for name, t in (("support_x", support_x), ("support_y", support_y)):
-        if not isinstance(t, Tensor) or t.ndim < 1:
-            raise TypeError(f"{name} must be a tensor of one task's examples, (n, ...), got {t!r}.")
-    if support_x.shape[0] != support_y.shape[0]:
+        if not isinstance(t, Tensor) or t.ndim < least:
+            raise TypeError(f"{name} must be a tensor of one task's examples, {form}, got {t!r}.")
+    if per_step and support_x.shape[0] != support_y.shape[0]:
         raise ValueError(
-            f"support_x has {support_x.shape[0]} examples but support_y has {support_y.shape[0]}; "
-            f"every input needs exactly one target."
+            f"support_x has {support_x.shape[0]} inner steps' sets but support_y has {support_y.shape[0]}; "
+            f"per_step=True needs one target set per input set."
         )
-    one_task(support_x, example_shape)
+    x, y = (support_x[0], support_y[0]) if per_step else (support_x, support_y)
+    if x.shape[0] != y.shape[0]:
+        raise ValueError(
+            f"support_x has {x.shape[0]} examples but support_y has {y.shape[0]}; every input needs exactly one target."
+        )
+    one_task(x, example_shape)
+
+
+@contextlib.contextmanager
+def batch_hint(support_x: Tensor, seen: torch.Size | None) -> Iterator[None]:
+    """Adds to a model's error on ``adapt``'s first call, before any shape was seen, that a batch may be the cause.
+
+    Before a first call no shape tells one task ``(n, *x_shape)`` from a batch ``(T, n, *x_shape)``
+    (:func:`one_task`); a batch given then fails in the model's first layer with its own message.
+    """
+    try:
+        yield
+    except RuntimeError as e:
+        if seen is not None or support_x.ndim < 3:
+            raise
+        raise ValueError(
+            f"the model failed on support_x of shape {tuple(support_x.shape)}: {str(e).splitlines()[0]} adapt takes "
+            f"one task, (n, *x_shape); if this is a batch of {support_x.shape[0]} tasks of {support_x.shape[1]} "
+            f"examples, pass one task (support_x[t], support_y[t]), or use learner.run(maml.TaskBatch(...)) for "
+            f"every task."
+        ) from e
 
 
 def placed_like(rates: Mapping[str, Tensor], first: Tensor, rule_prefix: str) -> None:

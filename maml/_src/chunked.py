@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from . import checks
-from .batch import TaskBatch
+from .batch import TENSORS, TaskBatch
 from .loop import MetaOutput
 
 __all__ = ["backward_in_chunks"]
@@ -48,8 +48,7 @@ def backward_in_chunks(
     tasks = batch.num_tasks
     checks.integer("chunk", chunk, 1, optional=True)
     size = default(tasks) if chunk is None else chunk
-    fields = [f.name for f in dataclasses.fields(batch)]
-    on_graph = [k for k in fields if getattr(batch, k).requires_grad] if torch.is_grad_enabled() else []
+    on_graph = [k for k in TENSORS if getattr(batch, k).requires_grad] if torch.is_grad_enabled() else []
     cut = {k: getattr(batch, k).detach().requires_grad_() for k in on_graph}
     whole = dataclasses.replace(batch, **cut) if cut else batch
     total, outputs = None, []

@@ -15,6 +15,7 @@ against finite differences and against the eager engine.
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .batch import support_at
 from .forward import Params
 from .loop import InnerLoop, MetaOutput, Problem, func_support_grad, meta_objective, per_task, query_step, stacked
 
@@ -33,14 +35,15 @@ Step = Callable[..., StepResult]
 
 
 def meta_step(loop: InnerLoop, first_order: bool) -> Step:
-    """The uncompiled step: ``step(params, rate_values, trained, consts, sx, sy, qx, qy, steps, step_weights)``.
+    """The uncompiled step: ``step(params, rate_values, trained, consts, sx, sy, qx, qy, steps, step_weights, per_step)``.
 
     ``trained`` are the trainable parameters outside the adapt set, ``consts`` the rest of the
     model's tensors. Returns the gradients of the loss with respect to ``params``,
     ``rate_values`` and ``trained``, and ``(loss, query_losses (T,), query_out (T, n_query, ...),
     support_losses (steps, T), fast (T, *shape), step_query_losses (steps, T) or (0,))``, where
     ``loss`` is the mean query loss over the ``T`` tasks after ``steps`` inner steps, or the
-    ``step_weights``-weighted sum of the means after each step.
+    ``step_weights``-weighted sum of the means after each step. ``per_step``: ``sx`` and ``sy``
+    hold one support set per inner step (``TaskBatch.per_step``).
     """
     loop = loop.unchecked()  # traced code cannot raise on a value: run() checks the losses after
 
@@ -55,11 +58,13 @@ def meta_step(loop: InnerLoop, first_order: bool) -> Step:
         qy: Tensor,
         steps: int,
         step_weights: Tensor | None,
+        per_step: bool,
     ) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor, Params, Tensor]]:
         consts = {**consts, **trained}
         tasks = sx.shape[0]
         fast = per_task(params, tasks)
-        support_grad = func_support_grad(loop.forward, consts, sx, sy, first_order=first_order)
+        support = functools.partial(support_at, sx, sy, per_step)
+        support_grad = func_support_grad(loop.forward, consts, support, first_order=first_order)
         score = None if step_weights is None else (lambda fast, step: loop.forward(fast, consts, qx, qy, step=step)[0])
         done = loop.run(support_grad, fast, loop.rule.init(fast), rate_values, steps, score=score)
         query_losses, query_out = loop.forward(done.fast, consts, qx, qy, step=query_step(steps))
@@ -112,6 +117,7 @@ def run(step: Step, problem: Problem, *, chunk: int, step_weights: Tensor | None
             part.query_y,
             steps,
             weights,
+            part.per_step,
         )
         part_grads = [*g_params.values(), *g_rates.values(), *g_trained.values()]
         if chunk < tasks:  # the meta-batch's mean: the chunks' means weighted by their sizes

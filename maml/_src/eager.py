@@ -39,8 +39,8 @@ def adapt(
         The fast weights ``(T, *shape)``, the ``(steps, T)`` support losses, and the ``(T,)``
         query losses after each step but the last (empty without ``query``).
     """
-    loop, rate_values, consts, x, y = p.loop, p.rate_values, p.consts, p.batch.support_x, p.batch.support_y
-    tasks = x.shape[0]
+    loop, rate_values, consts = p.loop, p.rate_values, p.consts
+    tasks = p.batch.num_tasks
     differentiable = torch.is_grad_enabled()
     with torch.enable_grad():  # the inner loop needs gradients even under torch.no_grad()
         fast = per_task(p.params, tasks)
@@ -50,7 +50,7 @@ def adapt(
             rate_values = {k: v.detach() for k, v in rate_values.items()}
             consts = {k: v.detach() for k, v in consts.items()}
             first_order = True
-        support_grad = autograd_support_grad(loop.forward, consts, x, y, create_graph=not first_order)
+        support_grad = autograd_support_grad(loop.forward, consts, p.batch.support_at, create_graph=not first_order)
         score = None if query is None else (lambda fast, step: loop.forward(fast, consts, *query, step=step)[0])
         done = loop.run(
             support_grad,
@@ -62,7 +62,7 @@ def adapt(
             keep=None if differentiable else _values,
         )
     fast = done.fast if differentiable else {k: v.detach() for k, v in done.fast.items()}
-    return fast, stacked(done.support_losses, tasks, x), done.scores
+    return fast, stacked(done.support_losses, tasks, p.batch.support_x), done.scores
 
 
 def run(p: Problem, *, first_order: bool, step_weights: Tensor | None) -> MetaOutput:

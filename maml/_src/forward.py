@@ -10,6 +10,7 @@ reverse-over-reverse batching rules under ``vmap`` are wrong (pytorch/functorch#
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 from collections.abc import Callable, Iterator
 from typing import Literal
@@ -27,6 +28,58 @@ except ImportError:  # older torch: the same switch under its earlier name (belo
 Params = dict[str, Tensor]
 LossFn = Callable[[Tensor, Tensor], Tensor]
 Batching = Literal["auto", "vmap", "loop"]
+# The consts' keys under which the adapted parameters' initial values reach an inner loss that reads them
+# (InnerLoss.initial): no parameter or buffer name starts so. Riding in the consts, they get their exact
+# meta-gradient on every path that already gives one to the trained parameters outside the adapt set.
+INITIAL = "<initial>."
+INNER_LOSS_KEYWORDS = ("fast", "initial", "step")
+
+
+@dataclasses.dataclass(frozen=True)
+class InnerLoss:
+    """The inner (support) objective: ``fn(output, y)``, plus the keywords its signature names.
+
+    Attributes:
+        fn: the user's ``inner_loss_fn``, or ``loss_fn`` where none was given.
+        keywords: which of :data:`INNER_LOSS_KEYWORDS` ``fn`` takes: ``fast`` (the task's fast
+            weights of the adapted parameters, name -> tensor), ``initial`` (their initial values:
+            the meta-parameters, differentiated through) and ``step`` (the 0-based inner step).
+    """
+
+    fn: LossFn
+    keywords: frozenset[str] = frozenset()
+
+    @classmethod
+    def of(cls, fn: Callable[..., Tensor]) -> InnerLoss:
+        """``fn`` with the keywords of :data:`INNER_LOSS_KEYWORDS` its signature names."""
+        try:
+            parameters = inspect.signature(fn).parameters
+        except (TypeError, ValueError):  # a callable without a signature Python can read: the plain form
+            return cls(fn)
+        kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        return cls(fn, frozenset(k for k in INNER_LOSS_KEYWORDS if k in parameters and parameters[k].kind in kinds))
+
+    @property
+    def initial(self) -> bool:
+        """Whether the loss reads the initial weights (then the consts carry them: :func:`with_initial`)."""
+        return "initial" in self.keywords
+
+    def __call__(self, out: Tensor, y: Tensor, fast: Params, consts: Params, step: int) -> Tensor:
+        kwargs: dict[str, object] = {}
+        if "fast" in self.keywords:
+            kwargs["fast"] = fast
+        if "initial" in self.keywords:
+            kwargs["initial"] = {k[len(INITIAL) :]: v for k, v in consts.items() if k.startswith(INITIAL)}
+        if "step" in self.keywords:
+            kwargs["step"] = step
+        return self.fn(out, y, **kwargs)
+
+
+def with_initial(consts: Params, params: Params, inner_loss: InnerLoss | None) -> Params:
+    """``consts`` with the initial values ``params`` of the adapted parameters, where ``inner_loss`` reads them."""
+    if inner_loss is None or not inner_loss.initial:
+        return consts
+    return {**consts, **{INITIAL + k: v for k, v in params.items()}}
 
 
 @contextlib.contextmanager
@@ -78,11 +131,20 @@ class TaskForward:
             them one after another, ``"auto"`` the faster of the two on each device, as timed on
             the first batch there (``planner.choose_batching``; ``"vmap"`` until then).
         chunk_size: with ``"vmap"``, at most this many tasks per batched call (``None``: all).
+        inner_loss: the support passes' objective (``inner=True``); ``None``: ``loss_fn``.
     """
 
-    def __init__(self, model: nn.Module, loss_fn: LossFn, batching: Batching, chunk_size: int | None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: LossFn,
+        batching: Batching,
+        chunk_size: int | None,
+        inner_loss: InnerLoss | None = None,
+    ) -> None:
         self.model = model
         self.loss_fn = loss_fn
+        self.inner_loss = inner_loss
         self.batching = batching
         self.chunk_size = chunk_size
         self.takes_step = takes_step(model)
@@ -121,7 +183,11 @@ class TaskForward:
     def chosen(self, chosen: dict[str, str]) -> None:
         self._chosen.update({torch.device(device): batching for device, batching in chosen.items()})
 
-    def _one(self, fast: Params, consts: Params, x: Tensor, y: Tensor, step: int) -> tuple[Tensor, Tensor]:
+    def with_batching(self, batching: Batching) -> TaskForward:
+        """The same pass (model, losses) run by ``batching``, all tasks per call: what a probe times or measures."""
+        return TaskForward(self.model, self.loss_fn, batching, None, self.inner_loss)
+
+    def _one(self, fast: Params, consts: Params, x: Tensor, y: Tensor, step: int, inner: bool) -> tuple[Tensor, Tensor]:
         """One task: ``x (n, *x_shape)``, ``y (n, *y_shape)`` -> loss ``()``, output ``(n, ...)``."""
         kwargs = {"step": step} if self.takes_step else None
         out = self._call({**fast, **consts}, (x,), kwargs)
@@ -131,18 +197,28 @@ class TaskForward:
                 f"scores: return it alone, or wrap the model (e.g. nn.Sequential(model, Pick()) with a module "
                 f"whose forward returns out[0])."
             )
-        loss = self.loss_fn(out, y)
+        own = inner and self.inner_loss is not None
+        loss = self.inner_loss(out, y, fast, consts, step) if own else self.loss_fn(out, y)  # type: ignore[misc]
         if not isinstance(loss, Tensor) or loss.ndim != 0:
             got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else type(loss).__name__
             raise ValueError(
-                f"loss_fn returned {got} for one task; it must return a scalar tensor, the mean loss "
+                f"{'inner_loss_fn' if own else 'loss_fn'} returned {got} for one task; it must return a scalar "
+                f"tensor, the mean loss "
                 f"over the task's examples (e.g. F.cross_entropy(out, y), or nn.MSELoss() with its "
                 f"default reduction='mean')."
             )
         return loss, out
 
     def __call__(
-        self, fast: Params, consts: Params, x: Tensor, y: Tensor, batching: str | None = None, *, step: int = 0
+        self,
+        fast: Params,
+        consts: Params,
+        x: Tensor,
+        y: Tensor,
+        batching: str | None = None,
+        *,
+        step: int = 0,
+        inner: bool = False,
     ) -> tuple[Tensor, Tensor]:
         """All tasks.
 
@@ -154,6 +230,7 @@ class TaskForward:
             batching: ``"vmap"`` or ``"loop"`` for this call (default: :meth:`resolve`'s).
             step: the inner step the pass belongs to (0-based), for a model whose ``forward``
                 takes ``step`` (:func:`takes_step`).
+            inner: a support pass of the inner loop: scored by the inner loss (``inner_loss``).
 
         Returns:
             ``(T,)`` losses and ``(T, n, ...)`` model outputs.
@@ -168,7 +245,7 @@ class TaskForward:
 
             # Only tensors cross the vmap boundary (a tuple, not dicts): fewer pytree passes per call.
             def one(values: tuple[Tensor, ...], xt: Tensor, yt: Tensor) -> tuple[Tensor, Tensor]:
-                return self._one(dict(zip(names, values)), shared, xt, yt, step)
+                return self._one(dict(zip(names, values)), shared, xt, yt, step, inner)
 
             # randomness="different": dropout draws independent masks for every task, as a loop would.
             batched = torch.func.vmap(one, randomness="different", chunk_size=self.chunk_size)
@@ -177,7 +254,7 @@ class TaskForward:
         # build T full-size zero tensors per parameter in the backward pass.
         per_task = [dict(zip(fast, values)) for values in zip(*(v.unbind(0) for v in fast.values()))]
         tasks = zip(per_task, x.unbind(0), y.unbind(0))
-        losses, outs = zip(*(self._one(f, consts, xt, yt, step) for f, xt, yt in tasks))
+        losses, outs = zip(*(self._one(f, consts, xt, yt, step, inner) for f, xt, yt in tasks))
         return torch.stack(losses), torch.stack(outs)
 
 

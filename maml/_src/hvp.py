@@ -105,7 +105,7 @@ def support_hvp(
     """
 
     def loss(theta: Params, phi: Params, target: Tensor) -> Tensor:
-        losses, _ = forward(theta, {**consts, **phi}, x, target, step=step)  # (T,)
+        losses, _ = forward(theta, {**consts, **phi}, x, target, step=step, inner=True)  # (T,)
         return losses.sum()
 
     def gradients(theta: Params, target: Tensor) -> tuple[Params, Params]:

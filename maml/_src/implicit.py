@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from .batch import TaskBatch
 from .compiled import with_gradient
 from .forward import Params, TaskForward
 from .hvp import support_hvp
@@ -47,21 +48,18 @@ def _scaled(a: Params, s: Tensor, b: Params) -> Params:
     return {k: a[k] + s.view(-1, *[1] * (a[k].dim() - 1)) * b[k] for k in a}
 
 
-def _hessian_products(forward: TaskForward, consts: Params, x: Tensor, y: Tensor, fast: Params, step: int):
-    """``u -> H u`` for every task's support loss at ``fast`` (``(T, *shape)``), forward over reverse if it can run."""
+def _hessian_products(forward: TaskForward, consts: Params, batch: TaskBatch, steps: int, fast: Params, step: int):
+    """``u -> H u`` for every task's support loss at ``fast`` (``(T, *shape)``), forward over reverse if it can run.
+
+    With support sets of their own per inner step (``batch.per_step``) the inner problem's loss is
+    the mean of the sets' inner losses (the objective a minibatched loop descends), so ``H`` is the
+    mean of their Hessians, over the ``min(steps, S)`` sets the loop visited.
+    """
     state = {"forward": True}
+    sets = min(max(steps, 1), batch.support_x.shape[1]) if batch.per_step else 1
 
-    def by_double_backward(u: Params) -> Params:
-        with torch.enable_grad():
-            leaves = {k: v.detach().requires_grad_() for k, v in fast.items()}
-            losses, _ = forward(leaves, consts, x, y, step=step)
-            grads = torch.autograd.grad(losses.sum(), list(leaves.values()), create_graph=True)
-            dot = sum((g * u[k]).sum() for g, k in zip(grads, leaves))
-            return dict(
-                zip(leaves, torch.autograd.grad(dot, list(leaves.values()), allow_unused=True, materialize_grads=True))
-            )
-
-    def products(u: Params) -> Params:
+    def one_set(u: Params, k: int) -> Params:
+        x, y = batch.support_at(k)
         if state["forward"]:
             try:
                 return support_hvp(forward, consts, {}, x, y, fast, u, step=step)[1]
@@ -69,7 +67,21 @@ def _hessian_products(forward: TaskForward, consts: Params, x: Tensor, y: Tensor
                 if "forward_over_reverse" not in str(e):
                     raise
                 state["forward"] = False  # an operator without forward-mode derivatives: double backward
-        return by_double_backward(u)
+        return by_double_backward(u, x, y)
+
+    def by_double_backward(u: Params, x: Tensor, y: Tensor) -> Params:
+        with torch.enable_grad():
+            leaves = {k: v.detach().requires_grad_() for k, v in fast.items()}
+            losses, _ = forward(leaves, consts, x, y, step=step, inner=True)
+            grads = torch.autograd.grad(losses.sum(), list(leaves.values()), create_graph=True)
+            dot = sum((g * u[k]).sum() for g, k in zip(grads, leaves))
+            return dict(
+                zip(leaves, torch.autograd.grad(dot, list(leaves.values()), allow_unused=True, materialize_grads=True))
+            )
+
+    def products(u: Params) -> Params:
+        parts = [one_set(u, k) for k in range(sets)]
+        return parts[0] if sets == 1 else {k: sum(h[k] for h in parts) / sets for k in u}  # type: ignore[misc]
 
     return products
 
@@ -113,11 +125,11 @@ def proximal_adapt(p: Problem, options: Options) -> Adapted:
     Returns:
         The loop's result, its ``(T, *shape)`` fast weights detached.
     """
-    lam, loop, x, y = options.lam, p.loop, p.batch.support_x, p.batch.support_y
-    anchor = per_task({k: v.detach() for k, v in p.params.items()}, x.shape[0])
+    lam, loop = options.lam, p.loop
+    anchor = per_task({k: v.detach() for k, v in p.params.items()}, p.batch.num_tasks)
     consts = {k: v.detach() for k, v in p.consts.items()}
     rates = {k: v.detach() for k, v in p.rate_values.items()}
-    plain = autograd_support_grad(loop.forward, consts, x, y, create_graph=False)
+    plain = autograd_support_grad(loop.forward, consts, p.batch.support_at, create_graph=False)
 
     def support_grad(fast: Params, step: int) -> tuple[Params, Tensor]:  # of the proximal loss
         grads, losses = plain(fast, step)
@@ -155,7 +167,6 @@ def run(p: Problem, options: Options) -> MetaOutput:
     """Adapts to the proximal problem (values only), then returns the query loss carrying iMAML's meta-gradient."""
     loop, params, batch = p.loop, p.params, p.batch
     tasks, lam = batch.num_tasks, options.lam
-    x, y = batch.support_x, batch.support_y
     done = proximal_adapt(p, options)
     fast, consts = done.fast, {k: v.detach() for k, v in p.consts.items()}
     with torch.enable_grad():
@@ -170,7 +181,7 @@ def run(p: Problem, options: Options) -> MetaOutput:
                 ),
             )
         )
-    hessian = _hessian_products(loop.forward, consts, x, y, fast, last)
+    hessian = _hessian_products(loop.forward, consts, batch, p.steps, fast, last)
     meta = conjugate_gradient(lambda u: _plus(u, hessian(u), 1 / lam), g, options.cg_iterations, options.cg_tolerance)
     grads = [meta[k].sum(0) / tasks for k in params]  # the mean over tasks of each task's meta-gradient
     loss = with_gradient(
@@ -184,7 +195,7 @@ def run(p: Problem, options: Options) -> MetaOutput:
         loss=loss,
         query_losses=query_losses.detach(),
         query_out=query_out.detach(),
-        support_losses=stacked(done.support_losses, tasks, x),
+        support_losses=stacked(done.support_losses, tasks, batch.support_x),
         fast=fast,
         step_query_losses=None,
     )

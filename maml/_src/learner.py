@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from . import checks, modes, options
 from .batch import TaskBatch
 from .chunked import backward_in_chunks
-from .forward import LossFn, Params, TaskForward, check_finite, unfused_layers
+from .forward import InnerLoss, LossFn, Params, TaskForward, check_finite, unfused_layers, with_initial
 from .loop import InnerLoop, MetaOutput, Problem
 from .modes import Checkpointed, Mode
 from .options import Batching, InnerOptimizer, LearnInnerLr
@@ -49,6 +49,7 @@ _ARGUMENTS = (
     "inner_optimizer",
     "inner_optimizer_options",
     "memory_budget",
+    "inner_loss_fn",
 )
 _MOVED = {  # options of one mode, now that mode's own (one release of help for code written before)
     "checkpoint_every": "maml.Checkpointed(every=...)",
@@ -96,7 +97,7 @@ class MetaLearner:
     fast weights.
 
     Options set on a live learner (``learner.inner_lr = 0.5``) act as in a learner built with
-    them: ``loss_fn``, ``inner_lr`` (a fixed rate), ``steps``, ``mode`` (with its options),
+    them: ``loss_fn``, ``inner_loss_fn``, ``inner_lr`` (a fixed rate), ``steps``, ``mode`` (with its options),
     ``batching``, ``chunk_size``, ``check_finite``, ``compile`` and ``memory_budget``; the others are fixed and refuse to be set, naming the way. The model is read as
     it is at each call: weights tied or untied, and parameters unfrozen that ``adapt`` selects, since
     construction are followed.
@@ -106,7 +107,8 @@ class MetaLearner:
             used as they are. Norm layers in training mode must not track running statistics
             (``track_running_stats=False``), or the model must be in eval mode; a module that
             writes its buffers in the forward pass is refused.
-        loss_fn: ``loss_fn(output, y) -> scalar`` for one task (mean over its examples).
+        loss_fn: ``loss_fn(output, y) -> scalar`` for one task (mean over its examples): the query
+            (outer) loss, and the support (inner) loss unless ``inner_loss_fn`` is given.
         inner_lr: the inner step size of every rule (the initial value if learned).
         steps: inner steps per task (0: no adaptation).
         mode: ``"second_order"`` (exact), ``"first_order"`` (FOMAML: inner gradients are
@@ -166,6 +168,15 @@ class MetaLearner:
             none in second and first order (every task at once); in the checkpointed mode one
             task's second-order step, at least 16 MiB (``docs/memory-and-speed.md``); with
             ``Checkpointed(tasks=...)`` it plans nothing and replays that many tasks in a loop.
+        inner_loss_fn: the inner loop's objective on the support set, where it differs from
+            ``loss_fn`` (learn2learn's ``adapt(loss)``, higher's ``diffopt.step(loss)``: any inner
+            objective): ``inner_loss_fn(output, y) -> scalar``, plus any of the keywords ``fast`` (the
+            task's fast weights of the adapted parameters, name -> ``(*shape)`` tensor), ``initial``
+            (their initial values: the meta-parameters) and ``step`` (the 0-based inner step) that
+            its signature names. A proximal term ``lam / 2 * sum((fast[k] - initial[k]).pow(2).sum()
+            for k in fast)``, a weight penalty, an unlabelled objective that ignores ``y``: each is
+            differentiated exactly in every mode (``"implicit"`` takes no ``initial``: its inner
+            problem is proximal already). Default: ``loss_fn``. Settable on a live learner.
         inner_optimizer_options: a named rule's options, in ``torch.optim``'s keywords (``{"betas": (0.9, 0.99),
             "weight_decay": 0.01, "amsgrad": True}``), and ``"learn"``: the float options the outer loop
             learns, as the rule classes take it (``maml.Adam(learn=...)``: ``["betas"]``, or
@@ -189,6 +200,7 @@ class MetaLearner:
         inner_optimizer: InnerOptimizer | UpdateRule = "sgd",
         inner_optimizer_options: Mapping[str, Any] | None = None,
         memory_budget: int | str | float | None = None,
+        inner_loss_fn: Callable[..., Tensor] | None = None,
     ) -> None:
         self._options: dict[str, Any] = {}  # the construction arguments, as _Option reads them back
         self._example_shape: torch.Size | None = None  # of the inputs of earlier calls, to tell a batch from a task
@@ -207,6 +219,7 @@ class MetaLearner:
             inner_optimizer=inner_optimizer,
             inner_optimizer_options=inner_optimizer_options,
             memory_budget=memory_budget,
+            inner_loss_fn=inner_loss_fn,
         )
         self._plan: Plan | None = None  # the last training call's
         self._asked: str | None = None  # what a backward call was asked, for its advice (_call)
@@ -216,6 +229,7 @@ class MetaLearner:
     # Construction options read back as the learner uses them. Those that may be set on a live learner
     # (_Option) rebuild what depends on them as construction would; the others (_Fixed) refuse, naming the way.
     loss_fn = _Option()
+    inner_loss_fn = _Option()
     inner_lr = _Option()
     steps = _Option()
     mode = _Option()
@@ -407,7 +421,7 @@ class MetaLearner:
         """
         if not isinstance(batch, TaskBatch):
             raise TypeError(f"batch must be a maml.TaskBatch, got {type(batch).__name__}.")
-        params, consts, steps = self._prepare("run", params, steps, batch.support_x, batch.query_x)
+        params, consts, steps = self._prepare("run", params, steps, batch.support_at(0)[0], batch.query_x)
         grad = torch.is_grad_enabled()
         like = params[self._adapted[0]]
         step_weights = modes.check_step_weights(
@@ -421,7 +435,7 @@ class MetaLearner:
             lean=self._mode.plans == "segments",
             choose=not self._plans(grad),
         )
-        self._example_shape = batch.support_x.shape[2:]
+        self._example_shape = batch.query_x.shape[2:]
         if grad:
             modes.check_differentiable(self._mode.name, self.compile, batch, consts, self._names)
         call = self._call(params, consts, batch, steps, step_weights)
@@ -452,16 +466,24 @@ class MetaLearner:
             return self._forward(fast, consts, x, y)
 
     def adapt(
-        self, support_x: Tensor, support_y: Tensor, params: Params | None = None, steps: int | None = None
+        self,
+        support_x: Tensor,
+        support_y: Tensor,
+        params: Params | None = None,
+        steps: int | None = None,
+        *,
+        per_step: bool = False,
     ) -> Params:
         """One task's fast weights.
 
         Args:
             support_x: ``(n, *x_shape)`` support inputs of one task (no task dimension); a batch
                 ``(T, n, *x_shape)`` is refused once an earlier call showed the examples' shape.
-            support_y: ``(n, *y_shape)`` support targets.
+                With ``per_step``, ``(S, n, *x_shape)``: inner step ``k`` adapts on ``support_x[k % S]``.
+            support_y: ``(n, *y_shape)`` support targets (``(S, n, *y_shape)`` with ``per_step``).
             params: the initial parameters (default: the model's current parameters).
             steps: inner steps for this call (default: the learner's ``steps``).
+            per_step: one support set per inner step, as ``TaskBatch(..., per_step=True)`` holds them.
 
         Returns:
             Every parameter of the model, name -> tensor, the adapted ones replaced by their
@@ -470,12 +492,15 @@ class MetaLearner:
             Differentiable with respect to the initial parameters when grad mode is on (not with
             ``mode="implicit"``, which adapts on the proximal problem for values only, as it trains).
         """
-        checks.one_task_support(support_x, support_y, self._example_shape)
+        if not isinstance(per_step, bool):
+            raise TypeError(f"per_step must be True or False, got {per_step!r}.")
+        checks.one_task_support(support_x, support_y, self._example_shape, per_step)
         x, y = support_x.unsqueeze(0), support_y.unsqueeze(0)
-        params, consts, steps = self._prepare("adapt", params, steps, x)
-        task = TaskBatch(x, y, x, y)
-        self._probe(params, consts, task, batching=self.batching, lean=self._mode.plans == "segments")
-        self._example_shape = support_x.shape[1:]
+        task = TaskBatch(x, y, *(x[:, 0], y[:, 0]) if per_step else (x, y), per_step=per_step)
+        params, consts, steps = self._prepare("adapt", params, steps, task.query_x)
+        with checks.batch_hint(support_x, self._example_shape):  # a first call given a batch fails in the model
+            self._probe(params, consts, task, batching=self.batching, lean=self._mode.plans == "segments")
+        self._example_shape = task.query_x.shape[2:]
         with modes.attention(self._mode.name):
             fast = modes.TABLE[self._mode.name].adapt(self._call(params, consts, task, steps, None))
         frozen = {k: v for k, v in consts.items() if k in self._names}
@@ -503,6 +528,9 @@ class MetaLearner:
 
     def __repr__(self) -> str:
         loss = getattr(self.loss_fn, "__qualname__", None) or type(self.loss_fn).__name__
+        inner = self.inner_loss_fn
+        if inner is not None:
+            loss += f", inner_loss_fn={getattr(inner, '__qualname__', None) or type(inner).__name__}"
         extra = "".join(
             f", {k}={self._options[k]!r}" for k in ("chunk_size", "compile", "memory_budget") if self._options[k]
         )
@@ -550,12 +578,14 @@ class MetaLearner:
         self._names = {name for name, _ in model.named_parameters()}
         self._adapted = adapted
         self._integer_inputs = any(isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for m in model.modules())
-        forward = (opts["loss_fn"], options.forward_batching(opts["batching"], opts["chunk_size"]))
+        inner = None if opts["inner_loss_fn"] is None else InnerLoss.of(opts["inner_loss_fn"])
+        forward = (opts["loss_fn"], options.forward_batching(opts["batching"], opts["chunk_size"]), inner)
         rates = InnerRates(opts["learn_inner_lr"], float(opts["inner_lr"]), tuple(adapted))
         if built and (forward, opts["chunk_size"], rates) == (self._built_from, self._forward.chunk_size, self._rates):
             return
         if not built or (forward, opts["chunk_size"]) != (self._built_from, self._forward.chunk_size):
-            self._forward = TaskForward(model, *forward, opts["chunk_size"])
+            loss_fn, batching, inner = forward
+            self._forward = TaskForward(model, loss_fn, batching, opts["chunk_size"], inner)
         self._built_from = forward
         self._probe = Probe(model, self._forward)
         self._rates = rates
@@ -624,7 +654,7 @@ class MetaLearner:
         (``outputs``: with its ``return_output``, which keeps the batch's fast weights across them)."""
         if not self._plans(True):
             return None
-        params, consts, steps = self._prepare("run", None, None, batch.support_x, batch.query_x)
+        params, consts, steps = self._prepare("run", None, None, batch.support_at(0)[0], batch.query_x)
         self._probe(params, consts, batch, batching=self.batching, lean=self._mode.plans == "segments", choose=False)
         problem = Problem(self._loop, params, self._rate_values(), consts, batch, steps)
         try:
@@ -685,4 +715,4 @@ class MetaLearner:
         elif torch.is_grad_enabled():
             # Given constants (detached): the inner loop differentiates from them all the same.
             adapted = {k: v if v.requires_grad else v.detach().requires_grad_() for k, v in adapted.items()}
-        return adapted, consts, steps
+        return adapted, with_initial(consts, adapted, self._forward.inner_loss), steps

@@ -37,6 +37,7 @@ __all__ = [
     "InnerLoop",
     "MetaOutput",
     "Problem",
+    "Support",
     "SupportGrad",
     "autograd_support_grad",
     "flatten_state",
@@ -50,6 +51,8 @@ __all__ = [
 
 # (fast (T, *shape), step) -> (each task's support-loss gradient in its slice, support losses (T,))
 SupportGrad = Callable[[Params, int], tuple[Params, Tensor]]
+# step -> (x (T, n, *x_shape), y (T, n, *y_shape)): the support set a step adapts on (TaskBatch.support_at)
+Support = Callable[[int], tuple[Tensor, Tensor]]
 # (fast weights after a step, step) -> (T,) query losses
 Score = Callable[[Params, int], Tensor]
 # (step, fast weights and state after it) -> what the loop goes on from
@@ -136,16 +139,15 @@ def query_step(steps: int) -> int:
     return max(steps - 1, 0)
 
 
-def autograd_support_grad(
-    forward: TaskForward, consts: Params, x: Tensor, y: Tensor, *, create_graph: bool
-) -> SupportGrad:
+def autograd_support_grad(forward: TaskForward, consts: Params, support: Support, *, create_graph: bool) -> SupportGrad:
     """The support gradient by ``torch.autograd.grad``; ``create_graph=False`` treats it as a constant (first order).
 
-    The fast weights must require grad. The returned losses are detached.
+    ``support(step)`` gives the step's support set; the inner loss scores it. The fast weights must
+    require grad. The returned losses are detached.
     """
 
     def support_grad(fast: Params, step: int) -> tuple[Params, Tensor]:
-        losses, _ = forward(fast, consts, x, y, step=step)
+        losses, _ = forward(fast, consts, *support(step), step=step, inner=True)
         # The tasks' losses depend on disjoint slices of `fast`, so the gradient of their sum
         # holds every task's own gradient in its slice.
         grads = torch.autograd.grad(
@@ -156,11 +158,11 @@ def autograd_support_grad(
     return support_grad
 
 
-def func_support_grad(forward: TaskForward, consts: Params, x: Tensor, y: Tensor, *, first_order: bool) -> SupportGrad:
+def func_support_grad(forward: TaskForward, consts: Params, support: Support, *, first_order: bool) -> SupportGrad:
     """The support gradient by ``torch.func.grad``, for traced code; ``first_order`` detaches it."""
 
     def support_loss(fast: Params, step: int) -> tuple[Tensor, Tensor]:
-        losses, _ = forward(fast, consts, x, y, step=step)
+        losses, _ = forward(fast, consts, *support(step), step=step, inner=True)
         return losses.sum(), losses
 
     def support_grad(fast: Params, step: int) -> tuple[Params, Tensor]:

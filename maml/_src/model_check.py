@@ -53,13 +53,14 @@ def check_model(
         # An in-place write increments the version counter; assigning `.data` swaps the storage.
         before = {k: (copies[k]._version, copies[k].data_ptr()) for k in buffers}
         try:
-            _, out = forward(fast, copies, x, y, batching="loop")
+            _, out = forward(fast, copies, x, y, batching="loop", inner=True)
         except IndexError as e:  # e.g. cross_entropy's "Target 5 is out of bounds."
+            which = "inner_loss_fn" if forward.inner_loss is not None else "loss_fn"
             raise ValueError(
-                f"loss_fn(output, support_y) failed on the first task: {e} Class labels must be in [0, C) for a "
+                f"{which}(output, support_y) failed on the first task: {e} Class labels must be in [0, C) for a "
                 f"model of C outputs; check support_y and query_y."
             ) from e
-        if y.is_floating_point() and out.shape != y.shape:
+        if forward.inner_loss is None and y.is_floating_point() and out.shape != y.shape:
             warnings.warn(
                 f"the model's output for one task has shape {tuple(out.shape[1:])} but its targets "
                 f"{tuple(y.shape[1:])}; loss_fn broadcasts them (F.mse_loss compares every output with every "
@@ -73,7 +74,7 @@ def check_model(
         if forward.resolve(x.device) != "vmap":
             return
         try:
-            forward(fast, copies, x, y, batching="vmap")
+            forward(fast, copies, x, y, batching="vmap", inner=True)
         except RuntimeError as e:
             if not _unbatchable(e):
                 raise

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from . import checks, modes, planner
+from .forward import InnerLoss
 from .layers import check_step_layers
 from .optimizers import INNER_OPTIMIZERS, make_rule
 from .rates import LEARN_INNER_LR
@@ -51,6 +52,7 @@ def check_arguments(
     inner_optimizer: Any,
     inner_optimizer_options: Any,
     memory_budget: Any,
+    inner_loss_fn: Any = None,
 ) -> tuple[UpdateRule, list[str]]:
     """Checks ``MetaLearner``'s arguments one by one, then which go together (:func:`modes.check_options`).
 
@@ -69,6 +71,7 @@ def check_arguments(
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(output, y) -> scalar, got {loss_fn!r}.")
+    check_inner_loss(inner_loss_fn, mode.name)
     checks.positive_number("inner_lr", inner_lr)
     checks.integer("steps", steps, 0)
     checks.one_of("batching", batching, BATCHINGS)
@@ -96,6 +99,24 @@ def check_arguments(
     check_step_layers(model)
     modes.check_mode(mode.name, compile=compile, learned=learned(learn_inner_lr, rule))
     return rule, adapted
+
+
+def check_inner_loss(inner_loss_fn: Any, mode: str) -> None:
+    """Refuses an inner loss that is not callable, and one reading the initial weights where ``mode`` cannot."""
+    if inner_loss_fn is None:
+        return
+    if not callable(inner_loss_fn):
+        raise TypeError(
+            f"inner_loss_fn must be callable as inner_loss_fn(output, y) -> scalar (with, if it names them, the "
+            f"keywords fast=, initial=, step=), or None for loss_fn, got {inner_loss_fn!r}."
+        )
+    if mode == "implicit" and InnerLoss.of(inner_loss_fn).initial:
+        raise ValueError(
+            "mode='implicit' cannot take an inner_loss_fn that reads initial=: iMAML's meta-gradient "
+            "(I + H/lam)^-1 g holds for an inner loss of the fast weights alone, and its inner problem already "
+            "has the proximal term lam/2 |phi - theta|^2 (maml.Implicit(lam=...)). Drop initial= from the "
+            "inner loss, or use mode='second_order' or 'checkpointed', which differentiate through it."
+        )
 
 
 def forward_batching(batching: str, chunk_size: int | None) -> str:

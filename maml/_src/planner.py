@@ -551,7 +551,7 @@ class Planner:
         part = p.batch[:k]
         fast = per_task({n: v.detach() for n, v in p.params.items()}, k)
         shared = {n: v.detach() for n, v in p.consts.items()}
-        data = [(part.support_x, part.support_y), (part.query_x, part.query_y)]
+        data = [part.support_at(0), (part.query_x, part.query_y)]
         chosen = choose_batching(self.forward, fast, shared, data, prefer="loop")
         return vmap if chosen == "vmap" or loop is None else loop
 
@@ -683,7 +683,9 @@ def _shapes(p: Problem) -> tuple[Any, ...]:
 
 def _trained(p: Problem) -> list[Tensor]:
     """The meta-parameters a step differentiates: the adapted parameters, the rates, the trained constants."""
-    return [v for v in (*p.params.values(), *p.rate_values.values(), *p.consts.values()) if v.requires_grad]
+    tensors = (*p.params.values(), *p.rate_values.values(), *p.consts.values())
+    # Once each: an inner loss that reads the initial weights has them in the consts too (forward.with_initial).
+    return list({id(v): v for v in tensors if v.requires_grad}.values())
 
 
 def _iterate_bytes(p: Problem) -> tuple[int, int]:
@@ -706,7 +708,7 @@ def _probe(
     (dropout) leave the stream as they found it.
     """
     f = p.loop.forward
-    loop = dataclasses.replace(p.loop, forward=TaskForward(f.model, f.loss_fn, batching, None))
+    loop = dataclasses.replace(p.loop, forward=f.with_batching(batching))
     problem = p._replace(loop=loop, batch=p.batch[:tasks], steps=steps)
     call = modes.Call(problem, None, replayed, mode)
     leaves = _trained(p)

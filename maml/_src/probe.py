@@ -59,7 +59,7 @@ class Probe:
             one = {k: v.detach() for k, v in params.items()}
             shared = {k: v.detach() for k, v in consts.items()}
         if not checked:
-            x, y = batch.support_x[:1], batch.support_y[:1]
+            x, y = batch[:1].support_at(0)
             check_model(self.forward, one, shared, x, y, may_fall_back=batching == "auto")
             self._checked.add(key)
         if not choose:
@@ -73,5 +73,5 @@ class Probe:
         if tasks < 2 or self.forward.settled(device):
             return  # one task runs unbatched whatever is chosen: a larger batch decides
         part = batch[:tasks]
-        data = [(part.support_x, part.support_y), (part.query_x, part.query_y)]
+        data = [part.support_at(0), (part.query_x, part.query_y)]
         choose_batching(self.forward, {k: v.expand(tasks, *v.shape) for k, v in one.items()}, shared, data)
