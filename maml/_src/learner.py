@@ -165,7 +165,8 @@ class MetaLearner:
             replayed together (batched if faster), each a call of :meth:`backward`, then the shortest
             segments. It plans from what one inner step of one task holds, measured before the first
             training step of each configuration (no probe holds more than the budget). Default:
-            none in second and first order (every task at once); in the checkpointed mode one
+            none in second and first order (:meth:`meta_loss` runs every task at once;
+            :meth:`backward` plans within the device's free memory); in the checkpointed mode one
             task's second-order step, at least 16 MiB (``docs/memory-and-speed.md``); with
             ``Checkpointed(tasks=...)`` it plans nothing and replays that many tasks in a loop.
         inner_loss_fn: the inner loop's objective on the support set, where it differs from
@@ -375,8 +376,12 @@ class MetaLearner:
             batch: ``T`` tasks.
             step_weights: as in :meth:`meta_loss`.
             chunk: tasks per backward pass (default: ``chunk_size`` if set, else what fits
-                ``memory_budget`` (:attr:`plan`; the checkpointed mode's planned step: all), else
-                one task with the loop batching and all of them with ``"vmap"``).
+                ``memory_budget`` (:attr:`plan`; the checkpointed mode's planned step: all); without
+                a budget, in second and first order, what fits 90 % of the device's free memory,
+                read at the first call and kept (:meth:`state_dict`): the whole batch where it fits,
+                else chunks of it, so a batch that fits one task at a time never runs out of
+                memory; in the other modes one task with the loop batching and all of them with
+                ``"vmap"``).
             return_output: return what :meth:`run` returns for the whole batch (the chunks'
                 outputs joined along the task dimension, all detached) instead of the loss alone:
                 a training loop's metrics come with the gradient.
@@ -591,7 +596,8 @@ class MetaLearner:
         self._rates = rates
         self._loop = InnerLoop(self._forward, BoundRule(rule), rates, self._check)
         self._compiled: dict[str, Any] = {}  # each mode's compiled step (modes.compiled_path)
-        self._planner = Planner(self._forward)  # what it measured holds for this loop only
+        # What it measured holds for this loop only; the free-memory budget read before is kept.
+        self._planner = Planner(self._forward, getattr(self, "_planner", None) and self._planner.measured)
 
     def _follow_model(self) -> None:
         """Follows the model as it is now: weights tied or untied, a module registered twice, or a parameter
@@ -651,16 +657,18 @@ class MetaLearner:
 
     def _planned(self, batch: TaskBatch, outputs: bool) -> Plan | None:
         """The plan of :meth:`backward` on ``batch`` from the model's parameters: its calls, each within the budget
-        (``outputs``: with its ``return_output``, which keeps the batch's fast weights across them)."""
-        if not self._plans(True):
+        (``outputs``: with its ``return_output``, which keeps the batch's fast weights across them). Second and first
+        order without a budget plan within the device's free memory (``Planner.free_budget``)."""
+        budget = self.memory_budget
+        if budget is None and self._mode.plans == "chunks":
+            budget = self._planner.free_budget(batch.query_x.device)
+        elif not self._plans(True):
             return None
         params, consts, steps = self._prepare("run", None, None, batch.support_at(0)[0], batch.query_x)
         self._probe(params, consts, batch, batching=self.batching, lean=self._mode.plans == "segments", choose=False)
         problem = Problem(self._loop, params, self._rate_values(), consts, batch, steps)
         try:
-            plan = self._planner.plan(
-                problem, mode=self._mode, memory_budget=self.memory_budget, one_call=False, outputs=outputs
-            )
+            plan = self._planner.plan(problem, mode=self._mode, memory_budget=budget, one_call=False, outputs=outputs)
         except TooSmall as e:
             raise ValueError(str(e)) from None
         return plan

@@ -80,6 +80,10 @@ DEFAULT_FLOOR = 16 * 2**20
 # "auto" takes the other batching only when it is this much faster; measured ratios are far from it both ways
 # (CPU, Omniglot 32 tasks: max-pool net loop 2-2.5x faster, strided net vmap 2x faster).
 LOOP_MARGIN = 1.5
+# MetaLearner.backward's default budget in second and first order: this share of the memory free for tensors on the
+# device when its first call reads it (the rest: the allocator's rounding, what other code allocates meanwhile).
+FREE_SHARE = 0.9
+_FREE = "free memory on "  # Planner.measured's key of that budget, by device
 TIMED_TASKS = 16  # "auto" times at most this many tasks (the cost grows with them, the ratio little)
 # A batched probe of two tasks runs where the budget holds this many times two lone tasks' step (grouped
 # kernels and their workspaces hold more per task than a loop).
@@ -105,9 +109,11 @@ def fmt(n: float) -> str:
 
 
 def free_bytes(device: torch.device) -> int:
-    """Memory free for tensors on ``device``: the GPU's free memory, or the machine's available memory."""
+    """Memory free for tensors on ``device``: the GPU's free memory (with what PyTorch's caching allocator holds
+    unused), or the machine's available memory."""
     if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(torch.cuda.mem_get_info(device)[0]) + cached
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
@@ -466,9 +472,20 @@ class Planner:
         forward: the learner's per-task forward pass, whose ``"auto"`` batching a plan settles.
     """
 
-    def __init__(self, forward: TaskForward) -> None:
+    def __init__(self, forward: TaskForward, measured: dict[str, dict[str, int]] | None = None) -> None:
         self.forward = forward
         self.measured: dict[str, dict[str, int]] = {}  # configuration -> what its probes measured
+        # The free-memory budgets read before (free_budget): a decision kept across reconfigurations.
+        self.measured.update({k: v for k, v in (measured or {}).items() if k.startswith(_FREE)})
+
+    def free_budget(self, device: torch.device) -> int:
+        """``MetaLearner.backward``'s budget where none was given (second and first order): :data:`FREE_SHARE` of the
+        device's free memory, read at the first call on ``device`` and kept (``state_dict``), so that neither a busier
+        machine later nor a resumed run plans otherwise."""
+        key = _FREE + str(device)
+        if key not in self.measured:
+            self.measured[key] = {"bytes": int(FREE_SHARE * free_bytes(device))}
+        return self.measured[key]["bytes"]
 
     def plan(
         self, p: Problem, *, mode: modes.Mode, memory_budget: Any, one_call: bool, outputs: bool = False
