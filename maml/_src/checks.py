@@ -336,6 +336,24 @@ def differentiable(
             )
 
 
+def closure_differentiated(closes_over: bool, mode: str, compiled: bool) -> None:
+    """Refuses an inner loss that closes over a tensor on a graph where the mode would leave that tensor no gradient.
+
+    Second and first order (eager) keep the inner loop's autograd graph, which reaches any tensor the
+    inner loss reads; the other paths differentiate what the learner passes the inner loss alone.
+    """
+    if not closes_over or (mode in ("second_order", "first_order") and not compiled):
+        return
+    path = "compile=True" if compiled else f"mode={mode!r}"
+    raise ValueError(
+        f"inner_loss_fn reads a tensor that requires grad and is none of its arguments (a tensor it closes "
+        f"over), and {path} differentiates only what the learner passes it: that tensor would get no "
+        f"meta-gradient. Keep it in the model as a parameter outside adapt= and read it from the inner loss's "
+        f"params= keyword (every mode differentiates it), or use mode='second_order' or 'first_order' without "
+        f"compile."
+    )
+
+
 def key_differences(expected: Iterable[str], got: Iterable[str]) -> str:
     """``"missing 'a'; unexpected 'b'"``: the keys of ``expected`` not in ``got`` and the reverse ("" if none)."""
     expected, got = list(expected), list(got)

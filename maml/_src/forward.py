@@ -32,7 +32,7 @@ Batching = Literal["auto", "vmap", "loop"]
 # (InnerLoss.initial): no parameter or buffer name starts so. Riding in the consts, they get their exact
 # meta-gradient on every path that already gives one to the trained parameters outside the adapt set.
 INITIAL = "<initial>."
-INNER_LOSS_KEYWORDS = ("fast", "initial", "step")
+INNER_LOSS_KEYWORDS = ("fast", "initial", "params", "step")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +43,10 @@ class InnerLoss:
         fn: the user's ``inner_loss_fn``, or ``loss_fn`` where none was given.
         keywords: which of :data:`INNER_LOSS_KEYWORDS` ``fn`` takes: ``fast`` (the task's fast
             weights of the adapted parameters, name -> tensor), ``initial`` (their initial values:
-            the meta-parameters, differentiated through) and ``step`` (the 0-based inner step).
+            the meta-parameters, differentiated through), ``params`` (every parameter and buffer
+            of the model as the task's forward pass uses it: the fast weights, and the others'
+            meta-learned values, e.g. per-example weights kept in the model outside ``adapt``) and
+            ``step`` (the 0-based inner step).
     """
 
     fn: LossFn
@@ -70,6 +73,8 @@ class InnerLoss:
             kwargs["fast"] = fast
         if "initial" in self.keywords:
             kwargs["initial"] = {k[len(INITIAL) :]: v for k, v in consts.items() if k.startswith(INITIAL)}
+        if "params" in self.keywords:
+            kwargs["params"] = {**{k: v for k, v in consts.items() if not k.startswith(INITIAL)}, **fast}
         if "step" in self.keywords:
             kwargs["step"] = step
         return self.fn(out, y, **kwargs)

@@ -173,8 +173,10 @@ class MetaLearner:
             ``loss_fn`` (learn2learn's ``adapt(loss)``, higher's ``diffopt.step(loss)``: any inner
             objective): ``inner_loss_fn(output, y) -> scalar``, plus any of the keywords ``fast`` (the
             task's fast weights of the adapted parameters, name -> ``(*shape)`` tensor), ``initial``
-            (their initial values: the meta-parameters) and ``step`` (the 0-based inner step) that
-            its signature names. A proximal term ``lam / 2 * sum((fast[k] - initial[k]).pow(2).sum()
+            (their initial values: the meta-parameters), ``params`` (every parameter and buffer of
+            the model as the task's forward pass uses it: the fast weights and the other parameters,
+            e.g. per-example weights kept in the model outside ``adapt``, which get their exact
+            meta-gradient) and ``step`` (the 0-based inner step) that its signature names. A proximal term ``lam / 2 * sum((fast[k] - initial[k]).pow(2).sum()
             for k in fast)``, a weight penalty, an unlabelled objective that ignores ``y``: each is
             differentiated exactly in every mode (``"implicit"`` takes no ``initial``: its inner
             problem is proximal already). Default: ``loss_fn``. Settable on a live learner.
@@ -443,6 +445,7 @@ class MetaLearner:
         self._example_shape = batch.query_x.shape[2:]
         if grad:
             modes.check_differentiable(self._mode.name, self.compile, batch, consts, self._names)
+            checks.closure_differentiated(self._probe.closes_over, self._mode.name, self.compile)
         call = self._call(params, consts, batch, steps, step_weights)
         with modes.attention(self._mode.name):
             if not grad:

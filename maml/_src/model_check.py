@@ -28,8 +28,12 @@ from .forward import Params, TaskForward
 
 def check_model(
     forward: TaskForward, params: Params, consts: Params, x: Tensor, y: Tensor, *, may_fall_back: bool
-) -> None:
+) -> bool:
     """Refuses a model whose forward pass writes its buffers, and settles the batching on ``x``'s device.
+
+    Returns whether the support loss (the inner loss) requires grad though every tensor it was given is
+    detached: it closes over a tensor on a graph, which only an autograd graph of the whole inner loop
+    (second and first order, eager) differentiates.
 
     Args:
         forward: the learner's per-task forward pass.
@@ -53,7 +57,7 @@ def check_model(
         # An in-place write increments the version counter; assigning `.data` swaps the storage.
         before = {k: (copies[k]._version, copies[k].data_ptr()) for k in buffers}
         try:
-            _, out = forward(fast, copies, x, y, batching="loop", inner=True)
+            losses, out = forward(fast, copies, x.detach(), y.detach(), batching="loop", inner=True)
         except IndexError as e:  # e.g. cross_entropy's "Target 5 is out of bounds."
             which = "inner_loss_fn" if forward.inner_loss is not None else "loss_fn"
             raise ValueError(
@@ -71,8 +75,9 @@ def check_model(
         written = [k for k in buffers if (copies[k]._version, copies[k].data_ptr()) != before[k]]
         if written:
             raise ValueError(_writes_state(model, written))
+        closes_over = forward.inner_loss is not None and losses.requires_grad
         if forward.resolve(x.device) != "vmap":
-            return
+            return closes_over
         try:
             forward(fast, copies, x, y, batching="vmap", inner=True)
         except RuntimeError as e:
@@ -85,6 +90,7 @@ def check_model(
                     f"which picks the loop for such a model. (PyTorch: {str(e).splitlines()[0]})"
                 ) from e
             forward.settle(x.device, "loop")
+    return closes_over
 
 
 def _unbatchable(error: RuntimeError) -> bool:

@@ -108,7 +108,7 @@ def check_inner_loss(inner_loss_fn: Any, mode: str) -> None:
     if not callable(inner_loss_fn):
         raise TypeError(
             f"inner_loss_fn must be callable as inner_loss_fn(output, y) -> scalar (with, if it names them, the "
-            f"keywords fast=, initial=, step=), or None for loss_fn, got {inner_loss_fn!r}."
+            f"keywords fast=, initial=, params=, step=), or None for loss_fn, got {inner_loss_fn!r}."
         )
     if mode == "implicit" and InnerLoss.of(inner_loss_fn).initial:
         raise ValueError(

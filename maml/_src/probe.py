@@ -33,6 +33,7 @@ class Probe:
         self.model = model
         self.forward = forward
         self._checked: set[Any] = set()  # (device, each module's training flag)
+        self.closes_over = False  # the inner loss reads a tensor on a graph that none of its arguments is
 
     @unfused_layers()  # its passes are differentiated: no fused attention layers (forward.unfused_layers)
     def __call__(
@@ -60,7 +61,7 @@ class Probe:
             shared = {k: v.detach() for k, v in consts.items()}
         if not checked:
             x, y = batch[:1].support_at(0)
-            check_model(self.forward, one, shared, x, y, may_fall_back=batching == "auto")
+            self.closes_over |= check_model(self.forward, one, shared, x, y, may_fall_back=batching == "auto")
             self._checked.add(key)
         if not choose:
             return

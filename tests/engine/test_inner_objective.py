@@ -366,3 +366,30 @@ def test_an_inner_loss_set_on_a_live_learner_acts_as_one_built_with_it():
         rtol=0,
     )
     assert "quartic" in repr(live)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"mode": "checkpointed"}, {"compile": True}, {"mode": "reptile"}],
+    ids=["checkpointed", "compiled", "reptile"],
+)
+def test_a_tensor_the_inner_loss_closes_over_is_refused_where_it_would_get_no_gradient(options):
+    model, batch, _ = make("mlp")
+    weight = torch.ones(batch.support_x.shape[1], dtype=DTYPE, requires_grad=True)
+
+    def inner(out: Tensor, y: Tensor) -> Tensor:
+        return (weight * (out - y).pow(2).squeeze(-1)).mean()
+
+    learner = maml.MetaLearner(model, F.mse_loss, LR, STEPS, inner_loss_fn=inner, **options)
+    with pytest.raises(ValueError, match=r"^inner_loss_fn reads a tensor that requires grad and is none of its argu"):
+        learner.meta_loss(batch)
+    plain = maml.MetaLearner(model, F.mse_loss, LR, STEPS, inner_loss_fn=inner)  # second order: autograd reaches it
+    plain.meta_loss(batch).backward()
+    assert weight.grad is not None and bool(weight.grad.abs().sum() > 0)
+
+
+def test_adapt_given_a_batch_on_a_fresh_learner_says_so():
+    model, batch, loss_fn = make("conv_groupnorm")
+    learner = maml.MetaLearner(model, loss_fn, LR)
+    with pytest.raises(ValueError, match=r"adapt takes one task, \(n, \*x_shape\); if this is a batch of 3 tasks of 6"):
+        learner.adapt(batch.support_x, batch.support_y)
