@@ -162,8 +162,11 @@ def from_learn2learn(
 ) -> Iterator[TaskBatch]:
     """``TaskBatch``es from a learn2learn ``Taskset``/``TaskDataset`` (anything with ``.sample() -> (x, y)``).
 
-    Build the task set with ``KShots(dataset, k=shots + query)`` and ``LoadData`` (and
-    ``RemapLabels`` if you like; labels are remapped to ``0..ways-1`` either way).
+    Build the task set with ``NWays(dataset, n=ways)``, ``KShots(dataset, k=shots + query)`` and
+    ``LoadData`` (and ``RemapLabels`` if you like; labels are remapped to ``0..ways-1`` either way).
+    Each task is split with :func:`split_task`: every class gives its first ``shots`` examples to
+    the support set and the next ``query`` to the query set, grouped by label, as
+    :class:`FewShotSampler` groups them.
 
     Args:
         taskset: a ``learn2learn.data.TaskDataset``.
@@ -174,6 +177,32 @@ def from_learn2learn(
 
     Returns:
         An iterator of ``maml.TaskBatch``es, see :func:`collate`.
+
+    Example:
+        5-way 1-shot tasks with 15 query images a class, from a learn2learn task set over any labelled
+        images (here 10 classes of 20 random ones):
+
+        ```python
+        import learn2learn as l2l
+        import torch
+        from torch.utils.data import TensorDataset
+
+        import tasks
+
+        images, labels = torch.rand(200, 1, 28, 28), torch.arange(10).repeat_interleave(20)
+        dataset = l2l.data.MetaDataset(TensorDataset(images, labels))
+        taskset = l2l.data.Taskset(
+            dataset,
+            task_transforms=[
+                l2l.data.transforms.NWays(dataset, n=5),
+                l2l.data.transforms.KShots(dataset, k=1 + 15),  # shots + query images of each class
+                l2l.data.transforms.LoadData(dataset),
+            ],
+        )
+        batches = tasks.from_learn2learn(taskset, tasks_per_batch=4, shots=1, query=15, num_batches=100)
+        batch = next(batches)  # support_x (4, 5, 1, 28, 28), query_x (4, 75, 1, 28, 28)
+        support_y, query_y = batch.support_y, batch.query_y  # (4, 5), (4, 75): labels 0..4, grouped by label
+        ```
     """
     if not callable(getattr(taskset, "sample", None)):
         raise TypeError(
