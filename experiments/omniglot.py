@@ -263,11 +263,17 @@ def make_model(cfg: OmniglotConfig) -> fit.Model:
     )
 
 
+def held_out(cfg: OmniglotConfig, test: tasks.Omniglot) -> str:
+    """What the test tasks are drawn from, in the unit --split-by held out: "2 held-out alphabets"."""
+    units = {"character": test.characters, "alphabet": test.alphabets, "archive": test.archives}[cfg.split_by]
+    return f"{len(units)} held-out {cfg.split_by}{'s' if len(units) != 1 else ''}"
+
+
 def final_test(fitted: fit.Fitted) -> fit.Results:
     splits = fitted.data[0]
     data = {"characters": [len(p.characters) for p in splits], "alphabets": [p.alphabets for p in splits]}
     untested = f"--split-fractions {shares(fitted.cfg)} gives the test split no characters"
-    return fewshot.final_test(fitted, data, "held-out characters", untested)
+    return fewshot.final_test(fitted, data, held_out(fitted.cfg, splits.test), untested)
 
 
 EXPERIMENT = fit.Experiment(

@@ -59,7 +59,8 @@ class Tasks:
     """The training and validation tasks, and what the log rows say about them."""
 
     sample: Callable[[torch.Generator], maml.TaskBatch]  # one meta-batch of training tasks
-    metrics: Callable[[maml.MetaOutput, maml.TaskBatch], dict[str, float]]  # extra training metrics ("train/...")
+    # extra training metrics ("train/..."), taken at every iteration and logged as their means over the log window
+    metrics: Callable[[maml.MetaOutput, maml.TaskBatch], dict[str, float]]
     val_batch: maml.TaskBatch | None  # the fixed validation tasks (None: no validation)
     val_metrics: Callable[[maml.MetaOutput, maml.TaskBatch], dict[str, float]]  # validation metrics ("val/...")
     select: tuple[str, Literal["max", "min"]] | None = None  # model selection: best.pt holds the best validation's

@@ -33,7 +33,7 @@ from experiments.harness.rundir import DATA_KEYS, source
 
 __all__ = ["mean_ci95", "provenance", "finish", "wandb_mode", "default_wandb_mode", "init_wandb", "finish_wandb"]
 __all__ += ["Logbook"]
-__all__ += ["Panel", "pyplot", "save_figure", "learning_curves"]
+__all__ += ["Panel", "pyplot", "save_figure", "fit_title", "learning_curves"]
 
 
 def mean_ci95(values: Tensor) -> tuple[float, float]:
@@ -77,18 +77,14 @@ def finish(
     """Puts the test metric in the wandb summary, writes results.json, and closes the wandb run.
 
     ``trained``: what the trainer keeps (``Trainer.results()``); ``data_files``: the data's identity by config key.
+    A data path is recorded by :func:`data_record`, no path of this machine.
     """
     for key, r in test.items():
         run.summary[f"test/{metric}_{key}"] = r[metric]
         run.summary[f"test/{metric}_{key}_ci95"] = r["ci95"]
     config = dataclasses.asdict(cfg)
-    # No path of this machine in a result file: the data's path relative to the working directory, its fingerprint.
-    data = {
-        k: {"path": os.path.relpath(v), "fingerprint": data_files.get(k, {}).get("fingerprint")}
-        for k in DATA_KEYS
-        if isinstance(v := config.get(k), str)
-    }
-    config.update({k: d["path"] for k, d in data.items()})
+    data = {k: data_record(v, data_files.get(k, {})) for k in DATA_KEYS if isinstance(v := config.get(k), str)}
+    config.update({k: d["name"] for k, d in data.items()})
     results = {
         "experiment": opts.experiment,
         "config": config,
@@ -102,6 +98,27 @@ def finish(
     }
     atomic_write(opts.out / "results.json", lambda p: p.write_text(json.dumps(results, indent=2) + "\n"))
     finish_wandb(run)
+
+
+# At most this many entries of a data folder are named in results.json (a folder of class folders or images has more).
+HOLDS_SHOWN = 20
+
+
+def data_record(path: str, identity: Mapping[str, str | None]) -> dict[str, Any]:
+    """What ``results.json`` keeps of a data path (``config``'s ``data`` is its ``name``): no path, for a path is
+    one machine's, relative (to a working directory the file does not record) or not, and results are committed.
+
+    ``name``: the data's own (the folder's or file's, as the path resolves: ``--data .`` names the folder);
+    ``holds``: the names in the folder, sorted, hidden ones (caches) left out, at most :data:`HOLDS_SHOWN` then
+    ``"... N in all"`` (None for a file); ``fingerprint``: the run's digest of its files' names and sizes
+    (:func:`~experiments.harness.rundir.fingerprint`), which tells the same data apart wherever it is.
+    """
+    resolved = Path(path).expanduser().resolve()
+    holds = None
+    if resolved.is_dir():
+        names = sorted(p.name for p in resolved.iterdir() if not p.name.startswith("."))
+        holds = names if len(names) <= HOLDS_SHOWN else [*names[:HOLDS_SHOWN], f"... {len(names)} in all"]
+    return {"name": resolved.name, "holds": holds, "fingerprint": identity.get("fingerprint")}
 
 
 # ---------------------------------------------------------------------- the training log
@@ -278,10 +295,43 @@ def pyplot() -> Any:
 
 
 def save_figure(fig: Any, path: Path) -> None:
-    """Writes ``fig`` to the PNG file ``path`` (atomically) and closes it."""
+    """Writes ``fig`` to the PNG file ``path`` (atomically) and closes it.
+
+    A title of the figure (``suptitle``) wider than the figure is wrapped at its words to fit, and the file holds
+    everything drawn (``bbox_inches="tight"``), so no title is cut at the edges: ``task_grid.png`` is a few images
+    wide, narrower than its title on one line.
+    """
+    fit_title(fig)
     fig.tight_layout()
-    atomic_write(path, lambda p: fig.savefig(p, format="png", dpi=120))
+    atomic_write(path, lambda p: fig.savefig(p, format="png", dpi=120, bbox_inches="tight", pad_inches=0.05))
     pyplot().close(fig)
+
+
+def fit_title(fig: Any, margin: float = 0.96) -> None:
+    """Wraps each line of the figure's title (``suptitle``) that is wider than ``margin`` of the figure at its words."""
+    title = getattr(fig, "_suptitle", None)  # matplotlib keeps the suptitle's Text there
+    if title is None or not title.get_text().strip():
+        return
+    renderer = fig.canvas.get_renderer()
+    width = margin * fig.bbox.width
+
+    def fits(text: str) -> bool:
+        title.set_text(text)
+        return title.get_window_extent(renderer).width <= width
+
+    wrapped: list[str] = []
+    for line in title.get_text().split("\n"):
+        words = line.split()
+        if not words or fits(line):
+            wrapped.append(line)
+            continue
+        wrapped.append(words[0])
+        for word in words[1:]:
+            if fits(f"{wrapped[-1]} {word}"):
+                wrapped[-1] += f" {word}"
+            else:
+                wrapped.append(word)  # a word wider than the figure alone: bbox_inches="tight" keeps it whole
+    title.set_text("\n".join(wrapped))
 
 
 def learning_curves(out: Path, history: list[dict[str, float]], panels: Sequence[Panel]) -> None:

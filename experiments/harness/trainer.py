@@ -41,7 +41,8 @@ class Trainer:
     Attributes:
         sample: ``sample(generator) -> TaskBatch``, one meta-batch of training tasks.
         metrics, val_metrics: ``(output, batch) -> dict`` of training (means over this rank's tasks,
-            logged as means over the ranks) and validation metrics.
+            taken at every iteration and logged, as the meta-loss is, as their means over the iterations
+            since the last log row and over the ranks) and validation metrics.
         val_batch: the fixed validation tasks (None: no validation).
         watch: explains a NaN/Inf (:class:`~experiments.harness.failures.DivergenceWatch`).
         select: ``(metric, "max" | "min")``: each validation that beats every earlier one on ``metric`` writes the
@@ -67,9 +68,11 @@ class Trainer:
     clip_value: float | None = None  # each meta-gradient entry clamped to [-clip_value, clip_value] before the step
     best: dict[str, float] = dataclasses.field(default_factory=dict)
     history: list[dict[str, float]] = dataclasses.field(default_factory=list)
-    # Meta-losses and step time since the last log row: checkpointed, so a resumed run logs the same rows.
+    # Meta-losses, step time and the script's training metrics since the last log row: checkpointed, so a resumed
+    # run logs the same rows.
     window: list[float] = dataclasses.field(default_factory=list)
     step_time: float = 0.0
+    metric_window: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     train_seconds: float = 0.0  # wall time of the training loop, summed over resumed runs
     final_val: dict[str, float] = dataclasses.field(default_factory=dict)  # validation at the last iteration
     _began: float = dataclasses.field(default=0.0, repr=False)
@@ -87,7 +90,7 @@ class Trainer:
             "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
             "history": self.history,
-            "window": (self.window, self.step_time),
+            "window": (self.window, self.step_time, self.metric_window),
             "train_seconds": self.train_seconds + time.perf_counter() - self._began,
             "wandb_id": wandb_id,
             "data": self.data_files,
@@ -170,7 +173,9 @@ class Trainer:
         if resumed["cuda_rng"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(resumed["cuda_rng"])
         self.history = resumed["history"]
-        self.window, self.step_time = resumed["window"]
+        # A checkpoint written before the training metrics were windowed keeps the meta-losses and the time alone.
+        self.window, self.step_time, *metrics = resumed["window"]
+        self.metric_window = metrics[0] if metrics else {}
         self.train_seconds = resumed["train_seconds"]
         self.best = resumed.get("best", {})
         start = resumed["iteration"]
@@ -218,6 +223,8 @@ class Trainer:
         self.watch.check_step(self.optimizer)  # a NaN/Inf meta-parameter: Diverged, before the checkpoint
         self.step_time += time.perf_counter() - t0
         self.window.append(loss)
+        for key, value in self.metrics(out, batch).items():
+            self.metric_window.setdefault(key, []).append(value)
         if logging:
             row = self._row(iteration + 1, out, batch, grad_norm, sharded)
             if opts.main and ((iteration + 1) % self.val_every == 0 or last):
@@ -227,15 +234,17 @@ class Trainer:
             self.history.append(row)
             if log is not None:
                 log.write(row, self.iterations)
-            self.window, self.step_time = [], 0.0
+            self.window, self.step_time, self.metric_window = [], 0.0, {}
             return stopping, row
         return stopping, None
 
     def _row(
         self, iteration: int, out: maml.MetaOutput, batch: maml.TaskBatch, grad_norm: float, sharded: bool
     ) -> dict[str, float]:
-        """The training part of a log row: the window's means, the inner losses, the rates and the script's metrics."""
-        inner, metrics = self._inner_losses(out, batch), self.metrics(out, batch)
+        """The training part of a log row: the window's means (the meta-loss, the step time and the script's metrics),
+        and the inner losses and rates of this iteration."""
+        inner = self._inner_losses(out, batch)
+        metrics = {key: sum(values) / len(values) for key, values in self.metric_window.items()}
         row = {
             "iteration": iteration,
             "train/meta_loss": sum(self.window) / len(self.window),

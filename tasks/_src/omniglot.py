@@ -220,6 +220,13 @@ class Omniglot:
         so a seed fixes the split on any machine. A character read from several archives
         belongs to the one it was read from (see ``character_archives``).
 
+        The defaults (by character, ``(0.7, 0.15, 0.15)``, rotations in the train part only) are
+        not ``python -m experiments.omniglot``'s, which splits by alphabet, ``(0.6, 0.15, 0.25)``,
+        with every part rotated (the reference's protocol: ``--split-by alphabet
+        --split-fractions 0.6,0.15,0.25 --rotations all``). Its split, the same classes in each
+        part, is ``tasks.Omniglot(root).split("alphabet", (0.6, 0.15, 0.25), seed=0, rotations=True)``
+        (``seed`` is its ``--split-seed``).
+
         Args:
             by: ``"character"``, ``"alphabet"`` (no alphabet in two parts) or ``"archive"``
                 (e.g. background vs evaluation).

@@ -5,13 +5,15 @@ note, and the run trains without it. The runs are in-process and tiny, with wand
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import exits, omniglot_root, says
+from helpers import REPO, exits, omniglot_root, says
 
+import tasks
 from experiments import omniglot
 from experiments.harness.lifecycle import main
 
@@ -118,3 +120,48 @@ def test_a_zero_validation_share_trains_without_validation(capsys, tmp_path):
     assert results["final_val"] == {} and results["test"] == {} and results["data"]["characters"] == [242, 0, 0]
     history = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["history"]
     assert len(history) == 1 and not any(key.startswith("val/") for key in history[0])
+
+
+def split_calls(text: str) -> list[str]:
+    """The arguments of every ``.split("...", ...)`` call written in ``text``, as written."""
+    found, start = [], 0
+    while (at := text.find('.split("', start)) >= 0:
+        depth, end = 0, at + len(".split")
+        for end in range(at + len(".split"), len(text)):
+            depth += {"(": 1, ")": -1}.get(text[end], 0)
+            if depth == 0:
+                break
+        found.append(text[at + len(".split(") : end])
+        start = end
+    return found
+
+
+def test_the_documented_call_gives_the_scripts_split_which_is_not_the_apis_default():
+    """split()'s docstring and docs/experiments.md say that its defaults are not the script's, and give the call that
+    makes the script's split: it holds the same classes in each part as the script's ``load``."""
+    documented = {
+        "tasks.Omniglot.split's docstring": split_calls(inspect.getdoc(tasks.Omniglot.split) or ""),
+        "docs/experiments.md": split_calls((REPO / "docs" / "experiments.md").read_text()),
+    }
+    assert all(documented.values()), documented
+    cfg = omniglot.OmniglotConfig(data=str(omniglot_root())).resolved()
+    assert (cfg.split_by, cfg.split_fractions, cfg.split_seed, cfg.rotations) == (
+        "alphabet",
+        (0.6, 0.15, 0.25),
+        0,
+        "all",
+    )
+    script, _ = omniglot.load(cfg)
+    omni = tasks.Omniglot(omniglot_root())
+    for where, calls in documented.items():
+        for arguments in calls:
+            parts = eval(f"omni.split({arguments})", {"omni": omni})  # noqa: S307 - the docs' own text
+            for name, part, theirs in zip(omniglot.SPLITS, parts, script, strict=True):
+                assert part.classes == theirs.classes, (where, arguments, name)
+                assert torch.equal(part.labels, theirs.labels) and torch.equal(part.images, theirs.images)
+    # The API's defaults, which the docs contrast with the script's: by character, 0.7/0.15/0.15, train rotated.
+    defaults = inspect.signature(tasks.Omniglot.split).parameters
+    assert (defaults["by"].default, defaults["fractions"].default) == ("character", (0.7, 0.15, 0.15))
+    by_default = omni.split()
+    assert [p.rotations for p in by_default] == [True, False, False]
+    assert [len(p.characters) for p in by_default] != [len(p.characters) for p in script]
