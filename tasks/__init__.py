@@ -5,9 +5,9 @@ sine = tasks.Sine()
 batch = sine.sample(25, shots=10, query=10, generator=g)          # (T, n, 1) regression tasks
 omni = tasks.Omniglot(root, rotations=False)                       # the real data set, cached
 sampler = tasks.FewShotSampler(omni.images, omni.labels, ways=5, shots=1, query=15)
-batch = sampler.sample(32, generator=g)                            # (T, ways * n, 1, 28, 28)
+batch = sampler.sample(32, generator=g)       # support_x (32, 5, 1, 28, 28), query_x (32, 75, 1, 28, 28)
 mini = tasks.MiniImageNet(root, "train")                           # any layout it is held in, cached
-batch = mini.sampler(ways=5, shots=1, query=15).sample(4, generator=g)  # (T, ways * n, 3, 84, 84)
+batch = mini.sampler(ways=5, shots=1, query=15).sample(4, generator=g)  # support_x (4, 5, 3, 84, 84), query_x (4, 75, ...)
 """
 
 from ._src.image_data import (

@@ -194,8 +194,9 @@ def omniglot_curve(root: Path = REPO / "results/omniglot/curve") -> str:
     lines = [
         f"Validation accuracy of `{cfg['algorithm']}` (seed {cfg['seed']}) on {cfg['val_tasks']} fixed validation tasks "
         f"after {cfg['steps']} step{'s' * (cfg['steps'] != 1)}, every 200 of {results['iterations']} iterations (the "
-        f"meta-loss: the mean over the {cfg['log_every']} iterations before; the training query accuracy: that "
-        f"iteration's meta-batch). `{command(results)}`; {provenance([results])}.{omniglot_data([results])}",
+        f"meta-loss: the mean over the {cfg['log_every']} iterations before; the training query accuracy: "
+        + ("the same mean" if results.get("train_metrics") == "log window mean" else "that iteration's meta-batch")
+        + f"). `{command(results)}`; {provenance([results])}.{omniglot_data([results])}",
         "",
         "| iteration | validation accuracy % | training query accuracy % | meta-loss |",
         "|---|---|---|---|",
@@ -339,7 +340,8 @@ def omniglot_seeds(
     tasks = everything[0]["test"]["10step"]["tasks"]
     notes = [
         "",
-        f"{_task(everything)} test accuracy % on {tasks} tasks of held-out alphabets, mean +- standard deviation "
+        f"{_task(everything)} test accuracy % on {tasks} tasks of held-out "
+        f"{_distinct(r['config'].get('split_by', 'alphabet') + 's' for r in everything)}, mean +- standard deviation "
         f"over the seeds that finished (n - 1), with the parameters of the best validation (every "
         f"{_distinct(r['config']['val_every'] for r in everything)} iterations, `best.pt`) "
         f"unless the column says otherwise; the training steps are each recipe's, the test steps the columns'. "

@@ -303,6 +303,7 @@ class Trainer:
             "best_val": self.best,
             "iterations": self.iterations,
             "train_seconds": round(self.train_seconds, 1),
+            "train_metrics": "log window mean",  # the training metrics of metrics.jsonl (earlier runs: one batch's)
             **({"memory_plan": str(plan)} if plan is not None else {}),
             "git_history": self.git_history,  # the code at the start and at each resume; at the end: provenance()
         }

@@ -232,7 +232,6 @@ class MetaLearner:
     # Construction options read back as the learner uses them. Those that may be set on a live learner
     # (_Option) rebuild what depends on them as construction would; the others (_Fixed) refuse, naming the way.
     loss_fn = _Option()
-    inner_loss_fn = _Option()
     inner_lr = _Option()
     steps = _Option()
     mode = _Option()
@@ -241,6 +240,7 @@ class MetaLearner:
     check_finite = _Option()
     compile = _Option()
     memory_budget = _Option()
+    inner_loss_fn = _Option()
     model = _Fixed("build a new MetaLearner around the other model")
     learn_inner_lr = _Fixed("build a new MetaLearner(..., learn_inner_lr=...); its rates are learner.rate_parameters")
     inner_optimizer = _Fixed("build a new MetaLearner(..., inner_optimizer=...)")
@@ -662,9 +662,9 @@ class MetaLearner:
         """The plan of :meth:`backward` on ``batch`` from the model's parameters: its calls, each within the budget
         (``outputs``: with its ``return_output``, which keeps the batch's fast weights across them). Second and first
         order without a budget plan within the device's free memory (``Planner.free_budget``)."""
-        budget = self.memory_budget
+        budget, free = self.memory_budget, False
         if budget is None and self._mode.plans == "chunks":
-            budget = self._planner.free_budget(batch.query_x.device)
+            budget, free = self._planner.free_budget(batch.query_x.device), True
         elif not self._plans(True):
             return None
         params, consts, steps = self._prepare("run", None, None, batch.support_at(0)[0], batch.query_x)
@@ -673,7 +673,11 @@ class MetaLearner:
         try:
             plan = self._planner.plan(problem, mode=self._mode, memory_budget=budget, one_call=False, outputs=outputs)
         except TooSmall as e:
-            raise ValueError(str(e)) from None
+            if not free:
+                raise ValueError(str(e)) from None
+            # Not even one task fits the free memory as estimated: one task at a time, the least there is, as a
+            # per-task loop would run (the estimate is an upper bound; the step may still fit).
+            plan = self._planner.plan(problem, mode=self._mode, memory_budget=e.least, one_call=False, outputs=outputs)
         return plan
 
     def _plan_of(self, problem: Problem, own_steps: bool) -> Plan | None:

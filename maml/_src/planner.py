@@ -458,11 +458,12 @@ class TooSmall(ValueError):
     Attributes:
         fits: a plan of the batch in several calls (``MetaLearner.backward``'s chunks) within the
             budget, where the call was one piece and such a plan exists; else ``None``.
+        least: the bytes of the plan that holds least (one task a call).
     """
 
-    def __init__(self, message: str, fits: Plan | None) -> None:
+    def __init__(self, message: str, fits: Plan | None, least: int = 0) -> None:
         super().__init__(message)
-        self.fits = fits
+        self.fits, self.least = fits, least
 
 
 class Planner:
@@ -552,7 +553,7 @@ class Planner:
                 f"memory_budget={fmt(limit)} is below what {name} holds replaying one task at a time "
                 f"(about {fmt(least)}): pass at least memory_budget={least}."
             )
-        raise TooSmall(message, split)
+        raise TooSmall(message, split, least)
 
     def _choose(self, p: Problem, plans: dict[str, Plan | None]) -> Plan | None:
         """With ``"auto"``: the loop's plan, unless vmap's batches tasks and times clearly faster on them; settled."""
