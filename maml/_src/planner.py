@@ -485,7 +485,7 @@ class Planner:
         machine later nor a resumed run plans otherwise."""
         key = _FREE + str(device)
         if key not in self.measured:
-            self.measured[key] = {"bytes": int(FREE_SHARE * free_bytes(device))}
+            self.measured[key] = {"bytes": max(1, int(FREE_SHARE * free_bytes(device)))}
         return self.measured[key]["bytes"]
 
     def plan(

@@ -76,3 +76,15 @@ def test_meta_loss_and_an_explicit_chunk_do_not_plan(monkeypatch):
     learner.meta_loss(batch).backward()
     learner.backward(batch, chunk=1)
     assert learner.plan is None
+
+
+def test_where_not_one_task_fits_the_free_memory_it_runs_one_task_at_a_time(monkeypatch):
+    """A per-task loop is all there is: backward takes it rather than refuse (the estimate is an upper bound)."""
+    model, batch, loss_fn = make("mlp")
+    monkeypatch.setattr(planner, "free_bytes", lambda device: 1)
+    learner = maml.MetaLearner(model, loss_fn, 0.1, 2)
+    learner.backward(batch)
+    assert learner.plan is not None and learner.plan.tasks == 1 and learner.plan.calls == batch.num_tasks
+    explicit = maml.MetaLearner(model, loss_fn, 0.1, 2, memory_budget=1)  # a budget the user gave is refused
+    with pytest.raises(ValueError, match=r"^memory_budget=1 B is below what one task of mode='second_order' holds"):
+        explicit.backward(batch)
