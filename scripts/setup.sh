@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # From a fresh clone to a working environment in one command:
 #   creates .venv/ at the repository root and installs torch, this toolkit (editable, every
-#   extra) and the peers it is measured against, learn2learn and higher.
+#   extra) and the peers it is measured against, learn2learn, higher and TorchOpt.
 # Safe to run again: it only installs what is missing.
 # The installs go through uv, a pip that resolves, downloads, unpacks and builds in parallel
 # (minutes faster on torch's wheels); it is installed in .venv/ too and keeps what it unpacks in

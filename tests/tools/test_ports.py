@@ -27,6 +27,7 @@ with warnings.catch_warnings():  # gym, imported by learn2learn, warns about its
     warnings.simplefilter("ignore")
     import higher
     import learn2learn as l2l
+    import torchopt  # the peers extra (scripts/setup.sh) installs all three
 
 CONV_TASKS = 4  # the conv ports' meta-batch here (theirs: 32): each task is 5 second-order steps of a conv net
 
@@ -121,7 +122,6 @@ def test_the_higher_port_has_highers_meta_gradient_times_the_tasks():
 
 
 def test_the_torchopt_port_has_torchopts_meta_gradient():
-    torchopt = pytest.importorskip("torchopt")
     net, learner, batch = setup(torchopt_omniglot, CONV_TASKS)
     peer = ports.peer_network("torchopt", net)
     bench_peer = ports.peer_network("torchopt", net)
