@@ -1,6 +1,6 @@
 """The ports of the peers' Omniglot MAML examples (``examples/``) trained side by side with the peers' own loops.
 
-    .venv/bin/python -m benchmarks.ports --out results/ports      # 3 ports x 2 engines x seeds 0 and 1, one thread
+    .venv/bin/python -m benchmarks.ports --out results/ports      # 3 ports x 2 engines x seeds 0, 1: ~30 min, 1 thread
     .venv/bin/python -m benchmarks.ports --ports higher --seeds 0 --iterations higher=2 --eval-tasks 32
 
 For each port (``learn2learn``, ``higher``, ``torchopt``) and seed, two runs from the same initial weights (the
@@ -16,8 +16,8 @@ generator seeded with the seed), with the port's Adam and meta-learning rate:
   and TorchOpt's nets track BatchNorm's running statistics, as their examples' do.
 
 After training, both are evaluated alike: the trained weights in the port's network, the port's ``accuracy`` (the
-toolkit's adaptation under ``torch.no_grad()``, which ``tests/tools/test_ports.py`` proves equal to the peers') on
-``--eval-tasks`` validation and as many test tasks, the same ones for both. Then, untimed, the peak of live tensor
+toolkit's adaptation under ``torch.no_grad()``; ``tests/tools/test_ports.py`` holds its meta-gradient to the peers')
+on ``--eval-tasks`` validation and as many test tasks, the same ones for both. Then, untimed, the peak of live tensor
 bytes of one more meta-gradient (``benchmarks.tensor_peak.peak_tensor_bytes``, the profiler's memory events).
 Times: the training loop's wall and CPU time (this process's, ``--threads`` threads), sampling excluded, and the
 median iteration's (without the first, where ``batching="auto"`` times both batchings).
@@ -54,6 +54,7 @@ from benchmarks.tensor_peak import peak_tensor_bytes  # noqa: E402
 from examples import higher_omniglot, learn2learn_omniglot, torchopt_omniglot  # noqa: E402
 
 __all__ = [
+    "EVAL_TASKS",
     "ITERATIONS",
     "PEERS",
     "PORTS",
@@ -72,6 +73,11 @@ PORTS: dict[str, ModuleType] = {
 }
 PEERS = {"learn2learn": "learn2learn", "higher": "higher", "torchopt": "torchopt"}  # the distribution of each
 ITERATIONS = {"learn2learn": 100, "higher": 5, "torchopt": 5}  # about 2 minutes of one CPU thread each
+EVAL_TASKS = {
+    "learn2learn": 600,
+    "higher": 96,
+    "torchopt": 96,
+}  # validation and test tasks each (5 or 75 queries a task)
 Step = Callable[[maml.TaskBatch], Tensor]  # one meta-gradient into .grad; returns the meta-loss (detached)
 
 
@@ -236,7 +242,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="PORT=N",
         help=f"training iterations of a port's runs (default: {' '.join(f'{k}={v}' for k, v in ITERATIONS.items())})",
     )
-    parser.add_argument("--eval-tasks", type=int, default=96, help="validation and test tasks (default: %(default)s)")
+    parser.add_argument(
+        "--eval-tasks",
+        type=int,
+        help=f"validation and test tasks of every port (default: {' '.join(f'{k}={v}' for k, v in EVAL_TASKS.items())})",
+    )
     parser.add_argument("--threads", type=int, default=1, help="(default: %(default)s)")
     parser.add_argument("--data", help="the Omniglot archives (default: $OMNIGLOT_DIR)")
     parser.add_argument("--out", type=Path, help="write each run's results.json under OUT/<port>/<engine>-seed<k>/")
@@ -255,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     for port in args.ports:
         for seed in args.seeds:
             for engine in ("maml-toolkit", PEERS[port]):
-                result = run(port, engine, seed, iterations[port], args.eval_tasks, data)
+                result = run(port, engine, seed, iterations[port], args.eval_tasks or EVAL_TASKS[port], data)
                 print(
                     f"{port:<12} {engine:<13} seed {seed}: {result['iterations']} iterations in "
                     f"{result['train_seconds']:.1f} s ({result['iteration_cpu_seconds']:.3f} s CPU an iteration), "
