@@ -255,6 +255,9 @@ class TaskForward:
             # randomness="different": dropout draws independent masks for every task, as a loop would.
             batched = torch.func.vmap(one, randomness="different", chunk_size=self.chunk_size)
             return batched(tuple(v.contiguous() for v in fast.values()), x, y)
+        if x.shape[0] == 1:  # one task (a chunk of one): views whose backward are views, no kernel per parameter
+            loss, out = self._one({k: v.squeeze(0) for k, v in fast.items()}, consts, x[0], y[0], step, inner)
+            return loss.unsqueeze(0), out.unsqueeze(0)
         # unbind has one backward node that stacks the task gradients; indexing p[t] would
         # build T full-size zero tensors per parameter in the backward pass.
         per_task = [dict(zip(fast, values)) for values in zip(*(v.unbind(0) for v in fast.values()))]

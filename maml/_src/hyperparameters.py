@@ -203,7 +203,9 @@ class HyperparameterRule(nn.Module):
         return self._values[name]
 
     def options(self, param: str, step: int) -> dict[str, Any]:
-        """Every float option's value for ``param`` at ``step`` (:meth:`option` of each)."""
+        """Every float option's value for ``param`` at ``step`` (:meth:`option` of each); read-only."""
+        if not self.learned:  # the floats themselves: no lookups per parameter and step (a small model's loop feels them)
+            return self._values
         return {name: self.option(name, param, step) for name in self.RANGES}
 
     def __repr__(self) -> str:

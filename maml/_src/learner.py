@@ -10,6 +10,7 @@ own: ``options.py``, ``split.py``, ``probe.py``, ``state.py``; ``chunked.py`` is
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -206,6 +207,8 @@ class MetaLearner:
         inner_loss_fn: Callable[..., Tensor] | None = None,
     ) -> None:
         self._options: dict[str, Any] = {}  # the construction arguments, as _Option reads them back
+        self._fixed = False  # within one call of backward: the model is followed once (_model_fixed)
+        self._probed = False  # and probed once, by its first chunk
         self._example_shape: torch.Size | None = None  # of the inputs of earlier calls, to tell a batch from a task
         self._configure(
             model=model,
@@ -396,12 +399,14 @@ class MetaLearner:
         if chunk is None and self.chunk_size is None and isinstance(batch, TaskBatch) and torch.is_grad_enabled():
             plan = self._planned(batch, return_output)
             if plan is not None:  # a budget's calls (second and first order: its chunks; checkpointed: its replays)
-                out = backward_in_chunks(run, batch, None, lambda tasks: plan.tasks, return_output=return_output)
+                with self._model_fixed():
+                    out = backward_in_chunks(run, batch, None, lambda tasks: plan.tasks, return_output=return_output)
                 self._plan = plan  # the whole batch's, not its last call's
                 return out
         self._asked = f"backward(chunk={chunk})" if chunk is not None else "chunk_size" if self.chunk_size else None
         try:
-            return backward_in_chunks(run, batch, chunk, per_chunk, return_output=return_output)
+            with self._model_fixed():
+                return backward_in_chunks(run, batch, chunk, per_chunk, return_output=return_output)
         finally:
             self._asked = None
 
@@ -434,14 +439,16 @@ class MetaLearner:
         step_weights = modes.check_step_weights(
             self._mode.name, step_weights, steps, like, compiled=self.compile and grad
         )
-        self._probe(
-            params,
-            consts,
-            batch,
-            batching=self.batching,
-            lean=self._mode.plans == "segments",
-            choose=not self._plans(grad),
-        )
+        if not (self._fixed and self._probed):  # a chunk of backward after its first: nothing new to see
+            self._probe(
+                params,
+                consts,
+                batch,
+                batching=self.batching,
+                lean=self._mode.plans == "segments",
+                choose=not self._plans(grad),
+            )
+            self._probed = self._fixed
         self._example_shape = batch.query_x.shape[2:]
         if grad:
             modes.check_differentiable(self._mode.name, self.compile, batch, consts, self._names)
@@ -611,7 +618,7 @@ class MetaLearner:
         follow a change of the adapted parameters, and say so. A parameter frozen since is refused
         (``checks.still_trainable``).
         """
-        if not self._forward.stale() and not self._unfrozen():
+        if self._fixed or (not self._forward.stale() and not self._unfrozen()):
             return
         adapted = checks.adapt_set(self._options["adapt"], self.model)
         if adapted != self._adapted and self.learn_inner_lr not in (None, "scalar"):
@@ -626,6 +633,17 @@ class MetaLearner:
         self._configure()
         self._probe = Probe(self.model, self._forward)  # a new structure is checked anew
         self._compiled = {}
+
+    @contextlib.contextmanager
+    def _model_fixed(self) -> Iterator[None]:
+        """One call's chunks see one model: it is followed (:meth:`_follow_model`) once, not at every chunk, whose
+        walks of the model cost a small model's per-task loop a tenth of its time."""
+        self._follow_model()
+        self._fixed, self._probed = True, False
+        try:
+            yield
+        finally:
+            self._fixed = False
 
     def _unfrozen(self) -> bool:
         """Whether a parameter ``adapt`` selects was made trainable (``requires_grad_(True)``) since the learner was built."""

@@ -176,6 +176,8 @@ def func_support_grad(forward: TaskForward, consts: Params, support: Support, *,
 
 def per_task(params: Params, tasks: int) -> Params:
     """``(T, *shape)`` views of the initial parameters, one slice per task, through which the meta-gradient flows."""
+    if tasks == 1:  # a view whose backward is a view too: expand's would sum over the task dimension, a kernel a tensor
+        return {k: p.unsqueeze(0) for k, p in params.items()}
     return {k: p.unsqueeze(0).expand(tasks, *p.shape) for k, p in params.items()}
 
 
