@@ -209,6 +209,7 @@ class MetaLearner:
         self._options: dict[str, Any] = {}  # the construction arguments, as _Option reads them back
         self._fixed = False  # within one call of backward: the model is followed once (_model_fixed)
         self._probed = False  # and probed once, by its first chunk
+        self._prepared: tuple[Params, Params, int] | None = None  # and its parameters split once (_prepare)
         self._example_shape: torch.Size | None = None  # of the inputs of earlier calls, to tell a batch from a task
         self._configure(
             model=model,
@@ -447,6 +448,7 @@ class MetaLearner:
                 batching=self.batching,
                 lean=self._mode.plans == "segments",
                 choose=not self._plans(grad),
+                twice=grad and self._mode.twice,
             )
             self._probed = self._fixed
         self._example_shape = batch.query_x.shape[2:]
@@ -639,11 +641,11 @@ class MetaLearner:
         """One call's chunks see one model: it is followed (:meth:`_follow_model`) once, not at every chunk, whose
         walks of the model cost a small model's per-task loop a tenth of its time."""
         self._follow_model()
-        self._fixed, self._probed = True, False
+        self._fixed, self._probed, self._prepared = True, False, None
         try:
             yield
         finally:
-            self._fixed = False
+            self._fixed, self._prepared = False, None
 
     def _unfrozen(self) -> bool:
         """Whether a parameter ``adapt`` selects was made trainable (``requires_grad_(True)``) since the learner was built."""
@@ -737,8 +739,11 @@ class MetaLearner:
 
         Returns the adapted parameters and the constants (:func:`split.split`), and the call's steps.
         """
+        if self._fixed and self._prepared is not None and params is None and steps is None:
+            return self._prepared  # a chunk of backward after its first: the same parameters, inputs alike
         checks.grad_mode_possible(method)
         self._follow_model()
+        own_steps = steps is None
         steps = self.steps if steps is None else steps
         checks.integer("steps", steps, 0)
         adapted, consts = split(self.model, self._adapted, params, self._rate_values(), self._integer_inputs, *inputs)
@@ -748,4 +753,7 @@ class MetaLearner:
         elif torch.is_grad_enabled():
             # Given constants (detached): the inner loop differentiates from them all the same.
             adapted = {k: v if v.requires_grad else v.detach().requires_grad_() for k, v in adapted.items()}
-        return adapted, with_initial(consts, adapted, self._forward.inner_loss), steps
+        prepared = adapted, with_initial(consts, adapted, self._forward.inner_loss), steps
+        if self._fixed and params is None and own_steps:
+            self._prepared = prepared
+        return prepared

@@ -37,7 +37,15 @@ class Probe:
 
     @unfused_layers()  # its passes are differentiated: no fused attention layers (forward.unfused_layers)
     def __call__(
-        self, params: Params, consts: Params, batch: TaskBatch, *, batching: str, lean: bool, choose: bool = True
+        self,
+        params: Params,
+        consts: Params,
+        batch: TaskBatch,
+        *,
+        batching: str,
+        lean: bool,
+        choose: bool = True,
+        twice: bool = False,
     ) -> None:
         """Checks the model on ``batch``'s first task if its configuration is new, then lets ``"auto"`` choose.
 
@@ -50,6 +58,7 @@ class Probe:
                 at every call: the mode may be set between steps).
             choose: let ``"auto"`` time its batching on this batch; a call whose step a memory
                 budget plans times it on the planned tasks instead (``planner.Planner``).
+            twice: the call differentiates its inner steps (a second-order step): time those.
         """
         device = batch.support_x.device
         key = (device, tuple(m.training for m in self.model.modules()))
@@ -75,4 +84,5 @@ class Probe:
             return  # one task runs unbatched whatever is chosen: a larger batch decides
         part = batch[:tasks]
         data = [part.support_at(0), (part.query_x, part.query_y)]
-        choose_batching(self.forward, {k: v.expand(tasks, *v.shape) for k, v in one.items()}, shared, data)
+        fast = {k: v.expand(tasks, *v.shape) for k, v in one.items()}
+        choose_batching(self.forward, fast, shared, data, second_order=twice)

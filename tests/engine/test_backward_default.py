@@ -18,7 +18,7 @@ def grads(model: torch.nn.Module) -> list[torch.Tensor]:
 
 def whole_estimate(model, batch, loss_fn, mode: str) -> int:
     """What the planner estimates the whole batch holds in one call (a budget that holds anything)."""
-    probe = maml.MetaLearner(model, loss_fn, 0.1, 2, mode=mode, batching="loop", memory_budget="64GiB")
+    probe = maml.MetaLearner(model, loss_fn, 0.1, 2, mode=mode, batching="vmap", memory_budget="64GiB")
     plan = probe.plan_for(batch)
     assert plan is not None and plan.calls == 1 and plan.tasks == batch.num_tasks
     return plan.estimate
@@ -31,7 +31,7 @@ def test_a_batch_that_does_not_fit_the_free_memory_runs_in_chunks_to_the_same_gr
     need = whole_estimate(model, batch, loss_fn, mode)
     # The device's free memory as half of what the whole batch holds: it cannot run whole.
     monkeypatch.setattr(planner, "free_bytes", lambda device: int(need / 2 / planner.FREE_SHARE))
-    learner = maml.MetaLearner(model, loss_fn, 0.1, 2, mode=mode, batching="loop")
+    learner = maml.MetaLearner(model, loss_fn, 0.1, 2, mode=mode, batching="vmap")
     model.zero_grad()
     loss = learner.backward(batch)
     chunked = grads(model)
@@ -54,7 +54,7 @@ def test_the_free_memory_is_read_once_and_kept_by_the_state(monkeypatch):
         return 2**34 if len(reads) == 1 else 2**20  # a busier machine at every later reading
 
     monkeypatch.setattr(planner, "free_bytes", free)
-    learner = maml.MetaLearner(model, loss_fn, 0.1, 2)
+    learner = maml.MetaLearner(model, loss_fn, 0.1, 2, batching="vmap")  # vmap: the batch in one call
     learner.backward(batch)
     learner.backward(batch)
     learner.steps = 3  # a reconfiguration keeps what was read
@@ -63,7 +63,7 @@ def test_the_free_memory_is_read_once_and_kept_by_the_state(monkeypatch):
     assert learner.plan is not None and learner.plan.calls == 1 and learner.plan.budget == int(0.9 * 2**34)
     state = learner.state_dict()
     assert state["plans"]["free memory on cpu"] == {"bytes": int(0.9 * 2**34)}
-    resumed = maml.MetaLearner(model, loss_fn, 0.1, 3)
+    resumed = maml.MetaLearner(model, loss_fn, 0.1, 3, batching="vmap")
     resumed.load_state_dict(state)
     resumed.backward(batch)
     assert len(reads) == 1 and resumed.plan is not None and resumed.plan.budget == int(0.9 * 2**34)
@@ -88,3 +88,29 @@ def test_where_not_one_task_fits_the_free_memory_it_runs_one_task_at_a_time(monk
     explicit = maml.MetaLearner(model, loss_fn, 0.1, 2, memory_budget=1)  # a budget the user gave is refused
     with pytest.raises(ValueError, match=r"^memory_budget=1 B is below what one task of mode='second_order' holds"):
         explicit.backward(batch)
+
+
+def test_a_loop_plan_runs_one_task_a_call():
+    """A loop runs the tasks one after another anyway: backward's calls take one each (a call of several would hold
+    every one's fast weights at once), to the same gradient."""
+    model, batch, loss_fn = make("mlp")
+    learner = maml.MetaLearner(model, loss_fn, 0.1, 2, batching="loop")
+    model.zero_grad()
+    learner.backward(batch)
+    assert learner.plan is not None and (learner.plan.tasks, learner.plan.calls) == (1, batch.num_tasks)
+    planned = grads(model)
+    model.zero_grad()
+    learner.meta_loss(batch).backward()
+    for a, b in zip(planned, grads(model), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-13)
+
+
+def test_the_batchings_are_timed_as_a_second_order_step_and_a_loop_plan_task_by_task():
+    model, batch, loss_fn = make("conv_groupnorm")
+    forward = maml._src.forward.TaskForward(model, loss_fn, "auto", None)
+    fast = {k: v.detach().expand(batch.num_tasks, *v.shape) for k, v in model.named_parameters()}
+    state = torch.get_rng_state()
+    data = [(batch.support_x, batch.support_y), (batch.query_x, batch.query_y)]
+    seconds = planner.time_batchings(forward, fast, {}, data, second_order=True, task_by_task=True)
+    assert set(seconds) == {"vmap", "loop"} and all(s > 0 for s in seconds.values())
+    assert torch.equal(torch.get_rng_state(), state)

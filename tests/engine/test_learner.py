@@ -179,7 +179,7 @@ def test_auto_batching_takes_the_faster_as_timed_on_the_first_batch_and_keeps_it
     conv, batch, loss_fn = make("conv_groupnorm")
     timed = []
 
-    def timings(forward, fast, consts, data):
+    def timings(forward, fast, consts, data, *how):
         timed.append([next(iter(fast.values())).shape[0], *(x.shape[0] for x, _ in data)])
         return dict(zip(("vmap", "loop"), seconds))  # the loop only where it is 1.5x faster
 
