@@ -34,6 +34,7 @@ def unsupported(cfg: Any) -> str | None:
         ("msl_fraction", 0.0),
         ("first_order_fraction", 0.0),
         ("compile", False),
+        ("inner_proximal", 0.0),
     ):
         if getattr(cfg, key) not in (default, None):
             return (

@@ -129,6 +129,8 @@ class ExperimentConfig:
     """the betas of --inner-optimizer adam (Reptile's: 0,0.999); betas in --inner-optimizer-options replace them"""
     implicit_lam: float = 1.0
     """iMAML's proximal regularisation lambda (--mode implicit)"""
+    inner_proximal: float = 0.0
+    """lambda of a proximal term lambda/2 |phi - theta|^2 to the initial weights added to the inner (support) loss, differentiated exactly (the meta-loss stays the query loss); 0: none"""
     cg_iterations: int = 5
     """conjugate-gradient iterations of --mode implicit"""
     msl_fraction: float = 0.0
@@ -206,6 +208,15 @@ def check_config(cfg: Any, positive: Sequence[str] = ()) -> None:
             )
             big = " (in float32, the parameters' precision)" if math.isfinite(value) and value > 0 else ""
             raise ValueError(f"{flag(key)} {value:g} must be a finite number > 0{big}{fix}.")
+    if not 0 <= cfg.inner_proximal <= torch.finfo(torch.float32).max:  # NaN fails
+        raise ValueError(
+            f"--inner-proximal {cfg.inner_proximal:g} must be a finite number >= 0 (0: no proximal term), e.g. 0.1."
+        )
+    if cfg.inner_proximal and cfg.mode == "implicit":
+        raise ValueError(
+            f"--inner-proximal {cfg.inner_proximal:g} with --mode implicit: iMAML's inner problem is proximal already, "
+            f"with its strength --implicit-lam; drop --inner-proximal."
+        )
     if cfg.rate_meta_lr is not None and cfg.learn_inner_lr is None:
         raise ValueError(
             f"--rate-meta-lr {cfg.rate_meta_lr:g} is the Adam lr of learned inner rates, and none are learned; "

@@ -166,6 +166,28 @@ def inner_options(cfg: Any) -> dict[str, Any] | None:
     return options or None
 
 
+@dataclasses.dataclass(frozen=True)
+class ProximalLoss:
+    """``--inner-proximal``'s inner loss: the task's loss plus ``lam / 2 * |phi - theta|^2`` to the initial weights.
+
+    ``MetaLearner(inner_loss_fn=...)`` passes the task's fast weights and their initial values to the keywords
+    this signature names, and differentiates the term exactly in every mode that unrolls the inner loop.
+    """
+
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    lam: float
+
+    def __call__(
+        self,
+        out: torch.Tensor,
+        y: torch.Tensor,
+        *,
+        fast: dict[str, torch.Tensor],
+        initial: dict[str, torch.Tensor],
+    ) -> torch.Tensor:
+        return self.loss(out, y) + self.lam / 2 * sum((fast[k] - initial[k]).pow(2).sum() for k in fast)
+
+
 def learner(
     cfg: Any,
     net: nn.Module,
@@ -188,6 +210,7 @@ def learner(
             inner_optimizer=cfg.inner_optimizer,
             inner_optimizer_options=inner_options(cfg),
             memory_budget=cfg.memory_budget,
+            inner_loss_fn=ProximalLoss(loss, cfg.inner_proximal) if cfg.inner_proximal else None,
         )
     except (TypeError, ValueError) as e:
         raise UsageError(str(e)) from None

@@ -125,3 +125,52 @@ def test_a_bad_option_names_the_flag_and_the_fix(capsys, tmp_path, args, lead, f
 def test_learn2learns_engine_refuses_inner_options():
     cfg = parsed(["--inner-optimizer-options", '{"momentum": 0.9}'])
     says(f"error: {peers.unsupported(cfg)}", "--engine learn2learn", '--inner-optimizer-options {"momentum": 0.9}')
+
+
+def test_inner_proximal_adds_the_proximal_term_to_the_inner_loss_alone(capsys, tmp_path):
+    """--inner-proximal: the learner's inner loss is the task's loss plus lam/2 |phi - theta|^2, exactly as written
+    by hand in a second-order loop; the meta-loss stays the query loss; the run records it."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    built = recipes.learner(parsed(["--inner-proximal", "0.3", "--steps", "2", "--inner-lr", "0.1"]), net, F.mse_loss)
+    g = torch.Generator().manual_seed(1)
+    x, y, qx, qy = (torch.randn(2, 5, 1, generator=g, dtype=torch.float64) for _ in range(4))
+    (got,) = torch.autograd.grad(built.meta_loss(maml.TaskBatch(x, y, qx, qy)), [net[0].weight])
+    theta = dict(net.named_parameters())
+    total = 0.0
+    for t in range(2):
+        fast = dict(theta)
+        for _ in range(2):
+            out = torch.func.functional_call(net, fast, (x[t],))
+            inner = F.mse_loss(out, y[t]) + 0.15 * sum((fast[k] - theta[k]).pow(2).sum() for k in fast)
+            grads = torch.autograd.grad(inner, list(fast.values()), create_graph=True)
+            fast = {k: v - 0.1 * gk for (k, v), gk in zip(fast.items(), grads)}
+        total = total + F.mse_loss(torch.func.functional_call(net, fast, (qx[t],)), qy[t]) / 2
+    (expected,) = torch.autograd.grad(total, [net[0].weight])
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-13)
+    out = tmp_path / "run"
+    run_sine(capsys, ["--inner-proximal", "0.1", "--iterations", "2", "--out", str(out)])
+    assert json.loads((out / "results.json").read_text())["config"]["inner_proximal"] == 0.1
+
+
+@pytest.mark.parametrize(
+    "args, lead, fixes",
+    [
+        (["--inner-proximal", "-1"], "--inner-proximal -1", ("finite number >= 0",)),
+        (["--inner-proximal", "nan"], "--inner-proximal nan", ("finite number >= 0",)),
+        (["--inner-proximal", "0.5", "--mode", "implicit"], "--inner-proximal 0.5 with --mode implicit", ("--implicit-lam", "drop --inner-proximal")),
+    ],
+    ids=["negative", "nan", "implicit"],
+)  # fmt: skip
+def test_a_bad_inner_proximal_names_the_flag_and_the_fix(capsys, tmp_path, args, lead, fixes):
+    out = tmp_path / "run"
+    says(one_error(run_sine(capsys, [*args, "--out", str(out)], code=2)), lead, *fixes)
+    assert not out.exists()
+
+
+def test_learn2learns_engine_refuses_an_inner_proximal_term():
+    says(
+        f"error: {peers.unsupported(parsed(['--inner-proximal', '0.5']))}",
+        "--engine learn2learn",
+        "--inner-proximal 0.5",
+    )
