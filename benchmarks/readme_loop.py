@@ -3,9 +3,9 @@
 For each of ``examples/``'s ports of the peers' Omniglot MAML examples (learn2learn's, higher's, TorchOpt's:
 their networks, inner steps, rates and meta-batches), one meta-gradient step from the same weights, by:
 
-- the peer's loop as its example writes it: learn2learn's ``clone()``/``adapt()`` and a ``backward()`` per task,
-  higher's ``innerloop_ctx`` and a ``backward()`` per task, TorchOpt's ``MetaSGD`` over every task, then one
-  ``backward()`` of the mean (its example holds every task's graph);
+- the peer's loop as its example writes it, on its own network (``benchmarks.ports``: learn2learn's
+  ``clone()``/``adapt()`` and a ``backward()`` per task, higher's ``innerloop_ctx`` and a ``backward()`` per task,
+  TorchOpt's ``MetaSGD`` over every task, then one ``backward()`` of the mean: its example holds every task's graph);
 - ``learner.backward(batch)`` as the README writes it (its plan within the machine's free memory);
 - the same where the free memory is only what the peer's loop held: the engine reads the free memory through
   ``maml._src.planner.free_bytes``, which is set to the peer's measured tensor peak;
@@ -23,31 +23,24 @@ tests' to show, in float64 (``tests/tools/test_ports.py``): in float32, five inn
 from __future__ import annotations
 
 import argparse
-import importlib
 import statistics
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import maml
+from benchmarks import ports
 from benchmarks.report import write_report
 from benchmarks.tensor_peak import peak_tensor_bytes
 from maml._src import planner
 
-PORTS = ("learn2learn", "higher", "torchopt")
 METHODS = ("peer", "readme", "readme_peer_memory", "meta_loss")
 Step = Callable[[], None]
-
-
-def port(name: str) -> Any:
-    return importlib.import_module(f"examples.{name}_omniglot")
 
 
 def batch_of(ex: Any, tasks: int, seed: int) -> maml.TaskBatch:
@@ -61,71 +54,13 @@ def batch_of(ex: Any, tasks: int, seed: int) -> maml.TaskBatch:
     return maml.TaskBatch(*split(ex.SHOTS), *split(ex.QUERY))
 
 
-def peer_net(name: str, ex: Any) -> nn.Module:
-    """The peer's own network: learn2learn's is the port's; higher's and TorchOpt's track running statistics."""
-    net = ex.network()
-    if name == "learn2learn":
-        return net
-    layers = [
-        nn.BatchNorm2d(m.num_features, momentum=m.momentum, affine=True) if isinstance(m, nn.BatchNorm2d) else m
-        for m in net
-    ]
-    return nn.Sequential(*layers)
+def peer_step(name: str, net: nn.Module, batch: maml.TaskBatch) -> Step:
+    """The peer example's meta-gradient of ``batch`` on its own network (``benchmarks.ports.peer_step``)."""
+    step = ports.peer_step(name, net)
+    return lambda: step(batch)
 
 
-def peer_step(name: str, ex: Any, net: nn.Module, batch: maml.TaskBatch) -> Step:
-    """The peer's meta-gradient as its example takes it, leaving the mean over tasks in ``.grad``."""
-    with warnings.catch_warnings():  # gym, imported by learn2learn, warns about its own deprecation
-        warnings.simplefilter("ignore")
-        import higher
-        import learn2learn as l2l
-        import torchopt
-    tasks = list(zip(batch.support_x, batch.support_y, batch.query_x, batch.query_y))
-    if name == "learn2learn":
-        meta = l2l.algorithms.MAML(net, lr=ex.INNER_LR, first_order=False)
-
-        def step() -> None:
-            for sx, sy, qx, qy in tasks:
-                learner = meta.clone()
-                for _ in range(ex.STEPS):
-                    learner.adapt(F.cross_entropy(learner(sx), sy))
-                F.cross_entropy(learner(qx), qy).backward()
-            for p in meta.parameters():
-                p.grad.data.mul_(1.0 / len(tasks))
-
-        return step
-    if name == "higher":
-        inner_opt = torch.optim.SGD(net.parameters(), lr=ex.INNER_LR)
-
-        def step() -> None:
-            for sx, sy, qx, qy in tasks:
-                with higher.innerloop_ctx(net, inner_opt, copy_initial_weights=False) as (fnet, diffopt):
-                    for _ in range(ex.STEPS):
-                        diffopt.step(F.cross_entropy(fnet(sx), sy))
-                    F.cross_entropy(fnet(qx), qy).backward()
-            for p in net.parameters():  # higher's example sums the tasks' gradients: the mean, to compare
-                p.grad.data.mul_(1.0 / len(tasks))
-
-        return step
-    inner_opt = torchopt.MetaSGD(net, lr=ex.INNER_LR)
-
-    def step() -> None:
-        net_state = torchopt.extract_state_dict(net, by="reference", detach_buffers=True)
-        opt_state = torchopt.extract_state_dict(inner_opt, by="reference")
-        losses = []
-        for sx, sy, qx, qy in tasks:
-            for _ in range(ex.STEPS):
-                inner_opt.step(F.cross_entropy(net(sx), sy))
-            losses.append(F.cross_entropy(net(qx), qy))
-            torchopt.recover_state_dict(net, net_state)
-            torchopt.recover_state_dict(inner_opt, opt_state)
-        torch.mean(torch.stack(losses)).backward()
-
-    return step
-
-
-def engine_step(method: str, ex: Any, net: nn.Module, batch: maml.TaskBatch) -> Step:
-    learner = ex.meta_learner(net)
+def engine_step(method: str, learner: maml.MetaLearner, batch: maml.TaskBatch) -> Step:
     if method == "meta_loss":
         return lambda: learner.meta_loss(batch).backward()
     return lambda: learner.backward(batch)
@@ -140,7 +75,7 @@ def cpu_seconds(step: Step, params: list[torch.Tensor]) -> float:
 
 
 def run_port(name: str, tasks: int | None, repeats: int, seed: int) -> dict[str, Any]:
-    ex = port(name)
+    ex = ports.PORTS[name]
     tasks = tasks or ex.TASKS
     batch = batch_of(ex, tasks, seed)
     torch.manual_seed(seed)
@@ -149,23 +84,30 @@ def run_port(name: str, tasks: int | None, repeats: int, seed: int) -> dict[str,
     steps: dict[str, Step] = {}
     peaks: dict[str, int] = {}
     plans: dict[str, str | None] = {}
+    learners: dict[str, maml.MetaLearner] = {}
     free = planner.free_bytes
     peer_peak = 0
     try:
         for method in METHODS:  # built, warmed up (the engine plans), measured, in this order
-            net = peer_net(name, ex) if method == "peer" else ex.network()
-            net.load_state_dict(weights, strict=False)  # the peer's running statistics stay at their start
+            net = ex.network()
+            net.load_state_dict(weights)
+            if method == "peer":
+                net = ports.peer_network(name, net)
             nets[method] = net
             if method == "readme_peer_memory":  # all the memory there is: what the peer's loop held
                 planner.free_bytes = lambda device, peak=peer_peak: peak  # type: ignore[assignment]
-            steps[method] = engine_step(method, ex, net, batch) if method != "peer" else peer_step(name, ex, net, batch)
+            if method == "peer":
+                steps[method] = peer_step(name, net, batch)
+            else:
+                learners[method] = ex.meta_learner(net)
+                steps[method] = engine_step(method, learners[method], batch)
             params = list(net.parameters())
             cpu_seconds(steps[method], params)  # warm-up: the engine's first call measures and plans
             for p in params:
                 p.grad = None
             peaks[method] = peak_tensor_bytes(steps[method])
-            learner_plan = getattr(steps[method], "__closure__", None)
-            plans[method] = _plan(learner_plan)
+            plan = learners[method].plan if method in learners else None
+            plans[method] = None if plan is None else str(plan)
             if method == "peer":
                 peer_peak = peaks[method]
             planner.free_bytes = free
@@ -195,18 +137,9 @@ def run_port(name: str, tasks: int | None, repeats: int, seed: int) -> dict[str,
     }
 
 
-def _plan(closure: Any) -> str | None:
-    """The plan of the learner a step closes over (``learner.plan``), or None."""
-    for cell in closure or ():
-        value = cell.cell_contents
-        if isinstance(value, maml.MetaLearner):
-            return None if value.plan is None else str(value.plan)
-    return None
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ports", nargs="+", choices=PORTS, default=list(PORTS))
+    parser.add_argument("--ports", nargs="+", choices=list(ports.PORTS), default=list(ports.PORTS))
     parser.add_argument("--tasks", type=int, help="tasks a meta-batch (default: each port's own, 32)")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per method (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
