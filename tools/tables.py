@@ -794,6 +794,56 @@ def sine_seeds(sweep: Path = REPO / "results/sine/seeds") -> str:
     return "\n".join(lines) + "\n"
 
 
+PORT_NAMES = {"learn2learn": "learn2learn", "higher": "higher", "torchopt": "TorchOpt"}
+
+
+def ports(root: Path = REPO / "results/ports") -> str:
+    """``benchmarks/ports.py --out``: each port of a peer's Omniglot example beside the peer's own loop, over seeds."""
+    runs = [_json(path) for path in sorted(root.glob("*/*/results.json"))]
+    if not runs:
+        return "No run yet: `python -m benchmarks.ports --out results/ports`.\n"
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for run in runs:
+        groups.setdefault((run["port"], run["engine"]), []).append(run)
+    order = {name: i for i, name in enumerate(PORT_NAMES)}
+    header = ["example", "trained by", "seeds", "iterations", "validation %", "test %", "s a run", "CPU s an iteration"]
+    lines = ["| " + " | ".join([*header, "tensor peak"]) + " |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for (port, engine), group in sorted(
+        groups.items(), key=lambda kv: (order.get(kv[0][0], 99), kv[0][1] != "maml-toolkit")
+    ):
+        group = sorted(group, key=lambda r: r["seed"])
+        shown = (
+            "maml-toolkit (the port)" if engine == "maml-toolkit" else f"{PORT_NAMES.get(engine, engine)} (its loop)"
+        )
+        cells = [PORT_NAMES.get(port, port), shown, ", ".join(str(r["seed"]) for r in group)]
+        cells += [_distinct(r["iterations"] for r in group)]
+        cells += [_mean_std([r[split]["accuracy"] for r in group]) for split in ("validation", "test")]
+        cells += [_mean_std([r["train_seconds"] for r in group], lambda v: f"{v:.0f}")]
+        cells += [_mean_std([r["iteration_cpu_seconds"] for r in group], lambda v: f"{v:.2f}")]
+        cells += [f"{max(r['tensor_peak_bytes'] for r in group) / 2**20:,.0f} MiB"]
+        lines.append("| " + " | ".join(cells) + " |")
+    tasks = ", ".join(
+        f"{PORT_NAMES.get(p, p)} {_distinct(r['validation']['tasks'] for r in runs if r['port'] == p)}"
+        for p in sorted({r["port"] for r in runs}, key=lambda p: order.get(p, 99))
+    )
+    commands = _distinct(f"`{r['command']}`" for r in runs)
+    versions = _distinct(f"{k} {v}" for r in runs for k, v in r.get("peer", {}).items())
+    lines += [
+        "",
+        f"Each example's protocol (its network, inner steps and rate, meta-batch, Adam), from the same initial weights "
+        f"on the same meta-batches: the port (`examples/`, `learner.backward(batch)`) and the peer's own loop with its "
+        f"own library ({versions}). Validation and test accuracy: the trained weights adapted to held-out tasks of "
+        f"disjoint alphabets, alike for both (tasks each: {tasks}), mean +- standard deviation over the seeds (n - 1); "
+        f"s a run: the training loop's wall time (sampling excluded; the port's first iteration includes "
+        f'`batching="auto"` timing both batchings); CPU s an iteration: the median after the first; tensor peak: live '
+        f"tensor bytes of one meta-gradient of a meta-batch (profiler memory events), the largest over the seeds. The "
+        f"conv examples' runs are a few iterations of 32 tasks of 5 second-order steps, seconds each on one CPU thread: "
+        f"a check that both train alike, not a result. {commands}; torch "
+        f"{_distinct(r['versions'].get('torch') for r in runs)}; {provenance(runs)}.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 RENDERERS: dict[str, Callable[[], str]] = {
     "speed": speed,
     "speed_omniglot20": functools.partial(speed, REPO / "results/benchmarks/speed_omniglot20.json"),
@@ -820,6 +870,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "flags-sine": _flags_of("sine"),
     "flags-omniglot": _flags_of("omniglot"),
     "recipes": recipe_table,
+    "ports": ports,
 }
 PAGES = ("README.md", "docs")  # the pages whose blocks are rendered: a file, or every .md under a folder
 
