@@ -9,6 +9,7 @@ the mean. The benchmark's copies of the peers' loops (``benchmarks/ports.py``) a
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -181,3 +182,47 @@ def test_a_port_runs_as_a_module_and_as_a_file(name, form):
         text=True,
     )
     assert run.returncode == 2 and "no data: pass --data DIR" in run.stderr, run.stderr  # it started, and asks
+
+
+def test_the_ports_table_gives_each_engine_over_its_seeds_with_the_runs_provenance(tmp_path):
+    from tools import tables
+
+    def result(port: str, engine: str, seed: int, accuracy: float) -> None:
+        run = {
+            "command": "python -m benchmarks.ports --out results/ports",
+            "device": "cpu",
+            "threads": 1,
+            "date": "2026-11-29",
+            "git_commit": "0123456789abcdef",
+            "git_dirty": False,
+            "versions": {"torch": "2.14.1"},
+            "peer": {} if engine == "maml-toolkit" else {engine: "0.2.1"},
+            "port": port,
+            "engine": engine,
+            "seed": seed,
+            "iterations": 5,
+            "train_seconds": 60.0 + seed,
+            "iteration_cpu_seconds": 10.0,
+            "tensor_peak_bytes": 2**20 * (1 + seed),
+            "validation": {"accuracy": accuracy, "tasks": 96},
+            "test": {"accuracy": accuracy - 0.1, "tasks": 96},
+        }
+        folder = tmp_path / port / f"{engine}-seed{seed}"
+        folder.mkdir(parents=True)
+        (folder / "results.json").write_text(json.dumps(run))
+
+    for seed, accuracy in ((0, 0.8), (1, 0.9)):
+        result("higher", "higher", seed, accuracy)
+        result("higher", "maml-toolkit", seed, accuracy)
+    lines = tables.ports(tmp_path).splitlines()
+    assert (
+        lines[2]
+        == "| higher | maml-toolkit (the port) | 0, 1 | 5 | 85.0 +- 7.1 | 75.0 +- 7.1 | 60 +- 1 | 10.00 +- 0.00 | 2 MiB |"
+    )
+    assert lines[3].startswith("| higher | higher (its loop) | 0, 1 | 5 | 85.0 +- 7.1 |")
+    assert lines[-1].endswith(
+        "`python -m benchmarks.ports --out results/ports`; torch 2.14.1; device cpu, 1 thread a run; 2026-11-29; "
+        "commit 0123456789 (taken at each run's end; its start was not recorded)."
+    )
+    assert "(tasks each: higher 96)" in lines[-1] and "own library (higher 0.2.1)" in lines[-1]
+    assert tables.ports(tmp_path / "none") == "No run yet: `python -m benchmarks.ports --out results/ports`.\n"
