@@ -1,8 +1,7 @@
 """What a run is given: the hyperparameters (:class:`ExperimentConfig`), how to run (:class:`RunFlags`, resolved
 into :class:`RunOptions`), what makes them invalid (:func:`check_config`, :func:`check_given`: one line naming the
-flag), and :func:`parse_args`, which reads them from the command line and ``--config`` YAML.
-
-Each field is a flag and a YAML key, and its attribute docstring is its ``--help`` text.
+flag), and :func:`parse_args`, which reads them from the command line and ``--config`` YAML. Each field is a flag
+and a YAML key, and its attribute docstring is its ``--help`` text.
 """
 
 from __future__ import annotations
@@ -203,20 +202,10 @@ def check_config(cfg: Any, positive: Sequence[str] = ()) -> None:
         value = getattr(cfg, key)
         if value is not None and not 0 < value <= torch.finfo(torch.float32).max:  # NaN fails; inf overflows float32
             default = next(f.default for f in dataclasses.fields(cfg) if f.name == key)
-            fix = (
-                f", e.g. {default:g} (the default)" if isinstance(default, float) else "; leave it out for the default"
-            )
+            fix = f", e.g. {default:g} (the default)" if default else "; leave it out for the default"
             big = " (in float32, the parameters' precision)" if math.isfinite(value) and value > 0 else ""
             raise ValueError(f"{flag(key)} {value:g} must be a finite number > 0{big}{fix}.")
-    if not 0 <= cfg.inner_proximal <= torch.finfo(torch.float32).max:  # NaN fails
-        raise ValueError(
-            f"--inner-proximal {cfg.inner_proximal:g} must be a finite number >= 0 (0: no proximal term), e.g. 0.1."
-        )
-    if cfg.inner_proximal and cfg.mode == "implicit":
-        raise ValueError(
-            f"--inner-proximal {cfg.inner_proximal:g} with --mode implicit: iMAML's inner problem is proximal already, "
-            f"with its strength --implicit-lam; drop --inner-proximal."
-        )
+    recipes.check_inner_proximal(cfg)
     if cfg.rate_meta_lr is not None and cfg.learn_inner_lr is None:
         raise ValueError(
             f"--rate-meta-lr {cfg.rate_meta_lr:g} is the Adam lr of learned inner rates, and none are learned; "

@@ -188,6 +188,24 @@ class ProximalLoss:
         return self.loss(out, y) + self.lam / 2 * sum((fast[k] - initial[k]).pow(2).sum() for k in fast)
 
 
+def check_inner_proximal(cfg: Any) -> None:
+    """Raises ValueError naming ``--inner-proximal`` where its value cannot be a proximal term's strength."""
+    lam = cfg.inner_proximal
+    if not 0 <= lam <= torch.finfo(torch.float32).max:  # NaN fails
+        raise ValueError(f"--inner-proximal {lam:g} must be a finite number >= 0 (0: no proximal term), e.g. 0.1.")
+    if lam and cfg.mode == "implicit":
+        raise ValueError(
+            f"--inner-proximal {lam:g} with --mode implicit: iMAML's inner problem is proximal already, with its "
+            f"strength --implicit-lam; drop --inner-proximal."
+        )
+
+
+def inner_loss(cfg: Any, loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> ProximalLoss | None:
+    """The learner's inner loss from ``--inner-proximal`` (None: ``loss``, the task's)."""
+    check_inner_proximal(cfg)
+    return ProximalLoss(loss, cfg.inner_proximal) if cfg.inner_proximal else None
+
+
 def learner(
     cfg: Any,
     net: nn.Module,
@@ -210,7 +228,7 @@ def learner(
             inner_optimizer=cfg.inner_optimizer,
             inner_optimizer_options=inner_options(cfg),
             memory_budget=cfg.memory_budget,
-            inner_loss_fn=ProximalLoss(loss, cfg.inner_proximal) if cfg.inner_proximal else None,
+            inner_loss_fn=inner_loss(cfg, loss),
         )
     except (TypeError, ValueError) as e:
         raise UsageError(str(e)) from None

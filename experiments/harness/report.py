@@ -100,8 +100,7 @@ def finish(
     finish_wandb(run)
 
 
-# At most this many entries of a data folder are named in results.json (a folder of class folders or images has more).
-HOLDS_SHOWN = 20
+HOLDS_SHOWN = 20  # at most this many entries of a data folder are named in results.json (class folders can be more)
 
 
 def data_record(path: str, identity: Mapping[str, str | None]) -> dict[str, Any]:
@@ -114,10 +113,9 @@ def data_record(path: str, identity: Mapping[str, str | None]) -> dict[str, Any]
     (:func:`~experiments.harness.rundir.fingerprint`), which tells the same data apart wherever it is.
     """
     resolved = Path(path).expanduser().resolve()
-    holds = None
-    if resolved.is_dir():
-        names = sorted(p.name for p in resolved.iterdir() if not p.name.startswith("."))
-        holds = names if len(names) <= HOLDS_SHOWN else [*names[:HOLDS_SHOWN], f"... {len(names)} in all"]
+    holds = sorted(p.name for p in resolved.iterdir() if not p.name.startswith(".")) if resolved.is_dir() else None
+    if holds is not None and len(holds) > HOLDS_SHOWN:
+        holds = [*holds[:HOLDS_SHOWN], f"... {len(holds)} in all"]
     return {"name": resolved.name, "holds": holds, "fingerprint": identity.get("fingerprint")}
 
 

@@ -336,15 +336,11 @@ def differentiable(
             )
 
 
-def closure_differentiated(closes_over: bool, mode: str, compiled: bool) -> None:
-    """Refuses an inner loss that closes over a tensor on a graph where the mode would leave that tensor no gradient.
-
-    Second and first order (eager) keep the inner loop's autograd graph, which reaches any tensor the
-    inner loss reads; the other paths differentiate what the learner passes the inner loss alone.
-    """
-    if not closes_over or (mode in ("second_order", "first_order") and not compiled):
+def closure_differentiated(closes_over: bool, *, reached: bool, path: str) -> None:
+    """Refuses an inner loss that closes over a tensor on a graph where the path (``path``: ``"mode='reptile'"``)
+    would leave that tensor no gradient (``reached``: the path's autograd graph reaches it)."""
+    if not closes_over or reached:
         return
-    path = "compile=True" if compiled else f"mode={mode!r}"
     raise ValueError(
         f"inner_loss_fn reads a tensor that requires grad and is none of its arguments (a tensor it closes "
         f"over), and {path} differentiates only what the learner passes it: that tensor would get no "

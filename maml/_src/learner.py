@@ -453,8 +453,9 @@ class MetaLearner:
             self._probed = self._fixed
         self._example_shape = batch.query_x.shape[2:]
         if grad:
-            modes.check_differentiable(self._mode.name, self.compile, batch, consts, self._names)
-            checks.closure_differentiated(self._probe.closes_over, self._mode.name, self.compile)
+            modes.check_differentiable(
+                self._mode.name, self.compile, batch, consts, self._names, closes_over=self._probe.closes_over
+            )
         call = self._call(params, consts, batch, steps, step_weights)
         with modes.attention(self._mode.name):
             if not grad:

@@ -346,8 +346,9 @@ _WHY_NOT_UNROLLED = {
 }
 
 
-def check_mode(mode: str, *, compile: bool, learned: str | None) -> None:
-    """The rules a mode must meet with the learner's other options: ``learned`` names learned rates or a rule's tensors.
+def check_mode(mode: str, *, compile: bool, learned: str | None, reads_initial: bool = False) -> None:
+    """The rules a mode must meet with the learner's other options: ``learned`` names learned rates or a rule's tensors;
+    ``reads_initial``: the inner loss reads the initial weights (``inner_loss_fn``'s ``initial=``).
 
     Raises:
         ValueError: naming the option that does not go with ``mode`` and what to do.
@@ -358,6 +359,13 @@ def check_mode(mode: str, *, compile: bool, learned: str | None) -> None:
         raise ValueError(
             f"mode={mode!r} with {what}: {_WHY_NOT_UNROLLED.get(mode, 'it unrolls no inner loop')}, so it has no gradient for learned rates or rule "
             f"tensors and nothing to compile; drop it, or use mode='first_order'."
+        )
+    if reads_initial and mode == "implicit":
+        raise ValueError(
+            "mode='implicit' cannot take an inner_loss_fn that reads initial=: iMAML's meta-gradient "
+            "(I + H/lam)^-1 g holds for an inner loss of the fast weights alone, and its inner problem already "
+            "has the proximal term lam/2 |phi - theta|^2 (maml.Implicit(lam=...)). Drop initial= from the "
+            "inner loss, or use mode='second_order' or 'checkpointed', which differentiate through it."
         )
     if compile and not spec.compiles:
         raise ValueError(
@@ -406,12 +414,20 @@ _WHY_ALL_ADAPTED = {
 }
 
 
-def check_differentiable(mode: str, compile: bool, batch: TaskBatch, consts: Params, names: Collection[str]) -> None:
-    """``checks.differentiable`` for ``mode``: what its meta-gradient reaches (inputs, unadapted parameters)."""
+def check_differentiable(
+    mode: str, compile: bool, batch: TaskBatch, consts: Params, names: Collection[str], closes_over: bool = False
+) -> None:
+    """``checks.differentiable`` for ``mode``: what its meta-gradient reaches (inputs, unadapted parameters, and
+    ``closes_over``: a tensor on a graph that the inner loss reads from outside its arguments)."""
     spec = TABLE[mode]
     why = _WHY_ALL_ADAPTED.get(mode, "its meta-gradient reaches the adapted weights alone")
     checks.differentiable(
         mode, compile, batch, consts, names, inputs=spec.inputs, all_adapted=None if spec.unrolled else why
+    )
+    # The modes that backpropagate into inputs keep the whole inner loop's autograd graph (compiled: not), which
+    # reaches any tensor the inner loss reads; the others differentiate what the learner passes it alone.
+    checks.closure_differentiated(
+        closes_over, reached=spec.inputs and not compile, path="compile=True" if compile else f"mode={mode!r}"
     )
 
 

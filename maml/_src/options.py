@@ -71,7 +71,7 @@ def check_arguments(
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(output, y) -> scalar, got {loss_fn!r}.")
-    check_inner_loss(inner_loss_fn, mode.name)
+    reads_initial = check_inner_loss(inner_loss_fn)
     checks.positive_number("inner_lr", inner_lr)
     checks.integer("steps", steps, 0)
     checks.one_of("batching", batching, BATCHINGS)
@@ -97,26 +97,20 @@ def check_arguments(
     )
     adapted = checks.adapt_set(adapt, model)
     check_step_layers(model)
-    modes.check_mode(mode.name, compile=compile, learned=learned(learn_inner_lr, rule))
+    modes.check_mode(mode.name, compile=compile, learned=learned(learn_inner_lr, rule), reads_initial=reads_initial)
     return rule, adapted
 
 
-def check_inner_loss(inner_loss_fn: Any, mode: str) -> None:
-    """Refuses an inner loss that is not callable, and one reading the initial weights where ``mode`` cannot."""
+def check_inner_loss(inner_loss_fn: Any) -> bool:
+    """Refuses an inner loss that is not callable; returns whether it reads the initial weights (``initial=``)."""
     if inner_loss_fn is None:
-        return
+        return False
     if not callable(inner_loss_fn):
         raise TypeError(
             f"inner_loss_fn must be callable as inner_loss_fn(output, y) -> scalar (with, if it names them, the "
             f"keywords fast=, initial=, params=, step=), or None for loss_fn, got {inner_loss_fn!r}."
         )
-    if mode == "implicit" and InnerLoss.of(inner_loss_fn).initial:
-        raise ValueError(
-            "mode='implicit' cannot take an inner_loss_fn that reads initial=: iMAML's meta-gradient "
-            "(I + H/lam)^-1 g holds for an inner loss of the fast weights alone, and its inner problem already "
-            "has the proximal term lam/2 |phi - theta|^2 (maml.Implicit(lam=...)). Drop initial= from the "
-            "inner loss, or use mode='second_order' or 'checkpointed', which differentiate through it."
-        )
+    return InnerLoss.of(inner_loss_fn).initial
 
 
 def forward_batching(batching: str, chunk_size: int | None) -> str:
