@@ -92,7 +92,7 @@ _CPU = torch._C._autograd.DeviceType.CPU
 _FORWARD_END = "maml::forward_end"
 _PROFILER_LINE = re.compile(
     r"^(USDT|ERROR):\S+ \S+ \d+:\d+ (SyncActivityProfilerHandler|DeviceProperties)\.cpp"
-    r"|^\[W\S* [0-9:.]+ \d+ \S*CPUAllocator\.cpp:\d+\] Memory block of unknown size"
+    r"|^\[W\S* [0-9:.]+ (\d+ )?\S*CPUAllocator\.cpp:\d+\] Memory block of unknown size"  # a thread id or none
 )
 _CHOICES: dict[tuple[object, ...], str] = {}  # what "auto" timed, by configuration (one timing per process)
 
