@@ -165,4 +165,11 @@ class TaskBatch:
         """Selects tasks along the task dimension (an int keeps that dimension, with size 1)."""
         if isinstance(index, int):
             index = slice(index, index + 1 if index != -1 else None)
-        return TaskBatch(*(getattr(self, name)[index] for name in TENSORS), per_step=self.per_step)
+        tensors = [getattr(self, name)[index] for name in TENSORS]
+        if not isinstance(index, slice) or tensors[0].shape[0] == 0:  # what a slice of a valid batch cannot break
+            return TaskBatch(*tensors, per_step=self.per_step)
+        # Tasks of a checked batch are a checked batch: backward's chunks skip __post_init__ (tens of microseconds).
+        part = object.__new__(TaskBatch)
+        for name, value in zip((*TENSORS, "per_step"), (*tensors, self.per_step)):
+            object.__setattr__(part, name, value)
+        return part

@@ -457,7 +457,8 @@ class MetaLearner:
                 self._mode.name, self.compile, batch, consts, self._names, closes_over=self._probe.closes_over
             )
         call = self._call(params, consts, batch, steps, step_weights)
-        with modes.attention(self._mode.name):
+        # Backward's chunks run in the attention context its call entered once (_model_fixed).
+        with contextlib.nullcontext() if self._fixed else modes.attention(self._mode.name):
             if not grad:
                 return modes.TABLE[self._mode.name].evaluate(call)
             if self.compile:  # compilation replaces the mode's training path (second or first order)
@@ -644,7 +645,8 @@ class MetaLearner:
         self._follow_model()
         self._fixed, self._probed, self._prepared = True, False, None
         try:
-            yield
+            with modes.attention(self._mode.name):
+                yield
         finally:
             self._fixed, self._prepared = False, None
 
