@@ -606,6 +606,53 @@ def optimizers(path: Path = REPO / "results/benchmarks/optimizers.json", slow: f
     return "\n\n".join(blocks) + "\n"
 
 
+def readme_loop(path: Path = REPO / "results/benchmarks/readme_loop.json") -> str:
+    """``benchmarks/readme_loop.py --json``: the README's loop against each peer's own loop on the three ports' models."""
+    report = _json(path)
+    mib = lambda n: f"{n / 2**20:,.1f} MiB"  # noqa: E731
+    names = {
+        "peer": "the peer's own loop",
+        "readme": "`learner.backward(batch)`",
+        "readme_peer_memory": "`learner.backward(batch)`, free memory = the peer's peak",
+        "meta_loss": "`learner.meta_loss(batch).backward()`",
+    }
+    peers = {"learn2learn": "learn2learn", "higher": "higher", "torchopt": "TorchOpt"}
+    lines = [
+        "| port | tasks, inner steps | loop | tensor peak | vs the peer | CPU time | vs the peer | plan |",
+        "|---|---|---|---:|---:|---:|---:|---|",
+    ]
+    for table in report["tables"]:
+        rows = {r["method"]: r for r in table["rows"]}
+        peer = rows["peer"]
+        for method, r in rows.items():
+            cells = [
+                f"{peers[table['port']]}'s Omniglot example",
+                f"{table['tasks']} x {table['ways']}-way {table['shots']}-shot, {table['steps']}",
+                names[method],
+                mib(r["peak_bytes"]),
+                f"{r['peak_bytes'] / peer['peak_bytes']:.2f}x",
+                f"{r['cpu']:.3f} s",
+                f"{r['cpu'] / peer['cpu']:.2f}x",
+                r["plan"] or "-",
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "One meta-gradient step from the same weights (no optimizer step) on each port's model, meta-batch and inner "
+        "loop (`examples/`), random 28x28 images. The peer's loop as its example writes it: learn2learn's "
+        "`clone()`/`adapt()` and higher's `innerloop_ctx` backpropagate task by task, TorchOpt's `MetaSGD` loop "
+        "keeps every task's graph and backpropagates their mean once. `learner.backward(batch)` plans within the "
+        "free memory: the machine's, and then only what the peer's loop held (the engine's reading of the free memory "
+        "set to the peer's tensor peak). Tensor peak: the peak of live tensor bytes of a step, from the profiler's "
+        "memory events (`benchmarks.tensor_peak.peak_tensor_bytes`); CPU time: the calling thread's, the median of "
+        f"{_distinct(t['repeats'] for t in report['tables'])} steps after a warm-up step (the engine's first call, which "
+        "measures and plans, is the warm-up), the methods interleaved. The meta-gradients are the peers' in float64 "
+        f"(`tests/tools/test_ports.py`). `{report['command']}`; torch {report['versions'].get('torch', '?')}; "
+        f"{provenance([report])}." + ("" if report.get("complete", True) else " The run was stopped before its end."),
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def image_sampling(path: Path = REPO / "results/benchmarks/image_sampling.json") -> str:
     """``benchmarks/image_sampling.py``: meta-batches a second of the image sampler against learn2learn's TaskDataset."""
     r = _json(path)
@@ -866,6 +913,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "plans": plans,
     "budgets": budgets,
     "optimizers": optimizers,
+    "readme_loop": readme_loop,
     "flags-run": _flags_of("run"),
     "flags-sine": _flags_of("sine"),
     "flags-omniglot": _flags_of("omniglot"),
