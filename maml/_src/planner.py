@@ -54,7 +54,7 @@ from torch import Tensor
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from . import modes
-from .forward import Params, TaskForward, unfused_layers
+from .forward import Params, TaskForward, exact_attention, unfused_layers
 from .loop import Problem, per_task
 
 __all__ = [
@@ -347,7 +347,9 @@ def time_batchings(
             passes(weights, data, batching)
         return clock() - began
 
-    with torch.random.fork_rng(devices=devices), torch.enable_grad(), unfused_layers():  # dropout: the stream stays
+    # Differentiated twice: attention on its math kernel, whose backward has a derivative (forward.exact_attention).
+    layers = exact_attention() if second_order else unfused_layers()
+    with torch.random.fork_rng(devices=devices), torch.enable_grad(), layers:  # dropout: the stream stays
         for batching in seconds:
             one_pass(batching)  # warm-up: allocations, kernel choice
         for _ in range(3):

@@ -160,7 +160,10 @@ def test_a_budget_below_one_task_names_the_smallest_that_runs():
 
 
 def test_meta_loss_over_the_budget_names_backward():
-    learner = maml.MetaLearner(conv_net(), F.cross_entropy, inner_lr=0.1, steps=2, memory_budget="1GiB")
+    # vmap: a loop plan's calls take one task each, so only a batched plan runs the 6 tasks in one call.
+    learner = maml.MetaLearner(
+        conv_net(), F.cross_entropy, inner_lr=0.1, steps=2, batching="vmap", memory_budget="1GiB"
+    )
     learner.backward(image_batch(6))
     learner.memory_budget = int(2.5 * learner.plan.estimate / 6)
     with pytest.raises(
@@ -183,7 +186,10 @@ def test_meta_loss_over_the_budget_names_backward():
     ids=["backward-chunk", "run-steps", "chunk_size"],
 )
 def test_a_call_over_the_budget_names_the_call_and_argument_that_fit(call, advice):
-    learner = maml.MetaLearner(conv_net(), F.cross_entropy, inner_lr=0.1, steps=2, memory_budget="1GiB")
+    # vmap: a loop plan's calls take one task each, so only a batched plan runs the 6 tasks in one call.
+    learner = maml.MetaLearner(
+        conv_net(), F.cross_entropy, inner_lr=0.1, steps=2, batching="vmap", memory_budget="1GiB"
+    )
     learner.backward(image_batch(6))
     learner.memory_budget = int(2.5 * learner.plan.estimate / 6)
     if call == "chunk_size":
