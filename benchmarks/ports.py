@@ -236,6 +236,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ports", nargs="+", choices=list(PORTS), default=list(PORTS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     parser.add_argument(
+        "--engines",
+        nargs="+",
+        choices=("maml-toolkit", "peer"),
+        default=["maml-toolkit", "peer"],
+        help="which side of each pair to run (default: both; one side again after a change to it)",
+    )
+    parser.add_argument(
         "--iterations",
         nargs="+",
         default=[],
@@ -264,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     command = sys.argv[1:] if argv is None else argv
     for port in args.ports:
         for seed in args.seeds:
-            for engine in ("maml-toolkit", PEERS[port]):
+            for engine in [e if e != "peer" else PEERS[port] for e in args.engines]:
                 result = run(port, engine, seed, iterations[port], args.eval_tasks or EVAL_TASKS[port], data)
                 print(
                     f"{port:<12} {engine:<13} seed {seed}: {result['iterations']} iterations in "
