@@ -135,11 +135,6 @@ class TaskBatch:
         """``(support_x, support_y, query_x, query_y)``."""
         return self.support_x, self.support_y, self.query_x, self.query_y
 
-    @property
-    def support_shots(self) -> int:
-        """Support examples a task adapts on at one inner step: ``n_support``."""
-        return self.support_x.shape[2 if self.per_step else 1]
-
     def support_at(self, step: int) -> tuple[Tensor, Tensor]:
         """``(x, y)``, ``(T, n_support, ...)``: the support set inner step ``step`` (0-based) adapts on."""
         return support_at(self.support_x, self.support_y, self.per_step, step)

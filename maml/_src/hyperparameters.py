@@ -204,9 +204,8 @@ class HyperparameterRule(nn.Module):
 
     def options(self, param: str, step: int) -> dict[str, Any]:
         """Every float option's value for ``param`` at ``step`` (:meth:`option` of each); read-only."""
-        if (
-            not self.learned
-        ):  # the floats themselves: no lookups per parameter and step (a small model's loop feels them)
+        # Nothing learned: the floats themselves, no lookups per parameter and step (a small model's loop feels them).
+        if not self.learned:
             return self._values
         return {name: self.option(name, param, step) for name in self.RANGES}
 

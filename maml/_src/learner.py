@@ -98,8 +98,9 @@ class MetaLearner:
     fast weights.
 
     Options set on a live learner (``learner.inner_lr = 0.5``) act as in a learner built with
-    them: ``loss_fn``, ``inner_loss_fn``, ``inner_lr`` (a fixed rate), ``steps``, ``mode`` (with its options),
-    ``batching``, ``chunk_size``, ``check_finite``, ``compile`` and ``memory_budget``; the others are fixed and refuse to be set, naming the way. The model is read as
+    them: ``loss_fn``, ``inner_loss_fn``, ``inner_lr`` (a fixed rate), ``steps``, ``mode`` (with its
+    options), ``batching``, ``chunk_size``, ``check_finite``, ``compile`` and ``memory_budget``; the
+    others are fixed and refuse to be set, naming the way. The model is read as
     it is at each call: weights tied or untied, and parameters unfrozen that ``adapt`` selects, since
     construction are followed.
 
@@ -177,8 +178,9 @@ class MetaLearner:
             (their initial values: the meta-parameters), ``params`` (every parameter and buffer of
             the model as the task's forward pass uses it: the fast weights and the other parameters,
             e.g. per-example weights kept in the model outside ``adapt``, which get their exact
-            meta-gradient) and ``step`` (the 0-based inner step) that its signature names. A proximal term ``lam / 2 * sum((fast[k] - initial[k]).pow(2).sum()
-            for k in fast)``, a weight penalty, an unlabelled objective that ignores ``y``: each is
+            meta-gradient) and ``step`` (the 0-based inner step) that its signature names. A
+            proximal term ``lam / 2 * sum((fast[k] - initial[k]).pow(2).sum() for k in fast)``, a
+            weight penalty, an unlabelled objective that ignores ``y``: each is
             differentiated exactly in every mode (``"implicit"`` takes no ``initial``: its inner
             problem is proximal already). Default: ``loss_fn``. Settable on a live learner.
         inner_optimizer_options: a named rule's options, in ``torch.optim``'s keywords (``{"betas": (0.9, 0.99),
@@ -208,8 +210,8 @@ class MetaLearner:
     ) -> None:
         self._options: dict[str, Any] = {}  # the construction arguments, as _Option reads them back
         self._fixed = False  # within one call of backward: the model is followed once (_model_fixed)
-        self._probed = False  # and probed once, by its first chunk
-        self._prepared: tuple[Params, Params, int] | None = None  # and its parameters split once (_prepare)
+        # and its parameters split once, by its first chunk (_prepare), which alone probes the model
+        self._prepared: tuple[Params, Params, int] | None = None
         self._example_shape: torch.Size | None = None  # of the inputs of earlier calls, to tell a batch from a task
         self._configure(
             model=model,
@@ -434,13 +436,14 @@ class MetaLearner:
         """
         if not isinstance(batch, TaskBatch):
             raise TypeError(f"batch must be a maml.TaskBatch, got {type(batch).__name__}.")
+        later_chunk = self._fixed and self._prepared is not None  # of backward: nothing new to see
         params, consts, steps = self._prepare("run", params, steps, batch.support_at(0)[0], batch.query_x)
         grad = torch.is_grad_enabled()
         like = params[self._adapted[0]]
         step_weights = modes.check_step_weights(
             self._mode.name, step_weights, steps, like, compiled=self.compile and grad
         )
-        if not (self._fixed and self._probed):  # a chunk of backward after its first: nothing new to see
+        if not later_chunk:
             self._probe(
                 params,
                 consts,
@@ -450,7 +453,6 @@ class MetaLearner:
                 choose=not self._plans(grad),
                 twice=grad and self._mode.twice,
             )
-            self._probed = self._fixed
         self._example_shape = batch.query_x.shape[2:]
         if grad:
             modes.check_differentiable(
@@ -640,10 +642,11 @@ class MetaLearner:
 
     @contextlib.contextmanager
     def _model_fixed(self) -> Iterator[None]:
-        """One call's chunks see one model: it is followed (:meth:`_follow_model`) once, not at every chunk, whose
-        walks of the model cost a small model's per-task loop a tenth of its time."""
+        """One call's chunks see one model: it is followed (:meth:`_follow_model`), split (:meth:`_prepare`) and probed
+        once, by the first chunk, not at every chunk, whose walks of the model cost a small model's per-task loop a
+        tenth of its time; and they run in one attention context."""
         self._follow_model()
-        self._fixed, self._probed, self._prepared = True, False, None
+        self._fixed, self._prepared = True, None
         try:
             with modes.attention(self._mode.name):
                 yield

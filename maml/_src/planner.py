@@ -332,10 +332,9 @@ def time_batchings(
             losses, _ = forward(weights, consts, x, y, batching=batching)
             torch.autograd.grad(losses.sum(), list(weights.values()), allow_unused=True)
 
-    tasks = data[0][0].shape[0]
     one_by_one = [  # each task's weights and data alone, as backward's calls of a loop plan run them
         ({k: v[t : t + 1] for k, v in weights.items()}, [(x[t : t + 1], y[t : t + 1]) for x, y in data])
-        for t in range(tasks)
+        for t in range(data[0][0].shape[0] if task_by_task else 0)
     ]
 
     def one_pass(batching: str) -> float:
