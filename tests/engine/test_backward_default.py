@@ -103,14 +103,3 @@ def test_a_loop_plan_runs_one_task_a_call():
     learner.meta_loss(batch).backward()
     for a, b in zip(planned, grads(model), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-13)
-
-
-def test_the_batchings_are_timed_as_a_second_order_step_and_a_loop_plan_task_by_task():
-    model, batch, loss_fn = make("conv_groupnorm")
-    forward = maml._src.forward.TaskForward(model, loss_fn, "auto", None)
-    fast = {k: v.detach().expand(batch.num_tasks, *v.shape) for k, v in model.named_parameters()}
-    state = torch.get_rng_state()
-    data = [(batch.support_x, batch.support_y), (batch.query_x, batch.query_y)]
-    seconds = planner.time_batchings(forward, fast, {}, data, second_order=True, task_by_task=True)
-    assert set(seconds) == {"vmap", "loop"} and all(s > 0 for s in seconds.values())
-    assert torch.equal(torch.get_rng_state(), state)

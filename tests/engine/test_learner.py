@@ -206,13 +206,20 @@ def test_auto_batching_takes_the_faster_as_timed_on_the_first_batch_and_keeps_it
     assert maml.MetaLearner(conv, loss_fn, inner_lr=0.1, chunk_size=2).resolved_batching == "vmap"
 
 
-def test_timing_the_batchings_measures_both_and_leaves_the_random_stream_alone():
+@pytest.mark.parametrize(
+    "how",
+    [{}, {"second_order": True, "task_by_task": True}],
+    ids=["first-order-passes", "second-order-step-task-by-task"],
+)
+def test_timing_the_batchings_measures_both_and_leaves_the_random_stream_alone(how):
+    """As ``"auto"`` times them: forward and backward passes, or (``how``) a second-order step with a loop plan's
+    tasks one by one."""
     conv, batch, loss_fn = make("conv_groupnorm")
     forward = maml._src.forward.TaskForward(conv, loss_fn, "auto", None)
     fast = {k: v.detach().expand(batch.num_tasks, *v.shape) for k, v in conv.named_parameters()}
     state = torch.get_rng_state()
     data = [(batch.support_x, batch.support_y), (batch.query_x, batch.query_y)]
-    seconds = maml._src.planner.time_batchings(forward, fast, {}, data)
+    seconds = maml._src.planner.time_batchings(forward, fast, {}, data, **how)
     assert set(seconds) == {"vmap", "loop"} and all(s > 0 for s in seconds.values())
     assert torch.equal(torch.get_rng_state(), state)
 

@@ -78,7 +78,7 @@ def test_the_learn2learn_port_has_learn2learns_meta_gradient():
     # learn2learn's examples/vision/maml_omniglot.py: fast_adapt per task, then the gradients averaged.
     maml = l2l.algorithms.MAML(peer, lr=0.5, first_order=False)
     loss = nn.CrossEntropyLoss(reduction="mean")
-    for adaptation_data, adaptation_labels, evaluation_data, evaluation_labels in zip(*batch_tuple(batch)):
+    for adaptation_data, adaptation_labels, evaluation_data, evaluation_labels in zip(*batch.tensors):
         learner_ = maml.clone()
         for _step in range(1):  # adaptation_steps
             train_error = loss(learner_(adaptation_data), adaptation_labels)
@@ -102,7 +102,7 @@ def test_the_higher_port_has_highers_meta_gradient_times_the_tasks():
     bench_peer = ports.peer_network("higher", net)
 
     # higher's examples/maml-omniglot.py, train(): one innerloop_ctx per task, each query loss backpropagated.
-    x_spt, y_spt, x_qry, y_qry = batch_tuple(batch)
+    x_spt, y_spt, x_qry, y_qry = batch.tensors
     task_num = x_spt.size(0)
     n_inner_iter = 5
     inner_opt = torch.optim.SGD(peer.parameters(), lr=1e-1)
@@ -128,7 +128,7 @@ def test_the_torchopt_port_has_torchopts_meta_gradient():
     bench_peer = ports.peer_network("torchopt", net)
 
     # TorchOpt's examples/few-shot/maml_omniglot.py, train(): MetaSGD in place, the state recovered after each task.
-    x_spt, y_spt, x_qry, y_qry = batch_tuple(batch)
+    x_spt, y_spt, x_qry, y_qry = batch.tensors
     task_num = x_spt.size(0)
     n_inner_iter = 5
     inner_opt = torchopt.MetaSGD(peer, lr=1e-1)
@@ -152,10 +152,6 @@ def test_the_torchopt_port_has_torchopts_meta_gradient():
     assert_close(ours, peer_grads("torchopt", net, peer))  # TorchOpt's mean: no factor
     ports.peer_step("torchopt", bench_peer)(batch)
     assert_close(ours, peer_grads("torchopt", net, bench_peer))
-
-
-def batch_tuple(batch):
-    return batch.support_x, batch.support_y, batch.query_x, batch.query_y
 
 
 @pytest.mark.parametrize("port", [learn2learn_omniglot, higher_omniglot, torchopt_omniglot], ids=lambda m: m.__name__)
