@@ -310,13 +310,25 @@ def differentiable(
     *,
     inputs: bool,
     all_adapted: str | None,
+    closes_over: bool = False,
 ) -> None:
-    """Refuses what a mode's meta-gradient cannot reach: inputs on a graph, parameters it never moves.
+    """Refuses what a mode's meta-gradient cannot reach: inputs on a graph, a tensor on a graph the inner loss closes
+    over, parameters it never moves.
 
-    ``inputs``: the mode backpropagates into inputs that require grad; ``all_adapted``: why it needs
-    every trainable parameter adapted (it moves only adapted ones), or ``None`` (``modes.Paths``).
+    ``inputs``: the mode backpropagates into inputs that require grad, through the inner loop's whole autograd
+    graph, which reaches what the inner loss reads from outside its arguments too (``closes_over``);
+    ``all_adapted``: why it needs every trainable parameter adapted (it moves only adapted ones), or ``None``
+    (``modes.Paths``).
     """
     path = "compile=True" if compiled else f"mode={mode!r}"
+    if closes_over and (compiled or not inputs):
+        raise ValueError(
+            f"inner_loss_fn reads a tensor that requires grad and is none of its arguments (a tensor it closes "
+            f"over), and {path} differentiates only what the learner passes it: that tensor would get no "
+            f"meta-gradient. Keep it in the model as a parameter outside adapt= and read it from the inner loss's "
+            f"params= keyword (every mode differentiates it), or use mode='second_order' or 'first_order' without "
+            f"compile."
+        )
     if compiled or not inputs:
         graphed = [k for k in TENSORS if getattr(batch, k).requires_grad]
         if graphed:
@@ -334,20 +346,6 @@ def differentiable(
                 f"{', '.join(unadapted)} is trained but not adapted, and would never change: adapt it, or "
                 f"freeze it with requires_grad_(False)."
             )
-
-
-def closure_differentiated(closes_over: bool, *, reached: bool, path: str) -> None:
-    """Refuses an inner loss that closes over a tensor on a graph where the path (``path``: ``"mode='reptile'"``)
-    would leave that tensor no gradient (``reached``: the path's autograd graph reaches it)."""
-    if not closes_over or reached:
-        return
-    raise ValueError(
-        f"inner_loss_fn reads a tensor that requires grad and is none of its arguments (a tensor it closes "
-        f"over), and {path} differentiates only what the learner passes it: that tensor would get no "
-        f"meta-gradient. Keep it in the model as a parameter outside adapt= and read it from the inner loss's "
-        f"params= keyword (every mode differentiates it), or use mode='second_order' or 'first_order' without "
-        f"compile."
-    )
 
 
 def key_differences(expected: Iterable[str], got: Iterable[str]) -> str:

@@ -422,12 +422,14 @@ def check_differentiable(
     spec = TABLE[mode]
     why = _WHY_ALL_ADAPTED.get(mode, "its meta-gradient reaches the adapted weights alone")
     checks.differentiable(
-        mode, compile, batch, consts, names, inputs=spec.inputs, all_adapted=None if spec.unrolled else why
-    )
-    # The modes that backpropagate into inputs keep the whole inner loop's autograd graph (compiled: not), which
-    # reaches any tensor the inner loss reads; the others differentiate what the learner passes it alone.
-    checks.closure_differentiated(
-        closes_over, reached=spec.inputs and not compile, path="compile=True" if compile else f"mode={mode!r}"
+        mode,
+        compile,
+        batch,
+        consts,
+        names,
+        inputs=spec.inputs,
+        all_adapted=None if spec.unrolled else why,
+        closes_over=closes_over,
     )
 
 
