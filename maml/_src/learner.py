@@ -387,8 +387,8 @@ class MetaLearner:
                 ``memory_budget`` (:attr:`plan`; the checkpointed mode's planned step: all); without
                 a budget, in second and first order, what fits 90 % of the device's free memory,
                 read at the first call and kept (:meth:`state_dict`): the whole batch where it fits,
-                else chunks of it, so a batch that fits one task at a time never runs out of
-                memory; in the other modes one task with the loop batching and all of them with
+                else chunks of it, down to one task a call (a per-task loop's memory, as measured);
+                in the other modes one task with the loop batching and all of them with
                 ``"vmap"``).
             return_output: return what :meth:`run` returns for the whole batch (the chunks'
                 outputs joined along the task dimension, all detached) instead of the loss alone:
