@@ -4,10 +4,13 @@ For each family (wide and narrow MLPs, a conv net with batch norm, few shots wit
 many steps, learned rates, MAML++'s per-step batch norm, an ANIL adapt set), each mode that
 plans (second and first order, the checkpointed mode with either Hessian-vector strategy) and
 each budget from the smallest the learner accepts up, a new learner runs ``backward(batch)``
-twice; both calls' peaks of live tensor bytes are counted by :func:`tensor_peak.dispatch_peak_bytes`,
-a dispatch mode the engine does not use (it plans with the profiler's memory events), the first
-call's with every probe the planner runs. ``tests/engine/test_memory_budget.py`` holds each to
-its budget plus :data:`SLACK`; this script writes the table of them (``docs/memory-and-speed.md``).
+twice; both calls' peaks of the CPU allocator's blocks are counted exactly by
+:func:`blocks.peak_block_bytes` (a wrapper of the allocator's ``posix_memalign`` and ``free``, which the
+engine does not use: it plans with the profiler's memory events), the first call's with every probe the
+planner runs, and the meta-gradient is compared with unbounded second order's (or first order's).
+``tests/engine/test_memory_budget_property.py`` holds each to its budget plus 1 % and 64 KiB
+(``maml._src.planner.allowance``), or to the warning a data-dependent model's call gives past it; this
+script writes the table of them (``docs/memory-and-speed.md``). It runs itself with the wrapper preloaded.
 
     python -m benchmarks.budgets --json results/benchmarks/budgets.json
 """
@@ -17,7 +20,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,13 +32,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import maml
+from benchmarks.blocks import counting, peak_block_bytes, preloaded_env
 from benchmarks.report import write_report
-from benchmarks.tensor_peak import dispatch_peak_bytes
 from maml.nn import StepBatchNorm2d, StepSequential
 
-__all__ = ["FAMILIES", "MODES", "SLACK", "Family", "Trial", "smallest_budget", "trial"]
+__all__ = ["DATA_DEPENDENT", "FAMILIES", "MODES", "Family", "Trial", "rows", "smallest_budget", "trial", "unbounded"]
 
-SLACK = 2 * 2**20  # what a step holds beyond the plan: the batch's slices, the allocator's rounding
 DTYPE = torch.float64  # the meta-gradients are compared with unbounded second order's to 1e-12
 
 
@@ -89,6 +93,62 @@ def _conv(step_norm: int = 0) -> Callable[[], nn.Module]:
     return build
 
 
+class _Recurrent(nn.Module):
+    """A GRU or LSTM over 7 time steps of 8 features, 48 hidden units, a linear head on the last output."""
+
+    def __init__(self, cell: type[nn.GRU] | type[nn.LSTM]) -> None:
+        super().__init__()
+        self.rnn = cell(8, 48, batch_first=True)
+        self.head = nn.Linear(48, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.rnn(x)[0][:, -1])
+
+
+def _recurrent(cell: type[nn.GRU] | type[nn.LSTM]) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return _Recurrent(cell).to(DTYPE)
+
+    return build
+
+
+def _sequences(tasks: int, shots: int) -> maml.TaskBatch:
+    g = torch.Generator().manual_seed(0)
+    draw = lambda *shape: torch.randn(tasks, shots, *shape, generator=g, dtype=DTYPE)  # noqa: E731
+    return maml.TaskBatch(draw(7, 8), draw(1), draw(7, 8), draw(1))
+
+
+class _Routed(nn.Module):
+    """A narrow path for every row, and a wide branch (8-2048-4) for the rows whose first feature is positive: what
+    a call holds follows the data (routing, masked selection)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.narrow = nn.Linear(8, 4)
+        self.wide = nn.Sequential(nn.Linear(8, 2048), nn.Tanh(), nn.Linear(2048, 4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        routed = x[:, 0] > 0
+        out = self.narrow(x)
+        return out.index_put((routed,), out[routed] + self.wide(x[routed]))
+
+
+def _routed() -> nn.Module:
+    torch.manual_seed(0)
+    return _Routed().to(DTYPE)
+
+
+def _light_first(tasks: int, shots: int) -> maml.TaskBatch:
+    """The first task routes one row of ``shots`` through the wide branch, the others every row."""
+    batch = _regression(tasks, shots, 8, 4)
+    sign = torch.ones(tasks, shots, dtype=DTYPE)
+    sign[0, 1:] = -1
+    for x in (batch.support_x, batch.query_x):
+        x[..., 0] = sign * (x[..., 0].abs() + 0.1)
+    return batch
+
+
 FAMILIES: dict[str, Family] = {
     "wide_mlp": Family(_mlp(8, 512, 512, 4), lambda: _regression(12, 5, 8, 4), F.mse_loss, 4),
     "narrow_mlp": Family(_mlp(1, 40, 40, 1), lambda: _regression(25, 10, 1, 1), F.mse_loss, 5),
@@ -100,7 +160,12 @@ FAMILIES: dict[str, Family] = {
     ),
     "maml++_step_norm": Family(_conv(3), lambda: _images(6, 5, 2, 3), F.cross_entropy, 3),
     "anil_head": Family(_conv(), lambda: _images(6, 5, 3, 5), F.cross_entropy, 3, {"adapt": ["9.weight", "9.bias"]}),
+    "gru": Family(_recurrent(nn.GRU), lambda: _sequences(16, 10), F.mse_loss, 2),
+    "lstm": Family(_recurrent(nn.LSTM), lambda: _sequences(16, 10), F.mse_loss, 2),
+    "routed_light_first": Family(_routed, lambda: _light_first(6, 64), F.mse_loss, 2),
 }
+# Whose activations follow the data: a call past the budget is said (maml.MemoryBudgetWarning) and planned again.
+DATA_DEPENDENT = ("routed_light_first",)
 MODES: dict[str, str | maml.Mode] = {
     "second_order": "second_order",
     "first_order": "first_order",
@@ -143,49 +208,89 @@ class Trial:
     budget: int | None
     plan: str
     estimate: int
+    plan_budget: int
     first: int
     later: int
+    first_said: bool  # the call warned that it held more than its budget (maml.MemoryBudgetWarning)
+    later_said: bool
     grad: Tensor = dataclasses.field(repr=False, compare=False)
 
     @property
     def held(self) -> int:
-        """What the plan promised: its budget (a default one's plan may be over it: then its estimate)."""
-        return self.budget if self.budget is not None else self.estimate
+        """What the plan promised: its budget (the default one's plan may be over it: then its estimate)."""
+        return self.budget if self.budget is not None else max(self.plan_budget, self.estimate)
 
     def row(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "grad"}
 
 
 def trial(family_name: str, mode_name: str, budget: int | None) -> Trial:
-    """A new learner's first and second ``backward(batch)``, each counted by the dispatch mode; the meta-gradient."""
+    """A new learner's first and second ``backward(batch)``, each counted by :func:`blocks.peak_block_bytes`; the
+    meta-gradient."""
     family = FAMILIES[family_name]
     run = learner(family, MODES[mode_name], budget)
     batch = family.batch()
-    first = dispatch_peak_bytes(lambda: run.backward(batch))
+    first, first_said = _counted(lambda: run.backward(batch))
     params = list(run.parameters())
     grad = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params])
     run.model.zero_grad(set_to_none=True)
-    later = dispatch_peak_bytes(lambda: run.backward(batch))
+    later, later_said = _counted(lambda: run.backward(batch))
     assert run.plan is not None
-    return Trial(family_name, mode_name, budget, str(run.plan), run.plan.estimate, first, later, grad)
+    plan = run.plan
+    return Trial(family_name, mode_name, budget, str(plan), plan.estimate, plan.budget, first, later, first_said,
+                 later_said, grad)  # fmt: skip
+
+
+def _counted(call: Callable[[], object]) -> tuple[int, bool]:
+    """The call's peak of the allocator's blocks, and whether it warned that it held more than its budget."""
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always", maml.MemoryBudgetWarning)
+        peak = peak_block_bytes(call)
+    for w in said:
+        if not issubclass(w.category, maml.MemoryBudgetWarning):
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    return peak, any(issubclass(w.category, maml.MemoryBudgetWarning) for w in said)
+
+
+def unbounded(family_name: str, mode_name: str) -> Tensor:
+    """The meta-gradient of unbounded second order (first order's for the first-order mode): what every plan gives."""
+    family = FAMILIES[family_name]
+    run = learner(family, "first_order" if mode_name == "first_order" else "second_order", None)
+    run.meta_loss(family.batch()).backward()
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in run.parameters()])
+
+
+def rows(families: list[str], modes: list[str]) -> list[dict[str, Any]]:
+    """Every family's and mode's trials at the smallest budget, three times it and (checkpointed) the default; each
+    row with its meta-gradient's largest difference from :func:`unbounded`'s, relative to that one's largest entry."""
+    out = []
+    for family in families:
+        for mode in modes:
+            expected = unbounded(family, mode)
+            least = smallest_budget(FAMILIES[family], MODES[mode])
+            budgets: list[int | None] = [least, 3 * least] + ([None] if mode.startswith("checkpointed") else [])
+            for budget in budgets:
+                t = trial(family, mode, budget)
+                error = float((t.grad - expected).abs().max() / expected.abs().max())
+                out.append({**t.row(), "grad_error": error})
+                print(family, mode, t.plan, t.first, t.later, flush=True)
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path, required=True, help="where to write the rows")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--family", action="append", choices=list(FAMILIES), help="only these families (repeatable)")
+    parser.add_argument("--mode", action="append", choices=list(MODES), help="only these modes (repeatable)")
     args = parser.parse_args()
+    if not counting():  # the count needs the wrapper loaded before the C library: run again with it
+        sys.exit(
+            subprocess.run([sys.executable, "-m", "benchmarks.budgets", *sys.argv[1:]], env=preloaded_env()).returncode
+        )
     torch.set_num_threads(args.threads)
-    rows = []
-    for family in FAMILIES:
-        for mode in MODES:
-            least = smallest_budget(FAMILIES[family], MODES[mode])
-            budgets: list[int | None] = [least, 3 * least] + ([None] if mode.startswith("checkpointed") else [])
-            for budget in budgets:
-                t = trial(family, mode, budget)
-                rows.append(t.row())
-                print(family, mode, t.plan, t.first, t.later, flush=True)
-    write_report(args.json, "budgets", sys.argv[1:], "cpu", args.threads, slack=SLACK, rows=rows)
+    found = rows(args.family or list(FAMILIES), args.mode or list(MODES))
+    write_report(args.json, "budgets", sys.argv[1:], "cpu", args.threads, allowance="1% + 64 KiB", rows=found)
 
 
 if __name__ == "__main__":

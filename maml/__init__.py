@@ -32,6 +32,7 @@ from ._src.optimizers import (
     Rprop,
 )
 from ._src.options import BATCHINGS
+from ._src.planner import MemoryBudgetWarning
 from ._src.rates import LEARN_INNER_LR
 from ._src.rules import UpdateRule
 
@@ -52,6 +53,7 @@ __all__ = [
     "AdamW",
     "Adamax",
     "Checkpointed",
+    "MemoryBudgetWarning",
     "MetaCurvature",
     "MetaLearner",
     "MetaOutput",

@@ -510,23 +510,29 @@ def budgets(path: Path = REPO / "results/benchmarks/budgets.json") -> str:
         "|---|---|---:|---|---:|---:|---:|",
     ]
     mib = lambda n: f"{n / 2**20:,.1f} MiB"  # noqa: E731
-    worst = 0.0
+    worst, said = 0.0, 0
     for r in report["rows"]:
-        held = r["budget"] if r["budget"] is not None else r["estimate"]
-        worst = max(worst, max(r["first"], r["later"]) - held)
-        budget = mib(r["budget"]) if r["budget"] is not None else f"default ({mib(r['estimate'])} planned)"
+        held = r["budget"] if r["budget"] is not None else max(r["plan_budget"], r["estimate"])
+        warned = [c for c in ("first", "later") if r[f"{c}_said"]]
+        said += len(warned)
+        kept = [r[c] for c in ("first", "later") if c not in warned]
+        worst = max([worst] + [(k - held) / (held / 100 + 64 * 2**10) for k in kept])
+        budget = mib(r["budget"]) if r["budget"] is not None else f"default ({mib(held)})"
+        cells = [f"{mib(r[c])}{' (said)' * (c in warned)}" for c in ("first", "later")]
         lines.append(
-            f"| {r['family']} | {r['mode']} | {budget} | {r['plan'].split('; about')[0]} | {mib(r['first'])} | "
-            f"{mib(r['later'])} | {r['first'] / held:.2f} |"
+            f"| {r['family']} | {r['mode']} | {budget} | {r['plan'].split('; about')[0]} | {cells[0]} | "
+            f"{cells[1]} | {r['first'] / held:.2f} |"
         )
     lines += [
         "",
         f"A new learner's first `backward(batch)` (its planner's probes and the choice of `\"auto\"` included) and its "
-        f'second, float64, `"auto"` batching; peaks of live tensor bytes counted by a dispatch mode the engine does '
-        f"not use (`benchmarks.tensor_peak.dispatch_peak_bytes`); budgets: the smallest the learner accepts and three "
-        f"times it, and the checkpointed mode's default (its plan's estimate stands for the budget). "
-        f"{len(report['rows'])} configurations; the most any call held over its budget: {mib(max(worst, 0))} "
-        f"(the allowance: {mib(report['slack'])}). `{report['command']}`; torch "
+        f'second, float64, `"auto"` batching; peaks of the CPU allocator\'s blocks allocated during the call, counted '
+        f"exactly by a wrapper of `posix_memalign` and `free` the engine does not use (`benchmarks/blocks.c`); "
+        f"budgets: the smallest the learner accepts and three times it, and the checkpointed mode's default. "
+        f"{len(report['rows'])} configurations; the most any call held over its budget, in units of the allowance "
+        f"({report['allowance']}): {max(worst, 0):.2f} (over 1: over the allowance); (said): the call warned "
+        f"(`maml.MemoryBudgetWarning`) that it held more than its budget, a model whose activations follow the "
+        f"data meeting heavier tasks than its plan measured ({said} calls). `{report['command']}`; torch "
         f"{report['versions'].get('torch', '?')}; {provenance([report])}.",
     ]
     return "\n".join(lines) + "\n"

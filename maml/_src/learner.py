@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, overload
 
@@ -26,7 +27,7 @@ from .forward import InnerLoss, LossFn, Params, TaskForward, check_finite, unfus
 from .loop import InnerLoop, MetaOutput, Problem
 from .modes import Checkpointed, Mode
 from .options import Batching, InnerOptimizer, LearnInnerLr
-from .planner import Plan, Planner, TooSmall
+from .planner import MemoryBudgetWarning, Plan, Planner, TooSmall, allowance, fmt, measure
 from .probe import Probe
 from .rates import InnerRates
 from .rules import BoundRule, UpdateRule, rule_tensors
@@ -403,7 +404,10 @@ class MetaLearner:
             plan = self._planned(batch, return_output)
             if plan is not None:  # a budget's calls (second and first order: its chunks; checkpointed: its replays)
                 with self._model_fixed():
-                    out = backward_in_chunks(run, batch, None, lambda tasks: plan.tasks, return_output=return_output)
+                    calls = functools.partial(
+                        backward_in_chunks, run, batch, None, lambda tasks: plan.tasks, return_output=return_output
+                    )
+                    out = self._watched(calls, plan, batch.query_x.device)
                 self._plan = plan  # the whole batch's, not its last call's
                 return out
         self._asked = f"backward(chunk={chunk})" if chunk is not None else "chunk_size" if self.chunk_size else None
@@ -684,6 +688,25 @@ class MetaLearner:
         segments = kind == "segments" and getattr(self._mode, "tasks", None) is None
         return grad and (segments or (kind == "chunks" and self.memory_budget is not None))
 
+    def _watched(self, calls: Callable[[], Any], plan: Plan, device: torch.device) -> Any:
+        """Runs a planned backward's ``calls``; for a model whose activations' size follows the data (``Probe``), measured:
+        one past the budget (and ``planner.allowance``) is said with its figure, and the next call plans from it."""
+        op = self._probe.data_dependent
+        if op is None:
+            return calls()
+        out: list[Any] = []
+        held = measure(lambda: out.append(calls()), device).peak
+        if held > plan.budget + allowance(plan.budget):
+            self._planner.exceeded(held, plan)
+            warnings.warn(
+                f"backward held {fmt(held)} of tensors, over its memory budget of {fmt(plan.budget)} (planned: "
+                f"{plan}): the model's activations depend on the data ({op} in its forward pass), and this "
+                f"batch's tasks hold more than the one the plan measured. The next call plans from this figure.",
+                MemoryBudgetWarning,
+                stacklevel=3,
+            )
+        return out[0]
+
     def _planned(self, batch: TaskBatch, outputs: bool) -> Plan | None:
         """The plan of :meth:`backward` on ``batch`` from the model's parameters: its calls, each within the budget
         (``outputs``: with its ``return_output``, which keeps the batch's fast weights across them). Second and first
@@ -699,8 +722,10 @@ class MetaLearner:
         try:
             plan = self._planner.plan(problem, mode=self._mode, memory_budget=budget, one_call=False, outputs=outputs)
         except TooSmall as e:
-            if not free:
+            if not free and not self._planner.outgrown():
                 raise ValueError(str(e)) from None
+            if not free:  # a data-dependent model's budget, which its tasks outgrew (_watched): said, not refused
+                warnings.warn(f"{e} Until then, one task at a time.", MemoryBudgetWarning, stacklevel=3)
             # Not even one task fits the free memory as estimated: one task at a time, the least there is, as a
             # per-task loop would run (the estimate is an upper bound; the step may still fit).
             plan = self._planner.plan(problem, mode=self._mode, memory_budget=e.least, one_call=False, outputs=outputs)
@@ -712,6 +737,10 @@ class MetaLearner:
         try:
             made = self._planner.plan(problem, mode=self._mode, memory_budget=self.memory_budget, one_call=True)
         except TooSmall as e:
+            if self._fixed and self._planner.outgrown():  # a chunk of backward's leanest plan (_planned said so)
+                made = self._planner.plan(problem, mode=self._mode, memory_budget=e.least, one_call=True)
+                self._plan = made
+                return made
             if e.fits is None:
                 raise ValueError(str(e)) from None
             k = e.fits.tasks

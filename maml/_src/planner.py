@@ -51,7 +51,16 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch._C._profiler import ProfilerActivity as _ProfilerActivity
+from torch._C._profiler import (
+    ProfilerConfig,
+    ProfilerState,
+    _ExperimentalConfig,
+    _ExtraFields_Allocation,
+    _ExtraFields_TorchOp,
+)
+from torch.autograd import _disable_profiler, _enable_profiler, _prepare_profiler
+from torch.profiler import record_function
 
 from . import modes
 from .forward import Params, TaskForward, exact_attention, unfused_layers
@@ -60,6 +69,9 @@ from .loop import Problem, per_task
 __all__ = [
     "DEFAULT_FLOOR",
     "LOOP_MARGIN",
+    "MemoryBudgetWarning",
+    "allowance",
+    "data_dependent",
     "Footprint",
     "Plan",
     "Planner",
@@ -88,7 +100,6 @@ TIMED_TASKS = 16  # "auto" times at most this many tasks (the cost grows with th
 # A batched probe of two tasks runs where the budget holds this many times two lone tasks' step (grouped
 # kernels and their workspaces hold more per task than a loop).
 _VMAP_ROOM = 1.5
-_CPU = torch._C._autograd.DeviceType.CPU
 _FORWARD_END = "maml::forward_end"
 _PROFILER_LINE = re.compile(
     r"^(USDT|ERROR):\S+ \S+ \d+:\d+ (SyncActivityProfilerHandler|DeviceProperties)\.cpp"
@@ -171,9 +182,10 @@ def measure(fn: Callable[[], object], device: torch.device) -> Measured:
     On a GPU ``torch.cuda.max_memory_allocated`` over what was allocated before (it resets the
     device's peak statistics), the mark reading ``torch.cuda.memory_allocated``. On the CPU, where
     PyTorch keeps no allocation statistics, the running sum of the profiler's memory events
-    (``+bytes`` per allocation, ``-bytes`` per free), in order; their public ``events()`` fold an
-    operator's allocations into it and lose that order. Under a profiler the user runs, which a
-    second one would cancel, :func:`saved_bytes` stands in.
+    (``+bytes`` per allocation, ``-bytes`` per free of a block allocated during the call), in order
+    (:func:`_cpu_allocations`); the public ``events()`` fold an operator's allocations into it and
+    lose that order. Under a profiler the user runs, which a second one would cancel,
+    :func:`saved_bytes` stands in.
     """
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -190,19 +202,56 @@ def measure(fn: Callable[[], object], device: torch.device) -> Measured:
     if device.type != "cpu" or torch.autograd.profiler._is_profiler_enabled:
         saved = saved_bytes(fn)
         return Measured(saved, saved)
-    with _profiler_lines_dropped(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = list(prof.profiler.kineto_results.events())
-    memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]" and e.device_type() == _CPU)
-    mark = min((e.start_ns() for e in events if e.name() == _FORWARD_END), default=None)
+    allocations, mark = _cpu_allocations(fn)
+    alive: dict[int, int] = {}  # the blocks the call allocated and has not freed, by address
     live = peak = 0
     held = None
-    for at, nbytes in memory:
+    for at, ptr, nbytes in allocations:
         if held is None and mark is not None and at > mark:
             held = live
-        live += nbytes
-        peak = max(peak, live)
+        if nbytes > 0:
+            alive[ptr] = nbytes
+            live += nbytes
+            peak = max(peak, live)
+        elif ptr in alive:  # a block allocated before the call (or its stale record) frees nothing the call held
+            live -= alive.pop(ptr)
     return Measured(peak, live if held is None else held)
+
+
+def _cpu_allocations(fn: Callable[[], object]) -> tuple[list[tuple[int, int, int]], int | None]:
+    """Runs ``fn()`` under the profiler: its CPU allocator's events ``(time, address, +bytes or -bytes)`` in order,
+    and the time of its first :func:`forward_ends` mark.
+
+    Started through ``torch.autograd``'s profiler calls rather than ``torch.profiler.profile``,
+    whose first start imports ``torch._inductor`` (and with it dynamo and triton): about 1 s and
+    160 MiB of resident memory for a probe that itself takes milliseconds. The addresses come from
+    the event tree (``experimental_event_tree``, as ``torch.profiler``'s memory profiler reads
+    them): the allocator reports a free of any block it saw allocated under an earlier profile,
+    so a free counts only where this call allocated the block.
+    """
+    config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
+    activities = {_ProfilerActivity.CPU}
+    with _profiler_lines_dropped():
+        _prepare_profiler(config, activities)
+        _enable_profiler(config, activities)
+        try:
+            fn()
+        finally:
+            result = _disable_profiler()
+    allocations: list[tuple[int, int, int]] = []
+    mark = None
+    nodes = result.experimental_event_tree()[::-1]  # a stack: popped in the tree's order, which breaks ties in time
+    while nodes:
+        node = nodes.pop()
+        nodes += node.children[::-1]
+        fields = node.extra_fields
+        if isinstance(fields, _ExtraFields_Allocation):
+            if fields.device.type == "cpu":
+                allocations.append((node.start_time_ns, fields.ptr, fields.alloc_size))
+        elif node.name == _FORWARD_END and (mark is None or node.start_time_ns < mark):
+            mark = node.start_time_ns
+    allocations.sort(key=lambda a: a[0])
+    return allocations, mark
 
 
 _CUDA_MARKS: list[list[int]] = []  # on a GPU, what each :func:`measure` running now read at its mark
@@ -219,6 +268,65 @@ def forward_ends() -> None:
 def peak_bytes(fn: Callable[[], object], device: torch.device) -> int:
     """Runs ``fn()`` and returns the peak of the bytes of the tensors it allocated on ``device`` that were alive at once."""
     return measure(fn, device).peak
+
+
+class MemoryBudgetWarning(UserWarning):
+    """A planned call held more than its memory budget: a model whose activations' size follows the data
+    (:func:`data_dependent`) met tasks heavier than the one its plan measured."""
+
+
+def allowance(budget: int) -> int:
+    """What a call may hold beyond a budget of ``budget`` bytes, counted by the allocator's blocks: 1 % of it and
+    64 KiB (a kernel's scratch at a size the probes did not run, the batch's slices). A data-dependent model's
+    call past it is said and planned again (:meth:`Planner.exceeded`)."""
+    return budget // 100 + 64 * 2**10
+
+
+def data_dependent(fn: Callable[[], object]) -> str | None:
+    """Runs ``fn()`` (a forward pass) and returns the first operator whose output's size follows the data, or ``None``.
+
+    Such an operator (``torch.Tag.dynamic_output_shape``: ``nonzero``, which a boolean mask's indexing
+    calls, ``masked_select``, ``unique``; ``data_dependent_output``: a value read back to Python, which
+    a branch or a slice can follow; packed sequences) makes a model hold, on another batch, other
+    activations than the task its plan measured: its planned calls are measured as they run
+    (``MetaLearner.backward``), and one past the budget is said and planned again from its figure
+    (:meth:`Planner.exceeded`). Read from the profiler's operator events, which see the operators an
+    operator calls (a Python dispatch mode sees only the outer one, and its first use imports dynamo).
+    Under a profiler of the user's, which a second one would cancel: ``None``.
+    """
+    if torch.autograd.profiler._is_profiler_enabled:
+        return None
+    config = ProfilerConfig(ProfilerState.KINETO, False, False, False, False, False, _ExperimentalConfig())
+    activities = {_ProfilerActivity.CPU}
+    with _profiler_lines_dropped():
+        _prepare_profiler(config, activities)
+        _enable_profiler(config, activities)
+        try:
+            fn()
+        finally:
+            result = _disable_profiler()
+    nodes = result.experimental_event_tree()[::-1]
+    while nodes:
+        node = nodes.pop()
+        nodes += node.children[::-1]
+        if isinstance(node.extra_fields, _ExtraFields_TorchOp) and _from_data(node.name):
+            return node.name
+    return None
+
+
+def _from_data(name: str) -> bool:
+    """Whether the ATen operator ``name`` (``"aten::nonzero"``) has an output whose size, or a value, follows its
+    inputs' values. Indexing itself is not: its integer indices give their own shape; a boolean mask calls nonzero."""
+    namespace, _, op = name.partition("::")
+    if namespace != "aten" or op == "index":
+        return False
+    if op == "_pack_padded_sequence":
+        return True
+    packet = getattr(torch.ops.aten, op, None)
+    if packet is None:
+        return False
+    tags = {tag for overload in packet.overloads() for tag in getattr(packet, overload).tags}
+    return torch.Tag.dynamic_output_shape in tags or torch.Tag.data_dependent_output in tags
 
 
 @contextlib.contextmanager
@@ -524,6 +632,25 @@ class Planner:
         self.measured: dict[str, dict[str, int]] = {}  # configuration -> what its probes measured
         # The free-memory budgets read before (free_budget): a decision kept across reconfigurations.
         self.measured.update({k: v for k, v in (measured or {}).items() if k.startswith(_FREE)})
+        self._key: str | None = None  # the configuration the last plan was made for
+
+    def outgrown(self) -> bool:
+        """Whether the last plan's configuration was planned again from a call past its budget (:meth:`exceeded`)."""
+        return bool(self.measured.get(self._key or "", {}).get("outgrown"))
+
+    def exceeded(self, held: int, plan: Plan) -> None:
+        """A planned call of a data-dependent model held ``held`` bytes where ``plan`` estimated less: the
+        configuration's one-task step grows by the difference and what each further task and step adds by the
+        ratio, so that the plan of the next call expects such tasks (the same plan's estimate becomes ``held``)."""
+        m = self.measured.get(self._key or "")
+        if m is None or held <= plan.estimate:
+            return
+        ratio = held / max(plan.estimate, 1)
+        m["one"] += held - plan.estimate
+        m["outgrown"] = 1
+        for k in ("held", "step", "task", "batched", "batched_step"):
+            if k in m:
+                m[k] = math.ceil(m[k] * ratio)
 
     def free_budget(self, device: torch.device) -> int:
         """``MetaLearner.backward``'s budget where none was given (second and first order): :data:`FREE_SHARE` of the
@@ -564,6 +691,7 @@ class Planner:
         depth = 1 if kind == "segments" else min(max(steps, 1), 2)
         key = repr((str(device), repr(_replay(mode)), lone, depth, _shapes(p)))  # what the probes run
         m = self.measured.setdefault(key, {})
+        self._key = key
         default = limit is None
         _measure_one(m, p, mode, lone, default, depth)
         if default:  # one task's second-order step at the call's steps, at least the floor
@@ -576,7 +704,9 @@ class Planner:
             _measure_two(m, p, mode, room, batchings, depth, whole=one_call or kind == "chunks", default=default)
         fp = _footprint(m, depth, tasks * m["fast"] if outputs and not one_call else 0)
         plans = {b: _best(fp, kind, tasks, steps, every, b, limit, default, one_call) for b in batchings}
-        made = plans[batchings[0]] if settled else self._choose(p, plans, mode.twice, one_call)
+        # The checkpointed mode's plan holds less than a second-order pass of its tasks: it is timed first order, within it.
+        twice = mode.twice and kind != "segments"
+        made = plans[batchings[0]] if settled else self._choose(p, plans, twice, one_call)
         if made is not None:
             return made
         split = None

@@ -16,7 +16,7 @@ from torch import nn
 from .batch import TaskBatch
 from .forward import Params, TaskForward, unfused_layers
 from .model_check import check_model
-from .planner import TIMED_TASKS, choose_batching
+from .planner import TIMED_TASKS, choose_batching, data_dependent
 
 __all__ = ["Probe"]
 
@@ -34,6 +34,8 @@ class Probe:
         self.forward = forward
         self._checked: set[Any] = set()  # (device, each module's training flag)
         self.closes_over = False  # the inner loss reads a tensor on a graph that none of its arguments is
+        # The first operator whose output's size follows the data (planner.data_dependent): its calls are measured.
+        self.data_dependent: str | None = None
 
     @unfused_layers()  # its passes are differentiated: no fused attention layers (forward.unfused_layers)
     def __call__(
@@ -71,6 +73,10 @@ class Probe:
         if not checked:
             x, y = batch[:1].support_at(0)
             self.closes_over |= check_model(self.forward, one, shared, x, y, may_fall_back=batching == "auto")
+            with torch.no_grad():
+                first = {k: v.unsqueeze(0) for k, v in one.items()}
+                found = data_dependent(lambda: self.forward(first, shared, x, y, batching="loop", inner=True))
+            self.data_dependent = self.data_dependent or found
             self._checked.add(key)
         if not choose:
             return
