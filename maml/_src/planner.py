@@ -714,11 +714,20 @@ class Planner:
             split = next((q for b in batchings if (q := _best(fp, kind, tasks, steps, every, b, limit, False, False))
                           and q.calls > 1), None)  # fmt: skip
         least = min(q.estimate for b in batchings for q in _candidates(fp, kind, 1, steps, every, b, True))
+        # Named rounded up to the KiB: a new learner measures again, and an allocation of a few bytes more (a scalar)
+        # must not refuse the figure this one named.
+        least = -(-least // 2**10) * 2**10
         whole = [q.estimate for b in batchings for q in _candidates(fp, kind, tasks, steps, every, b, one_call)]
-        need = min(whole, default=least)  # a call of more tasks than one not measured: more than one holds
         name = f"mode={mode.name!r}"
-        if split is not None:
-            message = f"{tasks} tasks of {name} hold about {fmt(need)} in one call, over memory_budget={fmt(limit)}"
+        if split is not None and whole:
+            message = (
+                f"{tasks} tasks of {name} hold about {fmt(min(whole))} in one call, over memory_budget={fmt(limit)}"
+            )
+        elif split is not None:  # no call of them was measured: the budget holds too little to probe two together
+            message = (
+                f"{tasks} tasks of {name} in one call are over memory_budget={fmt(limit)}, which holds one (about "
+                f"{fmt(least)}) but too little to measure two together"
+            )
         elif kind == "chunks":
             message = (
                 f"memory_budget={fmt(limit)} is below what one task of {name} holds at steps={steps} (about "

@@ -251,3 +251,49 @@ def test_a_one_task_batch_leaves_auto_to_a_larger_one():
     assert learner.state_dict()["batching"] == {}
     learner.backward(image_batch(4))
     assert set(learner.state_dict()["batching"]) == {"cpu"}
+
+
+def _bytes(text: str) -> float:
+    number, unit = text.split()
+    return float(number) * {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
+
+
+@pytest.mark.parametrize("mode, steps", [("first_order", 1), ("second_order", 2)])
+def test_a_refusal_of_chunk_size_over_the_budget_never_names_a_figure_within_it(mode, steps):
+    # Small budgets hold one task but too little to probe two together: the refusal said "4 tasks hold about <one
+    # task's figure>, over" a budget larger than that figure.
+    g = torch.Generator().manual_seed(0)
+    draw = lambda: torch.randn(8, 5, 1, generator=g, dtype=DTYPE)  # noqa: E731
+    batch = maml.TaskBatch(draw(), draw(), draw(), draw())
+    refused = 0
+    for budget in range(1000, 8000, 350):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(1, 8), nn.ReLU(), nn.Linear(8, 1)).to(DTYPE)
+        learner = maml.MetaLearner(
+            net, F.mse_loss, inner_lr=0.1, steps=steps, mode=mode, batching="vmap", chunk_size=4, memory_budget=budget
+        )
+        try:
+            learner.backward(batch)
+        except ValueError as e:
+            refused += 1
+            figures = re.search(r"hold about ([0-9.]+ \w+) in one call, over memory_budget=([0-9.]+ \w+)", str(e))
+            if figures:
+                assert _bytes(figures.group(1)) > _bytes(figures.group(2)), str(e)
+            else:
+                assert "too little to measure two together" in str(e) or "below what one task" in str(e), str(e)
+    assert refused > 0
+
+
+def test_the_smallest_budget_a_learner_names_is_accepted_by_a_new_one():
+    names = []
+    for _ in range(3):  # new learners measure again, in one process
+        learner = maml.MetaLearner(conv_net(DTYPE), F.cross_entropy, inner_lr=0.1, steps=2, memory_budget=1)
+        with pytest.raises(ValueError, match="pass at least memory_budget=") as refusal:
+            learner.backward(image_batch(2, DTYPE))
+        least = int(re.search(r"memory_budget=([0-9]+)", str(refusal.value).split("pass at least")[1]).group(1))
+        assert least % 1024 == 0
+        names.append(least)
+        fresh = maml.MetaLearner(conv_net(DTYPE), F.cross_entropy, inner_lr=0.1, steps=2, memory_budget=least)
+        fresh.backward(image_batch(2, DTYPE))
+        assert fresh.plan is not None and fresh.plan.estimate <= least
+    assert len(set(names)) == 1
