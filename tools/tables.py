@@ -538,6 +538,36 @@ def budgets(path: Path = REPO / "results/benchmarks/budgets.json") -> str:
     return "\n".join(lines) + "\n"
 
 
+def planning_cost(path: Path = REPO / "results/benchmarks/planning_cost.json") -> str:
+    """``benchmarks/planning_cost.py --json``: each model's first budgeted call against the same calls unplanned."""
+    report = _json(path)
+    rows = {(r["model"], r["budgeted"]): r for r in report["rows"]}
+    lines = [
+        "| model | budget | peak RSS rise, first call: planned / unplanned | later calls' | first call's time, "
+        "in later calls: planned / unplanned |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    mib = lambda n: f"{n / 2**20:,.1f} MiB"  # noqa: E731
+    for model in dict.fromkeys(r["model"] for r in report["rows"]):
+        planned, plain = rows[(model, True)], rows[(model, False)]
+        lines.append(
+            f"| {model} | {mib(planned['budget'])} | {mib(planned['first_rss_rise'])} / "
+            f"{mib(plain['first_rss_rise'])} | {mib(planned['later_rss_rise'])} / {mib(plain['later_rss_rise'])} | "
+            f"{planned['first_seconds'] / planned['later_seconds']:.1f} / "
+            f"{plain['first_seconds'] / plain['later_seconds']:.1f} |"
+        )
+    lines += [
+        "",
+        f"Second order, float64, three times the smallest budget the learner accepts, `\"auto\"` batching (planned) "
+        f"against `backward(batch, chunk=1)` in a loop (unplanned), each in a fresh process; peak RSS rise: of the "
+        f"process's `VmHWM` over the first call, and over the {report['later_calls']} later ones; time: the first "
+        f"call's CPU time over a later call's (the median). wide_layer: one hidden layer of 16,384 units, 6 tasks; "
+        f"the others: `benchmarks/budgets.py`'s families. `{report['command']}`; torch "
+        f"{report['versions'].get('torch', '?')}; {provenance([report])}.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def optimizers(path: Path = REPO / "results/benchmarks/optimizers.json", slow: float = 1.5) -> str:
     """``benchmarks/optimizers.py --json``: each inner optimizer's step against the engine's SGD and higher's same rule.
 
@@ -918,6 +948,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
     "memory_budget": functools.partial(memory, REPO / "results/benchmarks/memory_budget.json", ()),
     "plans": plans,
     "budgets": budgets,
+    "planning_cost": planning_cost,
     "optimizers": optimizers,
     "readme_loop": readme_loop,
     "flags-run": _flags_of("run"),
