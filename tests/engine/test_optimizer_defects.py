@@ -1,0 +1,233 @@
+"""The inner optimizers' edge cases against independent references: a parameter the support loss does not use
+(``torch.optim``, higher), learned options at extreme raw values, a state loaded into another rule.
+
+Float64 unless a test says otherwise.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import higher
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import maml
+
+
+@pytest.fixture(autouse=True)
+def float64():
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
+
+
+TORCH = {
+    "sgd": torch.optim.SGD,
+    "momentum": torch.optim.SGD,
+    "adam": torch.optim.Adam,
+    "adamw": torch.optim.AdamW,
+    "rmsprop": torch.optim.RMSprop,
+    "adagrad": torch.optim.Adagrad,
+    "adadelta": torch.optim.Adadelta,
+    "adamax": torch.optim.Adamax,
+    "nadam": torch.optim.NAdam,
+    "radam": torch.optim.RAdam,
+    "rprop": torch.optim.Rprop,
+    "asgd": torch.optim.ASGD,
+}
+LR = {"adadelta": 1.0, "rprop": 0.01, "rmsprop": 0.01, "sgd": 0.1, "momentum": 0.1, "adagrad": 0.1}
+
+# Every rule with its decay on (coupled, decoupled, ASGD's lambd) and a state where it has one; Rprop has no decay,
+# but a state that torch.optim never starts for a parameter without a gradient.
+DECAYING: dict[str, dict[str, Any]] = {
+    "sgd": {"weight_decay": 0.1, "momentum": 0.5},
+    "momentum": {"weight_decay": 0.1, "nesterov": True},
+    "adam": {"weight_decay": 0.1, "amsgrad": True},
+    "adamw": {"weight_decay": 0.1},
+    "rmsprop": {"weight_decay": 0.1, "momentum": 0.5, "centered": True},
+    "adagrad": {"weight_decay": 0.1, "initial_accumulator_value": 0.1},
+    "adadelta": {"weight_decay": 0.1},
+    "adamax": {"weight_decay": 0.1},
+    "nadam": {"weight_decay": 0.1, "decoupled_weight_decay": True},
+    "radam": {"weight_decay": 0.1},
+    "rprop": {},
+    "asgd": {"lambd": 0.1, "weight_decay": 0.1},
+}
+
+
+def torch_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` as ``torch.optim`` takes them (the ``"momentum"`` rule is SGD at momentum 0.9 by default)."""
+    return {"momentum": 0.9, **options} if name == "momentum" else dict(options)
+
+
+class WithUnused(nn.Module):
+    """An MLP beside a layer its forward pass never calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden = nn.Linear(3, 6)
+        self.out = nn.Linear(6, 2)
+        self.extra = nn.Linear(3, 2)  # never called: its gradient is None under autograd.grad(allow_unused=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(torch.tanh(self.hidden(x)))
+
+
+def tasks(seed: int = 1, n: int = 3) -> maml.TaskBatch:
+    g = torch.Generator().manual_seed(seed)
+    x, qx = torch.randn(n, 6, 3, generator=g), torch.randn(n, 6, 3, generator=g)
+    return maml.TaskBatch(x, torch.randn(n, 6, 2, generator=g), qx, torch.randn(n, 6, 2, generator=g))
+
+
+def torch_optim_fast(name: str, options: dict[str, Any], model: nn.Module, x: Tensor, y: Tensor, steps: int):
+    """One task's fast weights by ``torch.optim`` itself, on a copy of ``model`` (it skips a ``.grad`` of None)."""
+    model = copy.deepcopy(model)
+    opt = TORCH[name](model.parameters(), lr=LR.get(name, 0.05), **torch_options(name, options))
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    return {k: p.detach() for k, p in model.named_parameters()}
+
+
+UNUSED_PATHS = [
+    pytest.param({"batching": "vmap"}, id="vmap"),
+    pytest.param({"batching": "loop"}, id="loop"),
+    pytest.param({"batching": "loop", "mode": maml.Checkpointed(every=2)}, id="checkpointed-loop"),
+    pytest.param({"batching": "vmap", "mode": maml.Checkpointed(hvp="forward_over_reverse")}, id="checkpointed-fwd"),
+    pytest.param({"batching": "vmap", "mode": "first_order"}, id="first-order"),
+]
+
+
+@pytest.mark.parametrize("path", UNUSED_PATHS)
+@pytest.mark.parametrize("name", list(DECAYING))
+def test_a_parameter_the_support_loss_does_not_use_is_left_as_torch_optim_leaves_it(name, path):
+    """Before the fix, SGD with weight decay 0.1 moved ``extra.weight`` by 0.0233 over these steps, torch.optim by 0."""
+    torch.manual_seed(0)
+    model, batch, steps = WithUnused(), tasks(), 4
+    options = DECAYING[name]
+    learner = maml.MetaLearner(
+        model, F.mse_loss, LR.get(name, 0.05), steps, inner_optimizer=name, inner_optimizer_options=options, **path
+    )
+    fast = learner.run(batch).fast
+    for t in range(batch.num_tasks):
+        theirs = torch_optim_fast(name, options, model, batch.support_x[t], batch.support_y[t], steps)
+        for k in ("extra.weight", "extra.bias"):
+            assert torch.equal(fast[k][t].detach(), theirs[k]), (k, (fast[k][t] - theirs[k]).abs().max())
+            assert torch.equal(theirs[k], dict(model.named_parameters())[k].detach())
+        for k in ("hidden.weight", "hidden.bias", "out.weight", "out.bias"):
+            torch.testing.assert_close(fast[k][t].detach(), theirs[k], rtol=1e-12, atol=1e-14, msg=k)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_the_compiled_step_leaves_an_unused_parameter_too(name):
+    torch.manual_seed(0)
+    model, batch, options = WithUnused(), tasks(), DECAYING[name]
+    learner = maml.MetaLearner(
+        model, F.mse_loss, LR.get(name, 0.05), 2, compile=True, inner_optimizer=name, inner_optimizer_options=options
+    )
+    fast = learner.run(batch).fast
+    theirs = torch_optim_fast(name, options, model, batch.support_x[0], batch.support_y[0], 2)
+    for k in theirs:
+        torch.testing.assert_close(fast[k][0].detach(), theirs[k], rtol=1e-12, atol=0 if "extra" in k else 1e-14)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw", "asgd"])
+def test_adapt_and_reptile_leave_an_unused_parameter_too(name):
+    torch.manual_seed(0)
+    model, batch = WithUnused(), tasks()
+    options = DECAYING[name]
+    for mode in ("second_order", "reptile"):
+        learner = maml.MetaLearner(
+            model, F.mse_loss, LR.get(name, 0.05), 3, mode=mode, inner_optimizer=name, inner_optimizer_options=options
+        )
+        fast = learner.adapt(batch.support_x[0], batch.support_y[0])
+        theirs = torch_optim_fast(name, options, model, batch.support_x[0], batch.support_y[0], 3)
+        for k in theirs:
+            torch.testing.assert_close(fast[k].detach(), theirs[k], rtol=1e-12, atol=0 if "extra" in k else 1e-14)
+
+
+class UsedFromSecondStep(nn.Module):
+    """A model whose support pass uses ``extra`` from the second inner step on (its forward takes ``step``), and
+    whose query pass after the last step uses it too: its value after the first step reaches the meta-loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(3, 5)
+        self.out = nn.Linear(5, 2)
+        self.extra = nn.Linear(3, 2)
+
+    def forward(self, x: Tensor, step: int = 0) -> Tensor:
+        out = self.out(torch.tanh(self.body(x)))
+        return out + self.extra(x) if step >= 1 else out
+
+
+# Rules that count no steps, whose state torch.optim starts at zero (momentum without dampening starts at the first
+# gradient alike): torch.optim counts each parameter's steps from its first gradient, the rules from the loop's first
+# step, so the step-counting rules (Adam's bias corrections, ASGD's eta) differ for a parameter first used later.
+LATE_USE = {
+    "sgd": {"momentum": 0.5, "weight_decay": 0.1},
+    "rmsprop": {"momentum": 0.5, "weight_decay": 0.1},
+    "adadelta": {"weight_decay": 0.1},
+}
+
+
+@pytest.mark.parametrize("batching", ["vmap", "loop"])
+@pytest.mark.parametrize("name", list(LATE_USE))
+def test_a_parameter_used_from_a_later_step_is_decayed_from_that_step_only(name, batching):
+    """torch.optim decays a parameter at the steps its gradient is not None (here from the second)."""
+    torch.manual_seed(0)
+    model, batch, steps, options = UsedFromSecondStep(), tasks(), 3, LATE_USE[name]
+    lr = LR.get(name, 0.05)
+    learner = maml.MetaLearner(
+        model, F.mse_loss, lr, steps, batching=batching, inner_optimizer=name, inner_optimizer_options=options
+    )
+    fast = learner.run(batch).fast
+    for t in range(batch.num_tasks):
+        theirs = copy.deepcopy(model)
+        opt = TORCH[name](theirs.parameters(), lr=lr, **options)
+        for step in range(steps):
+            opt.zero_grad(set_to_none=True)
+            F.mse_loss(theirs(batch.support_x[t], step=step), batch.support_y[t]).backward()
+            opt.step()
+        for k, p in theirs.named_parameters():
+            torch.testing.assert_close(fast[k][t].detach(), p.detach(), rtol=1e-12, atol=1e-14, msg=k)
+
+
+def higher_meta_loss(name: str, options: dict[str, Any], model: nn.Module, batch: maml.TaskBatch, steps: int):
+    """The meta-loss by ``higher.innerloop_ctx``, whose optimizers skip a gradient of None as torch.optim does."""
+    opt = TORCH[name](model.parameters(), lr=LR.get(name, 0.05), **options)
+    total: Tensor | float = 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # higher warns about its RMSprop
+        for t in range(batch.num_tasks):
+            with higher.innerloop_ctx(model, opt, copy_initial_weights=False) as (fmodel, diffopt):
+                for k in range(steps):
+                    diffopt.step(F.mse_loss(fmodel(batch.support_x[t], step=k), batch.support_y[t]))
+                query = fmodel(batch.query_x[t], step=steps - 1)  # the query pass after step k gets step=k
+                total = total + F.mse_loss(query, batch.query_y[t]) / batch.num_tasks
+    return total
+
+
+@pytest.mark.parametrize("path", UNUSED_PATHS[:4])
+@pytest.mark.parametrize("name", list(LATE_USE))
+def test_meta_gradient_with_a_parameter_used_from_a_later_step_equals_highers(name, path):
+    """``extra`` is unused by the first support pass and used by the query pass: its meta-gradient is taken where
+    the first step left it undecayed, as higher's (before the fix, at a decayed value)."""
+    torch.manual_seed(0)
+    model, batch, steps = UsedFromSecondStep(), tasks(), 3
+    options = LATE_USE[name]
+    learner = maml.MetaLearner(
+        model, F.mse_loss, LR.get(name, 0.05), steps, inner_optimizer=name, inner_optimizer_options=options, **path
+    )
+    params = list(model.parameters())
+    ours = torch.autograd.grad(learner.meta_loss(batch), params)
+    theirs = torch.autograd.grad(higher_meta_loss(name, options, model, batch, steps), params)
+    for (k, _), a, b in zip(model.named_parameters(), ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=k)
