@@ -7,6 +7,7 @@ Float64 unless a test says otherwise.
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 from typing import Any
 
@@ -231,3 +232,69 @@ def test_meta_gradient_with_a_parameter_used_from_a_later_step_equals_highers(na
     theirs = torch.autograd.grad(higher_meta_loss(name, options, model, batch, steps), params)
     for (k, _), a, b in zip(model.named_parameters(), ours, theirs, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=k)
+
+
+# ============================================================ learned options at extreme raw values (issue item 9)
+
+# Every option mapped by exp (and Rprop's etaplus, by 1 + exp), with options that put it on the meta-loss's path.
+EXP_MAPPED = [
+    ("adam", "eps", {}),
+    ("adamw", "eps", {}),
+    ("rmsprop", "eps", {}),
+    ("adagrad", "eps", {}),
+    ("adadelta", "eps", {}),
+    ("adamax", "eps", {}),
+    ("nadam", "eps", {}),
+    ("radam", "eps", {}),  # rectified from the sixth step on (rho_t > 5): eps is used there
+    ("adagrad", "lr_decay", {"lr_decay": 0.1}),
+    ("adagrad", "initial_accumulator_value", {"initial_accumulator_value": 0.1}),
+    ("nadam", "momentum_decay", {}),
+    ("asgd", "alpha", {}),
+    ("asgd", "lambd", {}),
+    ("rprop", "etaplus", {}),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("raw", [800.0, 709.8, -800.0])
+@pytest.mark.parametrize("name, option, options", EXP_MAPPED, ids=[f"{n}-{o}" for n, o, _ in EXP_MAPPED])
+def test_an_exp_mapped_option_stays_finite_in_range_with_a_finite_meta_gradient_at_any_raw(
+    name, option, options, raw, dtype
+):
+    """Before the fix, raw 709.8 and 800 gave a NaN meta-gradient (exp overflowed to inf, clamped to the largest
+    float with derivative inf * 0), Rprop's etaplus was inf there and exactly 1.0 at raw -800."""
+    torch.set_default_dtype(dtype)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2))
+    learn = "etas" if option == "etaplus" else option
+    learner = maml.MetaLearner(
+        model,
+        F.mse_loss,
+        LR.get(name, 0.05),
+        6 if name == "radam" else 3,
+        inner_optimizer=name,
+        inner_optimizer_options={**options, "learn": [learn]},
+        check_finite=False,  # ASGD's lambd at its top decays the weights past any float: the loss may be inf
+    )
+    raw_tensor = learner.rule.learned[option].value
+    with torch.no_grad():
+        raw_tensor.fill_(raw)
+    value = float(learner.rule.option(option, "0.weight", 0).detach())
+    low = 1.0 if option == "etaplus" else 0.0
+    assert math.isfinite(value) and value > low, value  # > 1 strictly for etaplus, in the dtype
+    if option == "lambd":
+        return  # its value is the point here: a weight decayed by lambd ~ 1e304 has no finite loss to differentiate
+    learner.meta_loss(tasks()).backward()  # in the default dtype, set above
+    for p in learner.parameters():
+        assert p.grad is None or torch.isfinite(p.grad).all(), p.grad
+
+
+@pytest.mark.parametrize("raw", [-30.0, -3.0, 0.0, 2.5, 30.0])
+def test_an_exp_mapped_option_at_an_ordinary_raw_is_exp_exactly(raw):
+    rule = maml.Rprop(learn=["etas"])
+    eps = maml.Adam(learn=["eps"])
+    with torch.no_grad():
+        rule.learned["etaplus"].value.fill_(raw)
+        eps.learned["eps"].value.fill_(raw)
+    assert float(eps.option("eps", "", 0).detach()) == math.exp(raw)
+    assert float(rule.option("etaplus", "", 0).detach()) == 1 + math.exp(raw)
