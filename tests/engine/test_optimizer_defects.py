@@ -298,3 +298,75 @@ def test_an_exp_mapped_option_at_an_ordinary_raw_is_exp_exactly(raw):
         eps.learned["eps"].value.fill_(raw)
     assert float(eps.option("eps", "", 0).detach()) == math.exp(raw)
     assert float(rule.option("etaplus", "", 0).detach()) == 1 + math.exp(raw)
+
+
+# ================================================================ a state saved under another rule (issue item 10)
+
+
+def learner_with(inner_optimizer: str, options: dict[str, Any]) -> maml.MetaLearner:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    return maml.MetaLearner(
+        model, F.mse_loss, 0.05, 2, inner_optimizer=inner_optimizer, inner_optimizer_options=options
+    )
+
+
+@pytest.mark.parametrize(
+    "saved, loading, message",
+    [
+        (
+            ("rmsprop", {"learn": ["alpha"]}),
+            ("asgd", {"learn": ["alpha"]}),
+            "this state was saved by a learner with inner_optimizer=RMSprop; this learner's is ASGD: build it with "
+            "maml.RMSprop(...) or load a state saved by ASGD.",
+        ),
+        (
+            ("adam", {"learn": ["betas"]}),
+            ("nadam", {"learn": ["betas"]}),
+            "this state was saved by a learner with inner_optimizer=Adam; this learner's is NAdam: build it with "
+            "maml.Adam(...) or load a state saved by NAdam.",
+        ),
+        (
+            ("adam", {"learn": ["betas"]}),
+            ("adam", {"learn": ["betas", "eps"]}),
+            "this state's Adam learned ['beta1', 'beta2'], but this learner's Adam learns ['beta1', 'beta2', 'eps']",
+        ),
+        (
+            ("rmsprop", {"learn": ["alpha"]}),
+            ("asgd", {}),
+            "state holds a rule's own tensors (state['rule']: ['learned.alpha.value']), but this learner's rule "
+            "'asgd' has none; build it with the same inner_optimizer as the saved one (e.g. maml.RMSprop(...)).",
+        ),
+    ],
+    ids=["rmsprop-into-asgd", "adam-into-nadam", "other-learned-options", "into-fixed-options"],
+)
+def test_a_state_saved_under_another_rule_is_refused_naming_both_and_nothing_loads(saved, loading, message):
+    """Before the fix, RMSprop's learned alpha (0.99) loaded into ASGD as 99 and Adam's betas into NAdam, silently."""
+    state = learner_with(*saved).state_dict()
+    learner = learner_with(*loading)
+    with torch.no_grad():
+        for p in learner.model.parameters():
+            p.add_(1.0)  # differs from the saved model: a partial load would show
+    before = {k: v.clone() for k, v in {**learner.model.state_dict(), **learner.rule.state_dict()}.items()}
+    with pytest.raises(ValueError) as raised:
+        learner.load_state_dict(state)
+    assert str(raised.value).startswith(message), str(raised.value)
+    after = {**learner.model.state_dict(), **learner.rule.state_dict()}
+    assert all(torch.equal(after[k], v) for k, v in before.items())  # nothing loaded
+
+
+def test_a_state_round_trips_into_a_learner_of_the_same_rule_and_an_older_state_still_loads():
+    saved = learner_with("rmsprop", {"learn": ["alpha"]})
+    with torch.no_grad():
+        saved.rule.learned["alpha"].value.fill_(1.5)
+    state = saved.state_dict()
+    assert state["inner_optimizer"] == {"class": "RMSprop", "module": "maml._src.optimizers", "learned": ["alpha"]}
+    again = learner_with("rmsprop", {"learn": ["alpha"]})
+    again.load_state_dict(state)
+    assert float(again.rule.option("alpha", "", 0).detach()) == float(saved.rule.option("alpha", "", 0).detach())
+    older = {k: v for k, v in state.items() if k != "inner_optimizer"}  # saved before the rule was recorded
+    another = learner_with("rmsprop", {"learn": ["alpha"]})
+    another.load_state_dict(older)
+    assert torch.equal(another.rule.learned["alpha"].value, saved.rule.learned["alpha"].value)
+    # Fixed options keep nothing of the rule: the model's weights load under another rule, as before.
+    learner_with("asgd", {}).load_state_dict(learner_with("rmsprop", {}).state_dict())
