@@ -508,6 +508,7 @@ class _ForwardOverReverse:
                     cot_fast,
                     cot_state,
                     want_rates=want_rates,
+                    unused=loop.forward.unused(step),
                 )
                 cot_rates = {k: v + step_rates[k] for k, v in cot_rates.items()}
                 cot_phi = {k: v + step_phi[k] for k, v in cot_phi.items()}

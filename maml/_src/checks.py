@@ -358,6 +358,34 @@ def key_differences(expected: Iterable[str], got: Iterable[str]) -> str:
     return "; ".join(parts)
 
 
+def same_rule(saved: Any, mine: Mapping[str, Any]) -> None:
+    """The rule a state was saved with (``state['inner_optimizer']``) must be ``mine``: its class, then its learned
+    options; else a ValueError naming both and how to build the learner that loads it."""
+    if (
+        not isinstance(saved, Mapping)
+        or not isinstance(saved.get("class"), str)
+        or not isinstance(saved.get("learned"), (list, tuple))
+    ):
+        raise ValueError(
+            f"state['inner_optimizer'] is {saved!r}; it must be what MetaLearner.state_dict() saves, e.g. "
+            f"{{'class': 'RMSprop', 'module': 'maml._src.optimizers', 'learned': ['alpha']}}: load a state_dict "
+            f"a learner saved."
+        )
+    theirs, ours = saved["class"], mine["class"]
+    if theirs != ours:
+        build = f"maml.{theirs}(...)" if str(saved.get("module", "")).startswith("maml.") else f"{theirs}(...)"
+        raise ValueError(
+            f"this state was saved by a learner with inner_optimizer={theirs}; this learner's is {ours}: build it "
+            f"with {build} or load a state saved by {ours}."
+        )
+    if sorted(saved["learned"]) != list(mine["learned"]):
+        raise ValueError(
+            f"this state's {theirs} learned {sorted(saved['learned'])}, but this learner's {ours} learns "
+            f"{list(mine['learned'])}: build it with learn={sorted(saved['learned'])} (in inner_optimizer_options "
+            f"or the rule's own argument) or load a state saved by a {ours} that learns those."
+        )
+
+
 def same_tensors(what: str, saved: Any, mine: Mapping[str, Tensor], build: str) -> None:
     """``saved`` must hold the keys and shapes of ``mine``; else one ValueError naming the entry and both sides."""
     if not isinstance(saved, Mapping):
@@ -431,9 +459,20 @@ def placed_like(rates: Mapping[str, Tensor], first: Tensor, rule_prefix: str) ->
 
 
 def learner_state(
-    state: Any, model_state: Mapping[str, Tensor], rates: Mapping[str, Tensor], rule: nn.Module | None, rule_name: str
+    state: Any,
+    model_state: Mapping[str, Tensor],
+    rates: Mapping[str, Tensor],
+    rule: nn.Module | None,
+    rule_name: str,
+    identity: Mapping[str, Any] | None = None,
 ) -> None:
     """What ``MetaLearner.load_state_dict`` loads must be what a learner built like this one saved, all of it.
+
+    ``identity``: this learner's rule as ``state.rule_identity`` records it. Where both sides hold a rule's
+    own tensors, the saved rule (``state['inner_optimizer']``) must be this one: the same class and learned
+    options (where one side alone holds them, that is refused first). A state saved before the rule was
+    recorded loads where its tensors match; two rules with fixed options keep nothing of the rule in the
+    state, so a state of one loads into a learner of the other (the model's weights, under another rule).
 
     Raises:
         ValueError: naming the entry and both sides (another model, ``learn_inner_lr``, steps of per-step
@@ -449,17 +488,21 @@ def learner_state(
             f"state['inner_lrs'] has rates {sorted(state['inner_lrs'])} but this learner learns "
             f"{sorted(rates)}; build it with the same learn_inner_lr as the saved one."
         )
+    saved_rule = state.get("inner_optimizer")  # absent from states saved before the rule was recorded
     if rule is None and "rule" in state:
+        example = saved_rule["class"] if isinstance(saved_rule, Mapping) and "class" in saved_rule else "MetaCurvature"
         raise ValueError(
             f"state holds a rule's own tensors (state['rule']: {sorted(state['rule'])}), but this learner's "
             f"rule {rule_name!r} "
-            f"has none; build it with the same inner_optimizer as the saved one (e.g. maml.MetaCurvature(model))."
+            f"has none; build it with the same inner_optimizer as the saved one (e.g. maml.{example}(...))."
         )
     if rule is not None and "rule" not in state:
         raise ValueError(
             f"state has no 'rule' entry, but this learner's rule {rule_name} is a module "
             f"with a state of its own; load a state_dict saved by a learner with the same rule."
         )
+    if rule is not None and identity is not None and saved_rule is not None:
+        same_rule(saved_rule, identity)  # before the tensors: another rule's may have the same keys and shapes
     chosen = state.get("batching", {})  # what batching="auto" chose, by device: {"cpu": "vmap"}
     if not isinstance(chosen, Mapping):
         raise ValueError(

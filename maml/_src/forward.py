@@ -155,14 +155,34 @@ class TaskForward:
         self.takes_step = takes_step(model)
         self._call = Reparametrized(model)
         self._chosen: dict[torch.device, str] = {}
+        # By inner step (one entry for all where the support pass cannot tell the steps apart): the adapted
+        # parameters the support loss does not use, whose gradient autograd gives as None (Probe finds them).
+        self.unused_by_step: dict[int, frozenset[str]] = {}
+
+    @property
+    def by_step(self) -> bool:
+        """Whether the support pass sees the inner step (the model's ``forward`` or the inner loss takes ``step``),
+        so that which parameters it uses may differ between steps."""
+        return self.takes_step or (self.inner_loss is not None and "step" in self.inner_loss.keywords)
+
+    def unused(self, step: int) -> frozenset[str]:
+        """The adapted parameters the support loss of inner step ``step`` does not use, as the probe found them on the
+        first task (``model_check.unused_parameters``); empty where none was found or none was probed.
+
+        ``torch.optim`` skips a parameter whose ``.grad`` is None: no weight decay, no state. Every
+        path takes the support gradient its own way (``torch.func.grad`` gives zeros where autograd
+        gives None), so the rule is told by name (:meth:`rules.BoundRule.update`'s ``unused``).
+        """
+        return self.unused_by_step.get(step if self.by_step else 0, frozenset())
 
     def stale(self) -> bool:
         """Whether the model's structure changed since this pass mapped it (:meth:`Reparametrized.stale`)."""
         return self._call.stale()
 
     def refresh(self) -> None:
-        """Maps the model anew, as it is now."""
+        """Maps the model anew, as it is now (which parameters its support loss uses is found anew)."""
         self._call.refresh()
+        self.unused_by_step = {}
 
     def resolve(self, device: torch.device) -> str:
         """The batching used for tensors on ``device``: ``"vmap"`` or ``"loop"``."""

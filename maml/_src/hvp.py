@@ -141,6 +141,7 @@ def rule_vjp(
     *,
     wrt_inputs: bool = True,
     wrt_rates: bool = False,
+    unused: frozenset[str] = frozenset(),
 ) -> tuple[Params, State, Params, Params]:
     """The update rule's vector-Jacobian product at one step, by autograd on the rule alone.
 
@@ -150,6 +151,8 @@ def rule_vjp(
         cotangents: ``(cot_fast, cot_state)``, ``(T, *shape)`` cotangents of the step's new fast weights and state.
         wrt_inputs: pull back to ``(fast, state, grads)``.
         wrt_rates: pull back to the learnable rates.
+        unused: the parameters the step's support loss does not use, which the rule leaves as they are
+            (``BoundRule.update``).
 
     Returns:
         The cotangents of ``fast``, ``state`` and ``grads`` (``(T, *shape)``; empty without
@@ -162,7 +165,7 @@ def rule_vjp(
         state_in = tuple({k: v.detach().requires_grad_(wrt_inputs) for k, v in s.items()} for s in state)
         grads_in = {k: v.detach().requires_grad_(wrt_inputs) for k, v in grads.items()}
         rates_in = {k: v.detach().requires_grad_(wrt_rates) for k, v in rate_values.items()}
-        new_fast, new_state = rule.update(rates_in, grads_in, state_in, fast_in, step, rates.at(rates_in, step))
+        new_fast, new_state = rule.update(rates_in, grads_in, state_in, fast_in, step, rates.at(rates_in, step), unused)
         inputs: list[Tensor] = []
         if wrt_inputs:
             inputs += [*fast_in.values(), *(s[k] for s in state_in for k in names), *grads_in.values()]
@@ -198,6 +201,7 @@ def step_vjp(
     cot_state: State,
     *,
     want_rates: bool,
+    unused: frozenset[str] = frozenset(),
 ) -> tuple[Params, State, Params, Params]:
     """One inner step's pullback: ``v_k = v_U + H u``, ``phi_bar = H_phi_theta u`` (module docstring).
 
@@ -210,13 +214,14 @@ def step_vjp(
         grads: ``(T, *shape)`` the step's support gradient, or ``None`` if not at hand.
         cot_fast, cot_state: ``(T, *shape)`` cotangents of the step's outputs.
         want_rates: pull back to the learnable rates too.
+        unused: the parameters the step's support loss does not use (``TaskForward.unused``).
 
     Returns:
         The cotangents of ``fast`` and ``state`` entering the step (``(T, *shape)``), of the rates
         (keyed like ``rate_values``; empty unless ``want_rates``) and of the trained parameters
         outside the adapt set (keyed as ``hvp`` returns them).
     """
-    pull = functools.partial(rule_vjp, rule, rates, rate_values, step)  # the rule's vjp at this step
+    pull = functools.partial(rule_vjp, rule, rates, rate_values, step, unused=unused)  # the rule's vjp at this step
     cotangents = (cot_fast, cot_state)
     if grads is None and not rule.linear:
         grads = support_grad(fast)

@@ -20,7 +20,9 @@ gradient). The tensor stored, saved and trained is the unconstrained one:
 - ``"real"`` (weight decay): ``value = raw``.
 
 So a learned option must start strictly inside its range (a learned momentum cannot start at 0);
-the value is also clamped to the open range in floating point, where a sigmoid of 40 rounds to 1.
+the value is also clamped to the open range in floating point, where a sigmoid of 40 rounds to 1,
+and ``exp`` continues as a logarithm past a knee below its overflow (:func:`_exp`), so that every
+finite raw value maps to a finite value inside the open range with a finite derivative.
 The rule's tensors are ``nn.Parameter``\\ s of the rule (an ``nn.Module``), so the engine threads
 them beside the rates through every execution path (``rules.BoundRule``) and saves them with the
 learner; :meth:`HyperparameterRule.extra_repr` shows the values in range.
@@ -64,16 +66,45 @@ def _raw(value: float, kind: Range) -> float:
 
 
 def _constrained(raw: Tensor, kind: Range) -> Tensor:
-    # Clamped to the open range in floating point too: a sigmoid of 40 rounds to 1 and an exp of -800 to 0, where
-    # a bias correction or a division would be 0 (their derivatives there are 0 to float precision anyway).
+    """``raw``'s image under ``kind``'s parametrisation, inside the open range in ``raw``'s dtype, finite with a finite
+    derivative for every finite ``raw``.
+
+    Clamped to the open range in floating point: a sigmoid of 40 rounds to 1, an exp of -800 to 0 and a
+    ``1 + exp(-40)`` to 1, where a bias correction or a division would be 0 or an open range closed (their
+    derivatives there are 0 to float precision anyway). Past :func:`_exp`'s knee the value grows as a log.
+    """
     finfo = torch.finfo(raw.dtype)
     if kind == "unit":
         return torch.sigmoid(raw).clamp(finfo.tiny, 1 - finfo.eps)
     if kind == "positive":
-        return raw.exp().clamp(finfo.tiny, finfo.max)
+        return _exp(raw).clamp(finfo.tiny, finfo.max)
     if kind == "above_one":
-        return 1 + raw.exp()
+        # 1 + eps is the float after 1: below exp(raw) = eps the sum would round to 1, outside (1, inf).
+        return 1 + _exp(raw).clamp_min(finfo.eps)
     return raw
+
+
+def _knee(dtype: torch.dtype) -> float:
+    """Where :func:`_exp` leaves exp: its value past it, ``exp(knee) (1 + log1p(raw - knee))``, stays below the
+    dtype's largest float over 16 for every finite raw (``log1p`` of the largest float is ``log(max)``), so an
+    update may still add or multiply it by a few without overflowing."""
+    log_max = math.log(torch.finfo(dtype).max)
+    return log_max - math.log(16 * (1 + log_max))
+
+
+def _exp(raw: Tensor) -> Tensor:
+    """``exp(raw)``, exactly, up to a knee below the dtype's overflow; past it ``exp(knee) (1 + log1p(raw - knee))``:
+    finite, increasing and once differentiable, where exp would be inf and its derivative NaN (inf times a zero).
+
+    The knee (:func:`_knee`) is at raw 700.4 in float64 and 81.5 in float32 (5.8 in float16), far past any
+    value an option is meant to take, so the value at every ordinary raw is ``exp(raw)``, and past the knee
+    the derivative still points the outer step back.
+    """
+    knee = _knee(raw.dtype)
+    below = raw.clamp(max=knee).exp()
+    # where's branch not taken gets a zero cotangent: each branch is kept finite (clamped) so that 0 * it is 0.
+    past = math.exp(knee) * (1 + torch.log1p((raw - knee).clamp(min=0)))
+    return torch.where(raw > knee, past, below)
 
 
 def _attribute(key: str) -> str:

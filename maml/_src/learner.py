@@ -456,6 +456,7 @@ class MetaLearner:
                 lean=self._mode.plans == "segments",
                 choose=not self._plans(grad),
                 twice=grad and self._mode.twice,
+                steps=steps,
             )
         self._example_shape = batch.query_x.shape[2:]
         if grad:
@@ -524,7 +525,8 @@ class MetaLearner:
         task = TaskBatch(x, y, *(x[:, 0], y[:, 0]) if per_step else (x, y), per_step=per_step)
         params, consts, steps = self._prepare("adapt", params, steps, task.query_x)
         with checks.batch_hint(support_x, self._example_shape):  # a first call given a batch fails in the model
-            self._probe(params, consts, task, batching=self.batching, lean=self._mode.plans == "segments")
+            lean = self._mode.plans == "segments"
+            self._probe(params, consts, task, batching=self.batching, lean=lean, steps=steps)
         self._example_shape = task.query_x.shape[2:]
         with modes.attention(self._mode.name):
             fast = modes.TABLE[self._mode.name].adapt(self._call(params, consts, task, steps, None))
@@ -717,7 +719,8 @@ class MetaLearner:
         elif not self._plans(True):
             return None
         params, consts, steps = self._prepare("run", None, None, batch.support_at(0)[0], batch.query_x)
-        self._probe(params, consts, batch, batching=self.batching, lean=self._mode.plans == "segments", choose=False)
+        lean = self._mode.plans == "segments"
+        self._probe(params, consts, batch, batching=self.batching, lean=lean, choose=False, steps=steps)
         problem = Problem(self._loop, params, self._rate_values(), consts, batch, steps)
         try:
             plan = self._planner.plan(problem, mode=self._mode, memory_budget=budget, one_call=False, outputs=outputs)

@@ -119,7 +119,8 @@ class InnerLoop:
         scores: list[Tensor] = []
         for step in range(start, steps if stop is None else stop):
             grads, losses = support_grad(fast, step)
-            fast, state = self.rule.update(rate_values, grads, state, fast, step, self.rates.at(rate_values, step))
+            rates = self.rates.at(rate_values, step)
+            fast, state = self.rule.update(rate_values, grads, state, fast, step, rates, self.forward.unused(step))
             if self.check is not None:
                 self.check(losses, step, steps)
             support_losses.append(losses)

@@ -93,6 +93,35 @@ def check_model(
     return closes_over
 
 
+def unused_parameters(
+    forward: TaskForward, params: Params, consts: Params, x: Tensor, y: Tensor, step: int
+) -> frozenset[str]:
+    """The adapted parameters that one task's support loss at inner step ``step`` does not use.
+
+    Those whose gradient ``torch.autograd.grad(..., allow_unused=True)`` gives as None: the loss
+    does not depend on them (or only through a detached or non-differentiable op). ``torch.optim``
+    skips such a parameter (no weight decay, no state), and so does the inner loop
+    (``rules.BoundRule.update``). A property of the model's code, found on the first task with the
+    random number generators forked, so the random stream is left as it was.
+
+    Args:
+        forward: the learner's per-task forward pass.
+        params: one task's adapted parameters, without a task dimension (detached).
+        consts: the shared parameters and buffers (detached).
+        x: ``(1, n, *x_shape)`` one task's support inputs at ``step``.
+        y: ``(1, n, *y_shape)`` its targets.
+        step: the inner step (0-based) whose support pass is run.
+    """
+    leaves = {k: v.detach().unsqueeze(0).requires_grad_() for k, v in params.items()}
+    devices = sorted({t.device.index for t in (*params.values(), x) if t.is_cuda})
+    with torch.random.fork_rng(devices=devices), torch.enable_grad():
+        losses, _ = forward(leaves, consts, x.detach(), y.detach(), batching="loop", step=step, inner=True)
+        if not losses.requires_grad:  # depends on none of them (an objective of the data alone)
+            return frozenset(leaves)
+        grads = torch.autograd.grad(losses.sum(), list(leaves.values()), allow_unused=True)
+    return frozenset(k for k, g in zip(leaves, grads) if g is None)
+
+
 def _unbatchable(error: RuntimeError) -> bool:
     """Whether ``error`` is vmap refusing an operation (rather than an error of the model itself)."""
     message = str(error)

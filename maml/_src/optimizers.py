@@ -683,10 +683,23 @@ class ASGD(_Rule):
         for k, p in params.items():
             o = self.options(k, step)
             lr, lambd = rates[k], o["lambd"]
-            eta = lr if step == 0 else lr / ((1 + lambd * lr * step) ** o["alpha"])
+            eta = lr if step == 0 else _asgd_eta(lr, lambd, step, o["alpha"])
             g, p = self._decayed(grads[k], p, rates[k], o["weight_decay"])
             new[k] = _scaled(p * (1 - lambd * eta), eta, g)
         return new, self._state()
+
+
+def _asgd_eta(lr: Value, lambd: Value, step: int, alpha: Value) -> Value:
+    """ASGD's ``eta = lr / (1 + lambd lr step)^alpha`` (``torch.optim``'s) at the 0-based step ``step >= 1``.
+
+    A learned ``alpha`` takes the form ``lr exp(-alpha log1p(lambd lr step))``, equal to rounding: the
+    power overflows to inf at a large ``alpha`` (the top of its range), where its derivative, inf times
+    the zero that eta's divides it by, is NaN; the exp underflows to 0, with derivative 0.
+    """
+    x = lambd * lr * step
+    if not isinstance(alpha, Tensor):
+        return lr / ((1 + x) ** alpha)
+    return lr * torch.exp(-alpha * (torch.log1p(x) if isinstance(x, Tensor) else math.log1p(x)))
 
 
 def _pair(rule: str, name: str, value: Any) -> tuple[float, float]:

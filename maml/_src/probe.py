@@ -15,7 +15,7 @@ from torch import nn
 
 from .batch import TaskBatch
 from .forward import Params, TaskForward, unfused_layers
-from .model_check import check_model
+from .model_check import check_model, unused_parameters
 from .planner import TIMED_TASKS, choose_batching, data_dependent
 
 __all__ = ["Probe"]
@@ -33,6 +33,8 @@ class Probe:
         self.model = model
         self.forward = forward
         self._checked: set[Any] = set()  # (device, each module's training flag)
+        # By that key: each inner step's unused parameters (TaskForward.unused), found as a call first needs them.
+        self._unused: dict[Any, dict[int, frozenset[str]]] = {}
         self.closes_over = False  # the inner loss reads a tensor on a graph that none of its arguments is
         # The first operator whose output's size follows the data (planner.data_dependent): its calls are measured.
         self.data_dependent: str | None = None
@@ -48,6 +50,7 @@ class Probe:
         lean: bool,
         choose: bool = True,
         twice: bool = False,
+        steps: int | None = None,
     ) -> None:
         """Checks the model on ``batch``'s first task if its configuration is new, then lets ``"auto"`` choose.
 
@@ -61,11 +64,15 @@ class Probe:
             choose: let ``"auto"`` time its batching on this batch; a call whose step a memory
                 budget plans times it on the planned tasks instead (``planner.Planner``).
             twice: the call differentiates its inner steps (a second-order step): time those.
+            steps: the inner steps the call runs: which parameters each step's support loss leaves unused is
+                found for those not yet probed (``TaskForward.unused``); ``None``: the call runs no inner loop.
         """
         device = batch.support_x.device
         key = (device, tuple(m.training for m in self.model.modules()))
         checked = key in self._checked
-        if checked and (batching != "auto" or self.forward.settled(device) or not choose):
+        self.forward.unused_by_step = self._unused.setdefault(key, {})  # a module switched to eval mode may differ
+        probe = steps is not None and bool(self._unprobed(steps))
+        if not probe and checked and (batching != "auto" or self.forward.settled(device) or not choose):
             return
         with torch.no_grad():
             one = {k: v.detach() for k, v in params.items()}
@@ -74,10 +81,15 @@ class Probe:
             x, y = batch[:1].support_at(0)
             self.closes_over |= check_model(self.forward, one, shared, x, y, may_fall_back=batching == "auto")
             with torch.no_grad():
-                first = {k: v.unsqueeze(0) for k, v in one.items()}
-                found = data_dependent(lambda: self.forward(first, shared, x, y, batching="loop", inner=True))
+                task = {k: v.unsqueeze(0) for k, v in one.items()}
+                found = data_dependent(lambda: self.forward(task, shared, x, y, batching="loop", inner=True))
             self.data_dependent = self.data_dependent or found
             self._checked.add(key)
+        if probe:
+            first = batch[:1]
+            for step in self._unprobed(steps or 0):
+                x, y = first.support_at(step)
+                self.forward.unused_by_step[step] = unused_parameters(self.forward, one, shared, x, y, step)
         if not choose:
             return
         # The checkpointed mode with its tasks given plans nothing (MetaLearner._plans) and is chosen for memory (lean):
@@ -92,3 +104,9 @@ class Probe:
         data = [part.support_at(0), (part.query_x, part.query_y)]
         fast = {k: v.expand(tasks, *v.shape) for k, v in one.items()}
         choose_batching(self.forward, fast, shared, data, second_order=twice)
+
+    def _unprobed(self, steps: int) -> list[int]:
+        """The inner steps of ``0 .. steps - 1`` whose unused parameters are not known yet (one for all steps where
+        the support pass does not see the step)."""
+        known = self.forward.unused_by_step
+        return [s for s in range(steps if self.forward.by_step else min(steps, 1)) if s not in known]

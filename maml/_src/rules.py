@@ -108,9 +108,21 @@ class BoundRule:
         return _checked_state(self.rule, "init", self.rule.init(params), params)
 
     def update(
-        self, values: Params, grads: Params, state: State, params: Params, step: int, rates: StepRates
+        self,
+        values: Params,
+        grads: Params,
+        state: State,
+        params: Params,
+        step: int,
+        rates: StepRates,
+        unused: frozenset[str] = frozenset(),
     ) -> tuple[Params, State]:
-        """The rule's step, with its own tensors from ``values`` (keys ``RULE_PREFIX + name``)."""
+        """The rule's step, with its own tensors from ``values`` (keys ``RULE_PREFIX + name``).
+
+        ``unused``: the parameters the step's support loss does not use (``TaskForward.unused``): they and
+        their state come out as they went in, as ``torch.optim`` skips a parameter whose ``.grad`` is None
+        (higher and TorchOpt too), where a rule given their zero gradient would still decay them.
+        """
         state = self._make(state)
         if self._module is None:
             out = self.rule.update(grads, state, params, step, rates)
@@ -127,6 +139,11 @@ class BoundRule:
             _check_update(self.rule, out, params)
             self._checked.add(step)
         new, new_state = out
+        if unused:
+            new = {**new, **{k: params[k] for k in unused}}
+            if len(new_state) == len(state):  # the state as it went in (a rule whose state grows keeps its new parts)
+                kept = [{**part, **{k: was[k] for k in unused}} for part, was in zip(new_state, state)]
+                new_state = getattr(type(new_state), "_make", tuple)(kept)
         # By key: a path that lays tensors out by position must not read a reordered dict.
         return {k: new[k] for k in params}, new_state
 

@@ -13,21 +13,26 @@ from torch import nn
 
 from . import checks
 from .forward import TaskForward
+from .hyperparameters import HyperparameterRule
 from .planner import Planner
 from .rules import UpdateRule
 
-__all__ = ["load_state", "move", "save_state"]
+__all__ = ["load_state", "move", "rule_identity", "save_state"]
 
 
 def save_state(
     model: nn.Module, rates: dict[str, nn.Parameter], rule: UpdateRule, forward: TaskForward, planner: Planner
 ) -> dict[str, Any]:
-    """The state ``MetaLearner.state_dict`` returns: ``model``, ``inner_lrs``, ``batching``, ``plans`` (and ``rule``)."""
+    """The state ``MetaLearner.state_dict`` returns: ``model``, ``inner_lrs``, ``batching``, ``plans``,
+    ``inner_optimizer`` (:func:`rule_identity`) and, for a rule with tensors of its own, ``rule``."""
     state = {
         "model": model.state_dict(),
         "inner_lrs": {k: v.detach().clone() for k, v in rates.items()},
         "batching": forward.chosen,
         "plans": {k: dict(v) for k, v in planner.measured.items()},  # what the planner measured: a resume plans alike
+        # Which rule the tensors of state["rule"] belong to: RMSprop's learned alpha and ASGD's have one key and
+        # shape, and mean different things (0.99 and 99 from one raw value).
+        "inner_optimizer": rule_identity(rule),
     }
     if _has_state(rule):
         state["rule"] = rule.state_dict()  # type: ignore[union-attr]
@@ -49,7 +54,7 @@ def load_state(
     """
     module = rule if _has_state(rule) else None
     rule_name = given if isinstance(given, str) else type(rule).__name__
-    checks.learner_state(state, model.state_dict(), dict(rates), module, rule_name)
+    checks.learner_state(state, model.state_dict(), dict(rates), module, rule_name, rule_identity(rule))
     model.load_state_dict(state["model"])
     with torch.no_grad():
         for k, v in state["inner_lrs"].items():
@@ -58,6 +63,12 @@ def load_state(
     planner.measured.update({k: dict(v) for k, v in state.get("plans", {}).items()})  # checked: non-negative ints
     if module is not None:
         module.load_state_dict(state["rule"])
+
+
+def rule_identity(rule: UpdateRule) -> dict[str, Any]:
+    """What a saved state records of its rule: its class (name and module) and the options it learns, sorted."""
+    learned = sorted(rule.learned) if isinstance(rule, HyperparameterRule) else []
+    return {"class": type(rule).__name__, "module": type(rule).__module__, "learned": learned}
 
 
 def _has_state(rule: UpdateRule) -> bool:
