@@ -558,7 +558,7 @@ def planning_cost(path: Path = REPO / "results/benchmarks/planning_cost.json") -
         )
     lines += [
         "",
-        f"Second order, float64, three times the smallest budget the learner accepts, `\"auto\"` batching (planned) "
+        f'Second order, float64, three times the smallest budget the learner accepts, `"auto"` batching (planned) '
         f"against `backward(batch, chunk=1)` in a loop (unplanned), each in a fresh process; peak RSS rise: of the "
         f"process's `VmHWM` over the first call, and over the {report['later_calls']} later ones; time: the first "
         f"call's CPU time over a later call's (the median). wide_layer: one hidden layer of 16,384 units, 6 tasks; "
