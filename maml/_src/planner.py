@@ -269,8 +269,8 @@ def saved_bytes(fn: Callable[[], object]) -> int:
 
 
 def _cpu_seconds(device: torch.device) -> Callable[[], float]:
-    """The clock a timing reads: the calling thread's CPU time on the CPU (a busy machine does not add to it:
-    time the thread was descheduled is not counted), wall time with synchronisation on a GPU."""
+    """The clock a timing reads: the calling thread's CPU time on the CPU, read on one intra-op thread
+    (:func:`_one_thread`), wall time with synchronisation on a GPU."""
     if device.type == "cuda":
 
         def wall() -> float:
@@ -279,6 +279,29 @@ def _cpu_seconds(device: torch.device) -> Callable[[], float]:
 
         return wall
     return time.thread_time
+
+
+@contextlib.contextmanager
+def _one_thread(device: torch.device) -> Iterator[None]:
+    """On the CPU, torch's intra-op threads set to one for the timing, then back to as many as before.
+
+    On one thread the calling thread's CPU time is all the work, and time it was descheduled is not
+    counted, so a busy machine does not add to it. On several it is neither: it misses the work done
+    on the worker threads, and it counts the calling thread's waits at each parallel region's barrier
+    for a worker the machine has descheduled (OpenMP's workers spin as they wait). On a loaded 2-core
+    machine, 2 threads, higher's Omniglot net at 32 filters on 4 tasks, that put the loop's time
+    over vmap's anywhere from 0.74 to 1.72 in fresh processes, across the margin both ways
+    (``benchmarks.auto_choice``); on one thread the two are the same work in every process.
+    """
+    if device.type == "cuda":
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def time_batchings(
@@ -348,7 +371,7 @@ def time_batchings(
 
     # Differentiated twice: attention on its math kernel, whose backward has a derivative (forward.exact_attention).
     layers = exact_attention() if second_order else unfused_layers()
-    with torch.random.fork_rng(devices=devices), torch.enable_grad(), layers:  # dropout: the stream stays
+    with torch.random.fork_rng(devices=devices), torch.enable_grad(), layers, _one_thread(device):  # dropout: the stream
         for batching in seconds:
             one_pass(batching)  # warm-up: allocations, kernel choice
         for _ in range(3):
