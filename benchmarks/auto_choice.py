@@ -7,8 +7,8 @@ Each run is a fresh Python process that builds a learner on higher's Omniglot ne
 ``time_batchings`` returned. With ``--busy K``, one more process spins float32 matmuls on ``K`` threads beside
 every run (two processes at a time in all), as another user's job would on a shared machine.
 
-``--call meta_loss`` makes the first call ``learner.meta_loss(batch).backward()``, which plans nothing: the loop
-is taken only where it times ``LOOP_MARGIN`` times faster. ``--call backward`` makes it ``learner.backward(batch)``,
+``--calls meta_loss`` makes the first call ``learner.meta_loss(batch).backward()``, which plans nothing: the loop
+is taken only where it times ``LOOP_MARGIN`` times faster. ``--calls backward`` makes it ``learner.backward(batch)``,
 whose memory plan prefers the loop: vmap only where it times that much faster.
 
     python -m benchmarks.auto_choice --runs 10 --busy 1 --json results/benchmarks/auto_choice.json
@@ -33,6 +33,9 @@ from torch import nn
 _BUSY = (
     "import sys, torch\ntorch.set_num_threads(int(sys.argv[1]))\na = torch.randn(512, 512)\nwhile True:\n    a @ a\n"
 )
+
+
+CALLS = ("meta_loss", "backward")
 
 
 def network(filters: int, ways: int) -> nn.Sequential:
@@ -80,12 +83,57 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def runs_of(call: str, args: argparse.Namespace) -> dict[str, Any]:
+    """``args.runs`` fresh processes, one after another, whose first call is ``call``: their choices and timings."""
+    forwarded = ["--call", call, "--tasks", str(args.tasks), "--filters", str(args.filters), "--steps", str(args.steps)]
+    forwarded += [] if args.threads is None else ["--threads", str(args.threads)]
+    runs: list[dict[str, Any]] = []
+    for i in range(args.runs):
+        command = [sys.executable, "-m", "benchmarks.auto_choice", "--child", *forwarded]
+        out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+        run = json.loads(out.strip().splitlines()[-1])
+        runs.append(run)
+        s = run["seconds"] or {}
+        ratio = s["loop"] / s["vmap"] if s else float("nan")
+        print(
+            f"{call} run {i}: {run['choice']:<4}  vmap {s.get('vmap', 0):.4f} s  loop {s.get('loop', 0):.4f} s  "
+            f"loop/vmap {ratio:.2f}"
+        )
+    choices = dict(collections.Counter(run["choice"] for run in runs))
+    ratios = [r["seconds"]["loop"] / r["seconds"]["vmap"] for r in runs if r["seconds"]]
+    print(f"{call}: choices {choices}; loop/vmap from {min(ratios):.2f} to {max(ratios):.2f}" if ratios else choices)
+    span = [min(ratios), max(ratios)] if ratios else None
+    return {"call": call, "choices": choices, "loop_over_vmap": span, "runs": runs}
+
+
+def report(args: argparse.Namespace, argv: list[str] | None, tables: list[dict[str, Any]], complete: bool) -> None:
+    """Writes ``tables`` to ``args.json`` with the command, device, versions and commit."""
+    from benchmarks.report import write_report
+    from maml._src.planner import LOOP_MARGIN
+
+    command = sys.argv[1:] if argv is None else argv
+    threads = tables[0]["runs"][0]["threads"] if tables and tables[0]["runs"] else torch.get_num_threads()
+    fields = {k: getattr(args, k) for k in ("runs", "busy", "tasks", "filters", "steps")}
+    write_report(
+        args.json,
+        "auto_choice",
+        command,
+        "cpu",
+        threads,
+        complete=complete,
+        **fields,
+        loop_margin=LOOP_MARGIN,
+        tables=tables,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=10, help="fresh processes (default: %(default)s)")
     parser.add_argument("--busy", type=int, default=1, help="threads of the busy process; 0: none (default: 1)")
     parser.add_argument("--threads", type=int, help="torch's threads in each run (default: torch's choice)")
-    parser.add_argument("--call", choices=("meta_loss", "backward"), default="meta_loss")
+    parser.add_argument("--calls", nargs="+", choices=CALLS, default=list(CALLS), help="first calls, each --runs times")
+    parser.add_argument("--call", choices=CALLS, help=argparse.SUPPRESS)  # a child's
     parser.add_argument("--tasks", type=int, default=4)
     parser.add_argument("--filters", type=int, default=32)
     parser.add_argument("--steps", type=int, default=1, help="inner steps (default: %(default)s)")
@@ -95,50 +143,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(child(args)))
         return 0
-    forwarded = ["--call", args.call, "--tasks", str(args.tasks), "--filters", str(args.filters)]
-    forwarded += ["--steps", str(args.steps)] + ([] if args.threads is None else ["--threads", str(args.threads)])
     busy = None
     if args.busy:
         busy = subprocess.Popen([sys.executable, "-c", _BUSY, str(args.busy)])
         time.sleep(1.0)  # let it load torch and start spinning before the first run
-    runs: list[dict[str, Any]] = []
+    tables: list[dict[str, Any]] = []
     try:
-        for i in range(args.runs):
-            command = [sys.executable, "-m", "benchmarks.auto_choice", "--child", *forwarded]
-            out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-            run = json.loads(out.strip().splitlines()[-1])
-            runs.append(run)
-            s = run["seconds"] or {}
-            ratio = s["loop"] / s["vmap"] if s else float("nan")
-            print(
-                f"run {i}: {run['choice']:<4}  vmap {s.get('vmap', 0):.4f} s  loop {s.get('loop', 0):.4f} s  loop/vmap {ratio:.2f}"
-            )
+        for call in args.calls:
+            tables.append(runs_of(call, args))
+            if args.json is not None:
+                report(args, argv, tables, complete=False)
     finally:
         if busy is not None:
             busy.terminate()
             busy.wait()
-    choices = dict(collections.Counter(run["choice"] for run in runs))
-    ratios = [r["seconds"]["loop"] / r["seconds"]["vmap"] for r in runs if r["seconds"]]
-    print(f"choices: {choices}; loop/vmap from {min(ratios):.2f} to {max(ratios):.2f}" if ratios else choices)
     if args.json is not None:
-        from benchmarks.report import write_report
-        from maml._src.planner import LOOP_MARGIN
-
-        command = sys.argv[1:] if argv is None else argv
-        threads = runs[0]["threads"] if runs else torch.get_num_threads()
-        fields = {k: getattr(args, k) for k in ("runs", "busy", "call", "tasks", "filters", "steps")}
-        summary = {"choices": choices, "loop_over_vmap": [min(ratios), max(ratios)] if ratios else None}
-        write_report(
-            args.json,
-            "auto_choice",
-            command,
-            "cpu",
-            threads,
-            **fields,
-            loop_margin=LOOP_MARGIN,
-            **summary,
-            results=runs,
-        )
+        report(args, argv, tables, complete=True)
     return 0
 
 
