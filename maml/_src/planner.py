@@ -25,9 +25,12 @@ upper bound of what is alive at the peak: ``tests/engine/test_memory_budget.py``
 and later calls of many model families to the budget, counted by a probe the engine does not use.
 
 **Batching.** ``"auto"`` times vmap against the loop on the tasks a plan would batch, in CPU time of
-the calling thread (a descheduled timing on a busy machine loses no time it did not run), the
-better of three passes each, interleaved; the loop only where it is :data:`LOOP_MARGIN` times faster
-(planned: vmap only where it is that much faster, its tasks hold more). The choice is kept by
+the calling thread on one intra-op thread (:func:`_one_thread`: then it is all the work, and a
+descheduled timing on a busy machine loses no time it did not run), the better of three passes
+each, interleaved; the loop only where it is :data:`LOOP_MARGIN` times faster (planned: vmap only
+where it is that much faster, its tasks hold more). A busy machine can flip the choice only where
+the one-thread ratio lies within timing noise of the margin (``benchmarks.auto_choice``: higher's
+Omniglot net, 32 filters, 4 tasks, 10 fresh processes beside a busy one, ratios 0.70 to 0.95). The choice is kept by
 ``state_dict`` and the scripts' ``results.json``, so a resumed or repeated run takes the same path.
 
 Nothing here is hand-written for want of a library: no library plans a MAML step against a memory
@@ -371,7 +374,8 @@ def time_batchings(
 
     # Differentiated twice: attention on its math kernel, whose backward has a derivative (forward.exact_attention).
     layers = exact_attention() if second_order else unfused_layers()
-    with torch.random.fork_rng(devices=devices), torch.enable_grad(), layers, _one_thread(device):  # dropout: the stream
+    # Forked: dropout's stream stays as it was. On one thread: the CPU time is all the work (_one_thread).
+    with torch.random.fork_rng(devices=devices), torch.enable_grad(), layers, _one_thread(device):
         for batching in seconds:
             one_pass(batching)  # warm-up: allocations, kernel choice
         for _ in range(3):

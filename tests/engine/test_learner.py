@@ -242,7 +242,10 @@ def test_timing_the_batchings_runs_on_one_thread_and_restores_the_count():
     and counts its waits for workers a busy machine deschedules (benchmarks.auto_choice: ``"auto"`` flipped)."""
     net = _Threads().double()
     g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(2, 5, 3, generator=g, dtype=torch.float64), torch.randn(2, 5, 1, generator=g, dtype=torch.float64)
+    x, y = (
+        torch.randn(2, 5, 3, generator=g, dtype=torch.float64),
+        torch.randn(2, 5, 1, generator=g, dtype=torch.float64),
+    )
     forward = maml._src.forward.TaskForward(net, F.mse_loss, "auto", None)
     fast = {k: v.detach().expand(2, *v.shape) for k, v in net.named_parameters()}
     threads = torch.get_num_threads()
