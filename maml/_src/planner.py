@@ -293,7 +293,7 @@ def _one_thread(device: torch.device) -> Iterator[None]:
     on the worker threads, and it counts the calling thread's waits at each parallel region's barrier
     for a worker the machine has descheduled (OpenMP's workers spin as they wait). On a loaded 2-core
     machine, 2 threads, higher's Omniglot net at 32 filters on 4 tasks, that put the loop's time
-    over vmap's anywhere from 0.74 to 1.72 in fresh processes, across the margin both ways
+    over vmap's anywhere from 0.74 to 2.37 in 5 fresh processes beside a busy one, across the margin
     (``benchmarks.auto_choice``); on one thread the two are the same work in every process.
     """
     if device.type == "cuda":
