@@ -116,6 +116,37 @@ def no_running_stats(model: nn.Module) -> None:
             )
 
 
+SEVERAL_DEVICES = (
+    "To use several devices, run one process per device under torchrun and give each its share of the "
+    "meta-batch's tasks: maml.shard(batch), then maml.all_reduce_grads(learner.parameters()) after backward "
+    "(docs/experiments.md, 'Several processes and machines (torchrun)')."
+)
+
+
+def not_data_parallel(arg: str, model: nn.Module) -> None:
+    """Refuses an ``nn.DataParallel`` as the model or inside it, naming its ``.module`` and the toolkit's way.
+
+    ``torch.func.functional_call``, which runs every task's forward pass at its fast weights, refuses
+    an ``nn.DataParallel`` model ("The stateless API can't be used with nn.DataParallel module"),
+    but only at the first call: the check here says so at construction. Inside the model it would
+    split one task's few examples across GPUs at every inner step (on one device it does nothing),
+    so it is refused too: the toolkit spreads tasks, not examples, across devices.
+    """
+    if isinstance(model, nn.DataParallel):
+        raise TypeError(
+            f"{arg}=nn.DataParallel({module_kind(model.module)}) cannot be meta-learned: torch.func's "
+            f"functional_call, which runs each task at its fast weights, refuses nn.DataParallel. Pass "
+            f"{arg}.module, the network it wraps. {SEVERAL_DEVICES}"
+        )
+    for name, sub in model.named_modules():
+        if name and isinstance(sub, nn.DataParallel):
+            raise TypeError(
+                f"{arg}'s submodule {name!r} is an nn.DataParallel({module_kind(sub.module)}), which would split "
+                f"each task's few examples across GPUs at every inner step (on one device it does nothing): put "
+                f"its .module in its place ({arg}.get_submodule({name!r}).module). {SEVERAL_DEVICES}"
+            )
+
+
 def module_kind(module: nn.Module) -> str:
     """The class a user would name a module by: ``Linear`` for a parametrized one (``ParametrizedLinear``)."""
     cls = type(module).__bases__[0] if parametrize.is_parametrized(module) else type(module)

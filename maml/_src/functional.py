@@ -24,7 +24,7 @@ from typing import Any
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from .checks import close_matches
+from .checks import close_matches, not_data_parallel
 
 __all__ = ["Reparametrized", "call"]
 
@@ -87,6 +87,7 @@ def call(model: nn.Module, params: Mapping[str, Tensor], *args: Any, **kwargs: A
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+    not_data_parallel("model", model)
     if not isinstance(params, Mapping):
         raise TypeError(f"params must be a dict name -> Tensor (e.g. what learner.adapt returns), got {params!r}.")
     own = {**dict(model.named_parameters()), **dict(model.named_buffers())}

@@ -109,7 +109,8 @@ class MetaLearner:
         model: any network of ordinary layers. Parameters with ``requires_grad=False`` are
             used as they are. Norm layers in training mode must not track running statistics
             (``track_running_stats=False``), or the model must be in eval mode; a module that
-            writes its buffers in the forward pass is refused.
+            writes its buffers in the forward pass is refused, and so is an ``nn.DataParallel``
+            (pass its ``.module``; several devices take shares of the tasks, :func:`maml.shard`).
         loss_fn: ``loss_fn(output, y) -> scalar`` for one task (mean over its examples): the query
             (outer) loss, and the support (inner) loss unless ``inner_loss_fn`` is given.
         inner_lr: the inner step size of every rule (the initial value if learned).

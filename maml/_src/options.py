@@ -69,6 +69,7 @@ def check_arguments(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+    checks.not_data_parallel("model", model)
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(output, y) -> scalar, got {loss_fn!r}.")
     reads_initial = check_inner_loss(inner_loss_fn)

@@ -25,9 +25,12 @@ upper bound of what is alive at the peak: ``tests/engine/test_memory_budget.py``
 and later calls of many model families to the budget, counted by a probe the engine does not use.
 
 **Batching.** ``"auto"`` times vmap against the loop on the tasks a plan would batch, in CPU time of
-the calling thread (a descheduled timing on a busy machine loses no time it did not run), the
-better of three passes each, interleaved; the loop only where it is :data:`LOOP_MARGIN` times faster
-(planned: vmap only where it is that much faster, its tasks hold more). The choice is kept by
+the calling thread on one intra-op thread (:func:`_one_thread`: then it is all the work, and a
+descheduled timing on a busy machine loses no time it did not run), the better of three passes
+each, interleaved; the loop only where it is :data:`LOOP_MARGIN` times faster (planned: vmap only
+where it is that much faster, its tasks hold more). A busy machine can flip the choice only where
+the one-thread ratio lies within timing noise of the margin (``benchmarks.auto_choice``: higher's
+Omniglot net, 32 filters, 4 tasks, 10 fresh processes beside a busy one, ratios 0.70 to 0.95). The choice is kept by
 ``state_dict`` and the scripts' ``results.json``, so a resumed or repeated run takes the same path.
 
 Nothing here is hand-written for want of a library: no library plans a MAML step against a memory
@@ -377,8 +380,8 @@ def saved_bytes(fn: Callable[[], object]) -> int:
 
 
 def _cpu_seconds(device: torch.device) -> Callable[[], float]:
-    """The clock a timing reads: the calling thread's CPU time on the CPU (a busy machine does not add to it:
-    time the thread was descheduled is not counted), wall time with synchronisation on a GPU."""
+    """The clock a timing reads: the calling thread's CPU time on the CPU, read on one intra-op thread
+    (:func:`_one_thread`), wall time with synchronisation on a GPU."""
     if device.type == "cuda":
 
         def wall() -> float:
@@ -387,6 +390,29 @@ def _cpu_seconds(device: torch.device) -> Callable[[], float]:
 
         return wall
     return time.thread_time
+
+
+@contextlib.contextmanager
+def _one_thread(device: torch.device) -> Iterator[None]:
+    """On the CPU, torch's intra-op threads set to one for the timing, then back to as many as before.
+
+    On one thread the calling thread's CPU time is all the work, and time it was descheduled is not
+    counted, so a busy machine does not add to it. On several it is neither: it misses the work done
+    on the worker threads, and it counts the calling thread's waits at each parallel region's barrier
+    for a worker the machine has descheduled (OpenMP's workers spin as they wait). On a loaded 2-core
+    machine, 2 threads, higher's Omniglot net at 32 filters on 4 tasks, that put the loop's time
+    over vmap's anywhere from 0.74 to 2.37 in 5 fresh processes beside a busy one, across the margin
+    (``benchmarks.auto_choice``); on one thread the two are the same work in every process.
+    """
+    if device.type == "cuda":
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def time_batchings(
@@ -456,7 +482,8 @@ def time_batchings(
 
     # Differentiated twice: attention on its math kernel, whose backward has a derivative (forward.exact_attention).
     layers = exact_attention() if second_order else unfused_layers()
-    with torch.random.fork_rng(devices=devices), torch.enable_grad(), layers:  # dropout: the stream stays
+    # Forked: dropout's stream stays as it was. On one thread: the CPU time is all the work (_one_thread).
+    with torch.random.fork_rng(devices=devices), torch.enable_grad(), layers, _one_thread(device):
         for batching in seconds:
             one_pass(batching)  # warm-up: allocations, kernel choice
         for _ in range(3):

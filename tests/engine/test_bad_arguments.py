@@ -351,3 +351,23 @@ def test_a_state_naming_an_unknown_batching_loads_nothing(mlp, batching, message
 def test_step_batch_norm_refuses_an_eps_not_above_zero(eps):
     with raises(ValueError, f"StepBatchNorm2d: eps={eps!r} must be a number > 0"):
         maml.nn.StepBatchNorm2d(4, 3, eps=eps)
+
+
+def test_data_parallel_is_refused_at_construction_naming_its_module_and_task_sharding(mlp):
+    # functional_call refuses nn.DataParallel, but only at the first call; a nested one splits a task's examples.
+    model, batch, loss_fn = mlp
+    sharding = "maml.shard(batch), then maml.all_reduce_grads(learner.parameters())"
+    with raises(TypeError, "model=nn.DataParallel(Sequential) cannot be meta-learned") as e:
+        maml.MetaLearner(nn.DataParallel(model), loss_fn, inner_lr=0.1)
+    assert "Pass model.module, the network it wraps." in str(e.value) and sharding in str(e.value)
+    with raises(TypeError, "model=nn.DataParallel(Sequential)"):
+        maml.call(nn.DataParallel(model), {}, batch.support_x[0])
+    nested = nn.Sequential(nn.DataParallel(model[0]), *model[1:])
+    with raises(TypeError, "model's submodule '0' is an nn.DataParallel(Linear)") as e:
+        maml.MetaLearner(nested, loss_fn, inner_lr=0.1)
+    assert "model.get_submodule('0').module" in str(e.value) and sharding in str(e.value)
+    # Wrapped after construction: the next call follows the model's new structure, and refuses it.
+    learner = maml.MetaLearner(model, loss_fn, inner_lr=0.1)
+    model[0] = nn.DataParallel(model[0])
+    with raises(TypeError, "model's submodule '0' is an nn.DataParallel(Linear)"):
+        learner.meta_loss(batch)

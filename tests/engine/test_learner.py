@@ -224,6 +224,39 @@ def test_timing_the_batchings_measures_both_and_leaves_the_random_stream_alone(h
     assert torch.equal(torch.get_rng_state(), state)
 
 
+class _Threads(torch.nn.Module):
+    """A linear layer that notes torch's intra-op thread count at each forward pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(3, 1)
+        self.seen: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(torch.get_num_threads())
+        return self.body(x)
+
+
+def test_timing_the_batchings_runs_on_one_thread_and_restores_the_count():
+    """The calling thread's CPU time is all the work only on one thread: with more, it misses the workers' share
+    and counts its waits for workers a busy machine deschedules (benchmarks.auto_choice: ``"auto"`` flipped)."""
+    net = _Threads().double()
+    g = torch.Generator().manual_seed(0)
+    x, y = (
+        torch.randn(2, 5, 3, generator=g, dtype=torch.float64),
+        torch.randn(2, 5, 1, generator=g, dtype=torch.float64),
+    )
+    forward = maml._src.forward.TaskForward(net, F.mse_loss, "auto", None)
+    fast = {k: v.detach().expand(2, *v.shape) for k, v in net.named_parameters()}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        maml._src.planner.time_batchings(forward, fast, {}, [(x, y), (x, y)])
+        assert set(net.seen) == {1} and torch.get_num_threads() == 2, net.seen
+    finally:
+        torch.set_num_threads(threads)
+
+
 class _Unused(torch.nn.Module):
     """A trainable parameter the forward pass never reads (a head kept for later, a branch switched off)."""
 
