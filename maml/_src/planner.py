@@ -225,28 +225,13 @@ def _cpu_allocations(fn: Callable[[], object]) -> tuple[list[tuple[int, int, int
     """Runs ``fn()`` under the profiler: its CPU allocator's events ``(time, address, +bytes or -bytes)`` in order,
     and the time of its first :func:`forward_ends` mark.
 
-    Started through ``torch.autograd``'s profiler calls rather than ``torch.profiler.profile``,
-    whose first start imports ``torch._inductor`` (and with it dynamo and triton): about 1 s and
-    160 MiB of resident memory for a probe that itself takes milliseconds. The addresses come from
-    the event tree (``experimental_event_tree``, as ``torch.profiler``'s memory profiler reads
-    them): the allocator reports a free of any block it saw allocated under an earlier profile,
-    so a free counts only where this call allocated the block.
+    The addresses come from the event tree (``experimental_event_tree``, as ``torch.profiler``'s
+    memory profiler reads them): the allocator reports a free of any block it saw allocated under an
+    earlier profile, so a free counts only where this call allocated the block.
     """
-    config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
-    activities = {_ProfilerActivity.CPU}
-    with _profiler_lines_dropped():
-        _prepare_profiler(config, activities)
-        _enable_profiler(config, activities)
-        try:
-            fn()
-        finally:
-            result = _disable_profiler()
     allocations: list[tuple[int, int, int]] = []
     mark = None
-    nodes = result.experimental_event_tree()[::-1]  # a stack: popped in the tree's order, which breaks ties in time
-    while nodes:
-        node = nodes.pop()
-        nodes += node.children[::-1]
+    for node in _profiled(fn, memory=True):
         fields = node.extra_fields
         if isinstance(fields, _ExtraFields_Allocation):
             if fields.device.type == "cpu":
@@ -299,7 +284,19 @@ def data_dependent(fn: Callable[[], object]) -> str | None:
     """
     if torch.autograd.profiler._is_profiler_enabled:
         return None
-    config = ProfilerConfig(ProfilerState.KINETO, False, False, False, False, False, _ExperimentalConfig())
+    ops = (n.name for n in _profiled(fn, memory=False) if isinstance(n.extra_fields, _ExtraFields_TorchOp))
+    return next((name for name in ops if _from_data(name)), None)
+
+
+def _profiled(fn: Callable[[], object], memory: bool) -> list[Any]:
+    """Runs ``fn()`` under the profiler (its allocations too where ``memory``); the events it recorded, in the tree's
+    order (each before its children, siblings in time), which breaks ties in time.
+
+    Started through ``torch.autograd``'s profiler calls rather than ``torch.profiler.profile``,
+    whose first start imports ``torch._inductor`` (and with it dynamo and triton): about 1 s and
+    160 MiB of resident memory for a probe that itself takes milliseconds.
+    """
+    config = ProfilerConfig(ProfilerState.KINETO, False, memory, False, False, False, _ExperimentalConfig())
     activities = {_ProfilerActivity.CPU}
     with _profiler_lines_dropped():
         _prepare_profiler(config, activities)
@@ -308,13 +305,11 @@ def data_dependent(fn: Callable[[], object]) -> str | None:
             fn()
         finally:
             result = _disable_profiler()
-    nodes = result.experimental_event_tree()[::-1]
+    events, nodes = [], result.experimental_event_tree()[::-1]  # a stack, popped in the tree's order
     while nodes:
-        node = nodes.pop()
+        events.append(node := nodes.pop())
         nodes += node.children[::-1]
-        if isinstance(node.extra_fields, _ExtraFields_TorchOp) and _from_data(node.name):
-            return node.name
-    return None
+    return events
 
 
 def _from_data(name: str) -> bool:
@@ -401,7 +396,7 @@ def _one_thread(device: torch.device) -> Iterator[None]:
     on the worker threads, and it counts the calling thread's waits at each parallel region's barrier
     for a worker the machine has descheduled (OpenMP's workers spin as they wait). On a loaded 2-core
     machine, 2 threads, higher's Omniglot net at 32 filters on 4 tasks, that put the loop's time
-    over vmap's anywhere from 0.74 to 2.37 in 5 fresh processes beside a busy one, across the margin
+    over vmap's anywhere from 0.10 to 1.81 in 5 fresh processes beside a busy one (2 chose the loop, 3 vmap)
     (``benchmarks.auto_choice``); on one thread the two are the same work in every process.
     """
     if device.type == "cuda":
