@@ -202,7 +202,7 @@ def measure(fn: Callable[[], object], device: torch.device) -> Measured:
         torch.cuda.synchronize(device)
         end = marks[0] if marks else torch.cuda.memory_allocated(device)
         return Measured(torch.cuda.max_memory_allocated(device) - base, end - base)
-    if device.type != "cpu" or torch.autograd.profiler._is_profiler_enabled:
+    if device.type != "cpu" or torch.autograd._profiler_enabled():
         saved = saved_bytes(fn)
         return Measured(saved, saved)
     allocations, mark = _cpu_allocations(fn)
@@ -282,7 +282,7 @@ def data_dependent(fn: Callable[[], object]) -> str | None:
     operator calls (a Python dispatch mode sees only the outer one, and its first use imports dynamo).
     Under a profiler of the user's, which a second one would cancel: ``None``.
     """
-    if torch.autograd.profiler._is_profiler_enabled:
+    if torch.autograd._profiler_enabled():
         return None
     ops = (n.name for n in _profiled(fn, memory=False) if isinstance(n.extra_fields, _ExtraFields_TorchOp))
     return next((name for name in ops if _from_data(name)), None)

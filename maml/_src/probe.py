@@ -80,7 +80,8 @@ class Probe:
         if not checked:
             x, y = batch[:1].support_at(0)
             self.closes_over |= check_model(self.forward, one, shared, x, y, may_fall_back=batching == "auto")
-            with torch.no_grad():
+            devices = sorted({t.device.index for t in (*one.values(), x) if t.is_cuda})
+            with torch.no_grad(), torch.random.fork_rng(devices=devices):  # dropout's stream stays as it was
                 task = {k: v.unsqueeze(0) for k, v in one.items()}
                 found = data_dependent(lambda: self.forward(task, shared, x, y, batching="loop", inner=True))
             self.data_dependent = self.data_dependent or found
