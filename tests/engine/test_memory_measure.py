@@ -35,6 +35,26 @@ def test_garbage_made_under_an_earlier_profile_and_freed_in_a_call_is_not_the_ca
     assert measure(call, CPU).peak == 16 * MiB
 
 
+def test_garbage_made_under_the_users_profiler_and_freed_in_a_call_is_not_the_calls_saving():
+    kept: list[torch.Tensor] = []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True):
+        kept.append(torch.empty(8 * MiB, dtype=torch.uint8))
+
+    def call() -> None:
+        kept.clear()
+        big = torch.empty(16 * MiB, dtype=torch.uint8)
+        del big
+
+    assert measure(call, CPU).peak == 16 * MiB
+
+
+def test_a_measurement_inside_the_users_profiler_leaves_it_running():
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        measure(lambda: torch.empty(MiB, dtype=torch.uint8), CPU)
+        torch.ones(3).sum()
+    assert any(e.name == "aten::sum" for e in prof.events())
+
+
 def test_a_measurement_counts_blocks_freed_and_allocated_again_in_the_call_once():
     def call() -> None:
         for _ in range(3):
