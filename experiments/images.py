@@ -4,11 +4,13 @@
     python -m experiments.images --data PATH --shots 5                # 5-way 5-shot
     python -m experiments.images --dataset tieredimagenet --data PATH
     python -m experiments.images --dataset cifarfs --algorithm mamlpp # data from $CIFARFS_DIR
+    python -m experiments.images --data PATH --test-dataset cub --test-data PATH2  # mini-ImageNet -> CUB
     python -m experiments.images --help
 
 Reads the data set's splits from --data (or $MINIIMAGENET_DIR, $TIEREDIMAGENET_DIR, $CIFARFS_DIR, $FC100_DIR) in
 any layout of docs/data.md, meta-trains the reference's mini-ImageNet net, and reports the test accuracy of the last
-and best-validation parameters on 600 tasks of the test classes.
+and best-validation parameters on 600 tasks of the test classes: the same set's, or, across domains
+(--test-dataset), another set's test split, its images at the size the network was trained on.
 """
 
 from __future__ import annotations
@@ -100,14 +102,20 @@ class ImagesConfig(ExperimentConfig):
     """what computes the meta-gradient in training: this toolkit, or learn2learn's MAML"""
     eval_chunk: int = 50
     """test tasks per evaluation pass (bounds memory)"""
+    test_dataset: Literal[DATASETS] | None = None  # type: ignore[valid-type]
+    """the data set whose test split the final test draws from (null: --dataset's): cross-domain, e.g. cub after miniimagenet"""
+    test_data: Annotated[str | None, tyro.conf.arg(help_behavior_hint="(default: $CUB_DIR, ...)")] = None
+    """the folder holding --test-dataset (null: its variable)"""
 
     def resolved(self) -> ImagesConfig:
         """The config with the data path and the per-shots meta-batch filled in."""
         env = tasks.IMAGE_LAYOUTS[self.dataset].env
         batch = 2 if self.algorithm == "mamlpp" and self.shots > 1 else 4
+        test_env = tasks.IMAGE_LAYOUTS[self.test_dataset].env if self.test_dataset is not None else None
         return dataclasses.replace(
             self,
             data=self.data or os.environ.get(env),
+            test_data=self.test_data or (os.environ.get(test_env) if test_env else None),
             meta_batch=batch if self.meta_batch is None else self.meta_batch,
             eval_query=self.shots if self.eval_query is None else self.eval_query,
         )
@@ -135,6 +143,14 @@ def resolve(cfg: ImagesConfig) -> ImagesConfig:
         raise UsageError(
             f"no data: pass --data PATH (the {spec.name} files in a layout of docs/data.md) or set ${spec.env}."
         )
+    if cfg.test_dataset is None and cfg.test_data is not None:
+        raise UsageError(f"--test-data {cfg.test_data} names no set to test on: pass --test-dataset too.")
+    if cfg.test_dataset is not None and cfg.test_data is None:
+        spec = tasks.IMAGE_LAYOUTS[cfg.test_dataset]
+        raise UsageError(
+            f"--test-dataset {cfg.test_dataset}: no test data: pass --test-data PATH (the {spec.name} files in a "
+            f"layout of docs/data.md) or set ${spec.env}."
+        )
     return cfg
 
 
@@ -145,6 +161,18 @@ def load(cfg: ImagesConfig) -> Data:
         splits = cls.splits(cfg.data)
     except (FileNotFoundError, ValueError) as e:
         raise UsageError(f"--data {cfg.data}: {e}") from None
+    if cfg.test_dataset is not None:  # across domains: another set's test split, at the network's image size
+        try:
+            test = tasks.IMAGE_DATASETS[cfg.test_dataset](cfg.test_data, "test")
+        except (FileNotFoundError, ValueError) as e:
+            raise UsageError(f"--test-data {cfg.test_data}: {e}") from None
+        trained, tested = tuple(splits.train.images.shape[1:]), tuple(test.images.shape[1:])
+        if trained != tested:
+            raise UsageError(
+                f"--test-dataset {cfg.test_dataset}: its images are {_shape(tested)}, and the network trained on "
+                f"{cfg.dataset} takes {_shape(trained)}; test on a set of the same image size."
+            )
+        splits = splits._replace(test=test)
     samplers = []
     for name, part, query in zip(("train", "validation", "test"), splits, (cfg.query, cfg.query, cfg.eval_query)):
         if part.num_classes < cfg.ways:
@@ -155,6 +183,11 @@ def load(cfg: ImagesConfig) -> Data:
         except ValueError as e:
             raise UsageError(f"--shots {cfg.shots} {flag} {query}, the {name} split: {e}") from None
     return splits, samplers
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    """``(3, 84, 84)`` as a person reads it: ``3-channel 84x84``."""
+    return f"{shape[0]}-channel {shape[1]}x{shape[2]}"
 
 
 def make_model(cfg: ImagesConfig) -> fit.Model:
@@ -188,13 +221,17 @@ def memory_needs(cfg: ImagesConfig, params: int | None) -> list[Need]:
 
 def final_test(fitted: fit.Fitted) -> fit.Results:
     splits = fitted.data[0]
+    trained, tested = type(splits.train).spec.name, type(splits.test).spec.name
     data = {
-        "dataset": type(splits.train).spec.name,
+        "dataset": trained,
+        "test_dataset": tested,
         "layout": splits.train.layout,
+        "test_layout": splits.test.layout,
         "classes": [p.num_classes for p in splits],
         "images": [len(p) for p in splits],
     }
-    return fewshot.final_test(fitted, data, f"held-out {type(splits.test).spec.name} classes")
+    across = f" (meta-trained on {trained})" if fitted.cfg.test_dataset is not None else ""
+    return fewshot.final_test(fitted, data, f"held-out {tested} classes{across}")
 
 
 EXPERIMENT = fit.Experiment(
@@ -207,7 +244,9 @@ EXPERIMENT = fit.Experiment(
     final_test,
     resolve=resolve,
     load=load,
-    run_name=lambda cfg: f"{cfg.dataset}-{cfg.ways}way-{cfg.shots}shot",
+    run_name=lambda cfg: (
+        f"{cfg.dataset}{f'-to-{cfg.test_dataset}' * (cfg.test_dataset is not None)}-{cfg.ways}way-{cfg.shots}shot"
+    ),
     needs=memory_needs,
 )
 

@@ -46,7 +46,7 @@ __all__ += ["fingerprint", "data_identity", "source"]
 RESUMABLE = ("iterations", "log_every", "val_every", "checkpoint_every")
 # Config keys naming data on disk: on --resume, another spelling of the path, or another folder holding the same
 # files (the data moved), is the same data.
-DATA_KEYS = ("data",)
+DATA_KEYS = ("data", "test_data")
 _TEMPORARY = re.compile(r"\..+\.tmp(\d+)")  # atomic_write's temporary files, .NAME.tmpPID
 _WANDB_FILES = re.compile(r"(offline-)?run-\d{8}_\d{6}-\w+|latest-run|debug(-internal)?\.log")  # under --out/wandb
 CODE = Path(__file__).resolve().parents[2]  # the checkout whose commit a run records (source())

@@ -244,3 +244,44 @@ def test_resume_with_the_same_data_path_refuses_files_changed_in_place(
     assert e.value.code == 2 and "\n" not in err, err
     says(err, "--resume", f"--data {data}", "put them back", "--overwrite")
     assert json.loads((out / "results.json").read_text())["iterations"] == 3
+
+
+def test_a_run_meta_trains_on_one_set_and_tests_on_another(tmp_path: Path, monkeypatch, capsys) -> None:
+    """Across domains (--test-dataset): the final test draws from the other set's test split, and results.json, the
+    summary and the run's name say both; no path of this machine is recorded."""
+    monkeypatch.setenv("MAML_CACHE_DIR", str(tmp_path / "cache"))
+    trained, tested = tmp_path / "cifarfs", tmp_path / "fc100"
+    folder_writer(32)(trained, (64, 16, 20), per_class=2)
+    folder_writer(32)(tested, (60, 20, 20), per_class=2)
+    out = tmp_path / "run"
+    args = ["--dataset", "cifarfs", "--data", str(trained), "--test-dataset", "fc100", "--test-data", str(tested)]
+    fit.main(images.run, [*args, "--out", str(out), *SHORT])
+    results = json.loads((out / "results.json").read_text())
+    assert (results["data"]["dataset"], results["data"]["test_dataset"]) == ("CIFAR-FS", "FC100")
+    assert results["data"]["classes"] == [64, 16, 20] and results["test"]["1step"]["tasks"] == 4
+    assert results["config"]["test_data"] == "fc100" and str(tmp_path) not in (out / "results.json").read_text()
+    assert "of held-out FC100 classes (meta-trained on CIFAR-FS)" in capsys.readouterr().out
+
+
+def test_a_test_set_of_another_image_size_or_without_its_data_is_one_line_and_exit_2(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    monkeypatch.setenv("MAML_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("FC100_DIR", raising=False)
+    data, small = tmp_path / "mini", tmp_path / "fc100"
+    data.mkdir()
+    write_ren_mini(data, (64, 16, 20), per_class=2)
+    folder_writer(32)(small, (60, 20, 20), per_class=2)
+    for argv, said in (
+        (["--test-dataset", "fc100", "--test-data", str(small)],
+         "error: --test-dataset fc100: its images are 3-channel 32x32, and the network trained on miniimagenet takes "
+         "3-channel 84x84; test on a set of the same image size."),
+        (["--test-dataset", "fc100"],
+         "error: --test-dataset fc100: no test data: pass --test-data PATH (the FC100 files in a layout of "
+         "docs/data.md) or set $FC100_DIR."),
+        (["--test-data", str(small)], f"error: --test-data {small} names no set to test on: pass --test-dataset too."),
+    ):  # fmt: skip
+        with pytest.raises(SystemExit) as e:
+            fit.main(images.run, ["--data", str(data), *argv, "--out", str(tmp_path / "run"), *SHORT])
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and err == said and not (tmp_path / "run" / "results.json").exists(), err
