@@ -1,9 +1,9 @@
-"""Quick Draw (Jongejan et al. 2016), Meta-Dataset's split, read from its numpy bitmaps as memory maps.
+"""Quick Draw (Google Creative Lab's Quick, Draw!), Meta-Dataset's split, read from its numpy bitmaps as memory maps.
 
 Google's ``numpy_bitmap`` files hold one class each, ``<class name>.npy``: an ``(N, 784)`` uint8
 array of 28 x 28 grayscale drawings (white strokes on black), 345 classes and about 50 million
-drawings in all (37 GB). Nothing is decoded or cached: each file is mapped (``np.load(mmap_mode="r")``)
-and a meta-batch reads the rows it draws, a few kilobytes, never a class whole.
+drawings in all (784 bytes each: about 39 GB). Nothing is decoded or cached: each file is mapped
+(``np.load(mmap_mode="r")``) and a meta-batch reads the rows it draws, never a class whole.
 """
 
 from __future__ import annotations
@@ -187,8 +187,8 @@ class QuickDrawSampler:
     call, so the same generator picks the same classes from the same number of classes); its drawings
     are ``shots + query`` distinct rows of each class, a uniform random subset drawn with Floyd's
     algorithm and put in uniform random order: ``FewShotSampler``'s key per image of the largest class
-    would be ``tasks x ways x`` 300,000 numbers a meta-batch here. The first ``shots`` are the support
-    set, the rest the query set, so no drawing is in both. Only the drawn rows are read from the maps.
+    would be ``tasks x ways x`` hundreds of thousands of numbers a meta-batch here. The first ``shots``
+    are the support set, the rest the query set, so no drawing is in both. Only the drawn rows are read from the maps.
 
     Args:
         arrays: each class's drawings, ``(N_c, 784)`` uint8 (memory maps, or any array).
