@@ -8,6 +8,8 @@ sampler = tasks.FewShotSampler(omni.images, omni.labels, ways=5, shots=1, query=
 batch = sampler.sample(32, generator=g)       # support_x (32, 5, 1, 28, 28), query_x (32, 75, 1, 28, 28)
 mini = tasks.MiniImageNet(root, "train")                           # any layout it is held in, cached
 batch = mini.sampler(ways=5, shots=1, query=15).sample(4, generator=g)  # support_x (4, 5, 3, 84, 84), query_x (4, 75, ...)
+draw = tasks.QuickDraw(root, "train")                             # one memory-mapped .npy per class
+batch = draw.sampler(ways=5, shots=1, query=15).sample(4, generator=g)  # support_x (4, 5, 1, 28, 28)
 """
 
 from ._src.image_data import (
@@ -22,6 +24,7 @@ from ._src.image_data import (
 from ._src.image_layouts import DATASETS as IMAGE_LAYOUTS
 from ._src.interop import batches, collate, from_learn2learn, split_task
 from ._src.omniglot import LAYOUT_HELP, OMNIGLOT_URL, SPLIT_BY, Omniglot, OmniglotSplits
+from ._src.quickdraw import QuickDraw, QuickDrawSampler
 from ._src.sampler import FewShotIndices, FewShotSampler
 from ._src.sine import Sine, SineTasks
 
@@ -47,4 +50,6 @@ __all__ = [
     "collate",
     "from_learn2learn",
     "split_task",
+    "QuickDraw",
+    "QuickDrawSampler",
 ]
