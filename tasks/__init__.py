@@ -10,6 +10,9 @@ mini = tasks.MiniImageNet(root, "train")                           # any layout 
 batch = mini.sampler(ways=5, shots=1, query=15).sample(4, generator=g)  # support_x (4, 5, 3, 84, 84), query_x (4, 75, ...)
 """
 
+from ._src.aircraft import Aircraft
+from ._src.cub import CUB200
+from ._src.flowers import Flowers102
 from ._src.image_data import (
     CIFARFS,
     FC100,
@@ -47,4 +50,7 @@ __all__ = [
     "collate",
     "from_learn2learn",
     "split_task",
+    "CUB200",
+    "Aircraft",
+    "Flowers102",
 ]

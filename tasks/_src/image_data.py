@@ -228,6 +228,7 @@ class FC100(FewShotImages):
 
 
 IMAGE_DATASETS: dict[str, type[FewShotImages]] = {c.spec.key: c for c in (MiniImageNet, TieredImageNet, CIFARFS, FC100)}
+# Then CUB200, Aircraft and Flowers102, which their modules (tasks/_src/cub.py, aircraft.py, flowers.py) add.
 
 
 def _counts(class_counts: Any, spec: DataSpec) -> tuple[int, int, int]:
