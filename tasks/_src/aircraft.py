@@ -197,7 +197,7 @@ def _listed(root: Path, split: str, help: str) -> list[tuple[str, Path, int]]:
     missing = [p for _, p, _ in out if not p.is_file()]
     if missing:
         raise ValueError(
-            f"{images} holds no {missing[0].name} ({len(missing)} images of the {split} split missing), listed in "
+            f"{images} holds no {missing[0].name} ({len(missing)} of the {split} split's images missing), listed in "
             f"{', '.join(VARIANT_FILES)}; {help}"
         )
     return out

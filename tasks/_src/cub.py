@@ -339,7 +339,7 @@ def _listed(root: Path, split: str, duplicates: bool, help: str) -> list[tuple[s
     missing = [p for _, p, _ in out if not p.is_file()]
     if missing:
         raise ValueError(
-            f"{index} lists {len(missing)} images of the {split} split missing from {base / 'images'} (first: "
+            f"{index} lists images of the {split} split missing from {base / 'images'} ({len(missing)} in all; first: "
             f"{missing[0].relative_to(base / 'images')}); {help}"
         )
     empty = sorted(set(classes.values()) - {c for _, _, c in out})
