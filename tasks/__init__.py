@@ -12,6 +12,9 @@ draw = tasks.QuickDraw(root, "train")                             # one memory-m
 batch = draw.sampler(ways=5, shots=1, query=15).sample(4, generator=g)  # support_x (4, 5, 1, 28, 28)
 """
 
+from ._src.aircraft import Aircraft
+from ._src.cub import CUB200
+from ._src.flowers import Flowers102
 from ._src.image_data import (
     CIFARFS,
     FC100,
@@ -52,4 +55,7 @@ __all__ = [
     "split_task",
     "QuickDraw",
     "QuickDrawSampler",
+    "CUB200",
+    "Aircraft",
+    "Flowers102",
 ]

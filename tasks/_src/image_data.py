@@ -161,9 +161,12 @@ class FewShotImages:
                 _check_count(len(names), count, spec, layout, where, split)
                 named.append((split, names, layout.files(where, split)))
             _check_disjoint(where, named, spec)
-            # An image in two splits (a hard link, a link to the same file) is a class's of both.
+            # An image in two splits (a hard link, a link to the same file) is a class's of both. A file of the
+            # layout that every split reads (CUB's images.txt, Flowers' imagelabels.mat) is one file, counted once.
+            read = [p for split, layout in zip(SPLITS, layouts) for p in layout.read_files(where, split)]
+            declared = {p for split, layout in zip(SPLITS, layouts) for p in layout.files(where, split)}
             files.one_file_each(
-                [p for split, layout in zip(SPLITS, layouts) for p in layout.read_files(where, split)], spec.help()
+                [*dict.fromkeys(p for p in read if p in declared), *(p for p in read if p not in declared)], spec.help()
             )
         parts: list[FewShotImages] = []
         try:
@@ -228,6 +231,7 @@ class FC100(FewShotImages):
 
 
 IMAGE_DATASETS: dict[str, type[FewShotImages]] = {c.spec.key: c for c in (MiniImageNet, TieredImageNet, CIFARFS, FC100)}
+# Then CUB200, Aircraft and Flowers102, which their modules (tasks/_src/cub.py, aircraft.py, flowers.py) add.
 
 
 def _counts(class_counts: Any, spec: DataSpec) -> tuple[int, int, int]:

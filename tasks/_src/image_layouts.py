@@ -362,6 +362,7 @@ FC100 = DataSpec(
     (_pickles("FC100"), CIFAR_FOLDERS),
 )
 DATASETS: dict[str, DataSpec] = {d.key: d for d in (MINI_IMAGENET, TIERED_IMAGENET, CIFAR_FS, FC100)}
+# Then cub, aircraft and flowers, which their modules (tasks/_src/cub.py, aircraft.py, flowers.py) add as tasks imports them.
 
 
 def _present(layout: Layout, root: Path) -> list[Path]:
