@@ -1,4 +1,4 @@
-"""N-way K-shot mini-ImageNet, tieredImageNet, CIFAR-FS or FC100 with MAML, as Finn et al.'s released code runs mini-ImageNet.
+"""N-way K-shot mini-ImageNet and the other image sets of docs/data.md with MAML, as Finn et al.'s released code runs mini-ImageNet.
 
     python -m experiments.images --data PATH                          # mini-ImageNet 5-way 1-shot, the reference's protocol
     python -m experiments.images --data PATH --shots 5                # 5-way 5-shot
@@ -37,7 +37,7 @@ from experiments.nets import LOSSES, REFERENCE_MAXPOOL, build_model, loss_functi
 
 __all__ = ["ImagesConfig", "validate_config", "make_model", "run"]
 
-DATASETS = tuple(tasks.IMAGE_DATASETS)  # miniimagenet, tieredimagenet, cifarfs, fc100
+DATASETS = tuple(tasks.IMAGE_DATASETS)  # miniimagenet, tieredimagenet, cifarfs, fc100, and Meta-Dataset's sets
 NETWORKS = ("reference", "maxpool")
 Data = tuple[tasks.ImageSplits, list[tasks.FewShotSampler]]  # the splits and their train, val, test samplers
 
@@ -166,7 +166,7 @@ def load(cfg: ImagesConfig) -> Data:
             test = tasks.IMAGE_DATASETS[cfg.test_dataset](cfg.test_data, "test")
         except (FileNotFoundError, ValueError) as e:
             raise UsageError(f"--test-data {cfg.test_data}: {e}") from None
-        trained, tested = tuple(splits.train.images.shape[1:]), tuple(test.images.shape[1:])
+        trained, tested = _image_shape(cfg.dataset, splits.train), _image_shape(cfg.test_dataset, test)
         if trained != tested:
             raise UsageError(
                 f"--test-dataset {cfg.test_dataset}: its images are {_shape(tested)}, and the network trained on "
@@ -185,6 +185,11 @@ def load(cfg: ImagesConfig) -> Data:
     return splits, samplers
 
 
+def _image_shape(key: str, split: Any) -> tuple[int, int, int]:
+    """``(channels, side, side)`` of ``split``'s images, as a task holds them."""
+    return tasks.IMAGE_LAYOUTS[key].channels, split.image_size, split.image_size
+
+
 def _shape(shape: tuple[int, ...]) -> str:
     """``(3, 84, 84)`` as a person reads it: ``3-channel 84x84``."""
     return f"{shape[0]}-channel {shape[1]}x{shape[2]}"
@@ -192,8 +197,9 @@ def _shape(shape: tuple[int, ...]) -> str:
 
 def make_model(cfg: ImagesConfig) -> fit.Model:
     network = REFERENCE_MAXPOOL if cfg.network == "reference" else "maxpool"
-    side = tasks.IMAGE_LAYOUTS[cfg.dataset].side
-    net = build_model(cfg.ways, cfg.filters, network, cfg.steps if cfg.per_step_bn else None, channels=3, side=side)
+    spec = tasks.IMAGE_LAYOUTS[cfg.dataset]
+    steps = cfg.steps if cfg.per_step_bn else None
+    net = build_model(cfg.ways, cfg.filters, network, steps, channels=spec.channels, side=spec.side)
     kept_out = set() if cfg.mode == "reptile" else meta_only(net)
     return fit.Model(
         net,
@@ -205,8 +211,9 @@ def make_model(cfg: ImagesConfig) -> fit.Model:
 
 def memory_needs(cfg: ImagesConfig, params: int | None) -> list[Need]:
     """Lower bounds on what a run holds at one moment (:mod:`experiments.memory`)."""
-    side = tasks.IMAGE_LAYOUTS[cfg.dataset].side
-    image = 3 * side * side * FLOAT_BYTES
+    spec = tasks.IMAGE_LAYOUTS[cfg.dataset]
+    side = spec.side
+    image = spec.channels * side * side * FLOAT_BYTES
     first_layer = cfg.ways * max(cfg.shots, cfg.query) * cfg.filters * side * side * FLOAT_BYTES
     return [
         Need("the network's weights, meta-gradient and one task's fast weights", "--filters, --ways",

@@ -462,3 +462,66 @@ def replace_keeping_size_and_time(path: Path, data: bytes) -> None:
     source.unlink()
     after = path.stat()
     assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+
+
+# ---------------------------------------------------------------- Meta-Dataset's sets
+
+JPEG_MODES = ("RGB", "L", "CMYK")  # JPEG's modes; L (grayscale) and CMYK come out RGB
+
+
+def jpeg(i: int, mode: str | None = None, size: tuple[int, int] | None = None) -> bytes:
+    """A small JPEG of varied size and mode (the ``i``-th of a copy)."""
+    size = size or (40 + 7 * (i % 5), 32 + 5 * (i % 4))
+    rng = np.random.default_rng(i)
+    image = Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).convert(
+        mode or JPEG_MODES[i % 3]
+    )
+    out = io.BytesIO()
+    image.save(out, format="JPEG", quality=90)
+    return out.getvalue()
+
+
+def write_cub(root: Path, duplicates: dict[str, list[str]] | None = None) -> Path:
+    """``root/CUB_200_2011/`` as the archive extracts: images/<class>/<file>.jpg, images.txt, bounding_boxes.txt.
+
+    Two images a class (three in the first class of each split), and ``duplicates`` (class -> ImageNet duplicates'
+    file names) besides.
+    """
+    from tasks._src.cub import CLASS_SPLITS
+
+    base = root / "CUB_200_2011"
+    listed = []
+    for split in SPLITS:
+        for c, name in enumerate(CLASS_SPLITS[split]):
+            files = [f"{name.split('.', 1)[1]}_{k:04d}_1.jpg" for k in range(3 if c == 0 else 2)]
+            files += (duplicates or {}).get(name, [])
+            for file in files:
+                listed.append(f"{name}/{file}")
+    for i, name in enumerate(listed):
+        path = base / "images" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(jpeg(i))
+    (base / "images.txt").write_text("".join(f"{i} {name}\n" for i, name in enumerate(listed, 1)))
+    (base / "bounding_boxes.txt").write_text("".join(f"{i} 2.0 3.0 20.0 15.0\n" for i in range(1, len(listed) + 1)))
+    return base
+
+
+def drawings(c: int, n: int) -> np.ndarray:
+    """``n`` drawings of class ``c`` (its place in its split): pixel 0 holds the row, pixel 1 the class, the rest a
+    constant of both, so each drawing is known by its pixels."""
+    out = np.empty((n, 784), dtype=np.uint8)
+    rows = np.arange(n)
+    out[:] = ((rows * 7 + c * 3) % 251 + 1)[:, None]
+    out[:, 0] = rows % 256
+    out[:, 1] = c
+    return out
+
+
+def write_quickdraw(folder: Path, per_class: int = 4, big: dict[str, int] | None = None) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    from tasks._src.quickdraw import CLASSES
+
+    for names in CLASSES.values():
+        for c, name in enumerate(names):
+            np.save(folder / f"{name}.npy", drawings(c, (big or {}).get(name, per_class)))
+    return folder

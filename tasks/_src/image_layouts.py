@@ -58,6 +58,7 @@ class DataSpec:
     env: str  # the environment variable naming its folder
     source: str  # where researchers get the files
     layouts: tuple[Layout, ...]  # in the order they are looked for
+    channels: int = 3  # of each image as read: 3 (RGB), or 1 where the set is grayscale
 
     def help(self) -> str:
         return f"{self.name} is not downloaded at run time: {self.source} (docs/data.md lists each layout)."

@@ -21,8 +21,8 @@ from torch import Tensor
 from maml import TaskBatch
 
 from . import checks
-from .image_data import ImageSplits
-from .image_layouts import SPLITS, DataSpec
+from .image_data import IMAGE_DATASETS, ImageSplits
+from .image_layouts import DATASETS, SPLITS, DataSpec
 from .sampler import FewShotIndices
 
 SIDE = 28  # the drawings' side in the files
@@ -89,6 +89,7 @@ QUICKDRAW = DataSpec(
     "the numpy_bitmap files, one <class name>.npy per class, of github.com/googlecreativelab/quickdraw-dataset "
     "(gs://quickdraw_dataset/full/numpy_bitmap), in one folder or its quickdraw/ subfolder as learn2learn keeps them",
     (),
+    channels=1,
 )
 
 
@@ -405,3 +406,8 @@ def _open(path: Path) -> np.memmap:
             f"{QUICKDRAW.help()}"
         )
     return array
+
+
+# The scripts' registries (--dataset quickdraw): a set they read by the same calls as the decoded ones.
+DATASETS[QUICKDRAW.key] = QUICKDRAW
+IMAGE_DATASETS[QUICKDRAW.key] = QuickDraw  # type: ignore[assignment]

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import drawings, write_quickdraw
 
 import maml
 import tasks
@@ -26,28 +27,9 @@ def gen(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def drawings(c: int, n: int) -> np.ndarray:
-    """``n`` drawings of class ``c`` (its place in its split): pixel 0 holds the row, pixel 1 the class, the rest a
-    constant of both, so each drawing is known by its pixels."""
-    out = np.empty((n, 784), dtype=np.uint8)
-    rows = np.arange(n)
-    out[:] = ((rows * 7 + c * 3) % 251 + 1)[:, None]
-    out[:, 0] = rows % 256
-    out[:, 1] = c
-    return out
-
-
-def write(folder: Path, per_class: int = PER_CLASS, big: dict[str, int] | None = None) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    for names in CLASSES.values():
-        for c, name in enumerate(names):
-            np.save(folder / f"{name}.npy", drawings(c, (big or {}).get(name, per_class)))
-    return folder
-
-
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write(tmp_path_factory.mktemp("quickdraw"))
+    return write_quickdraw(tmp_path_factory.mktemp("quickdraw"))
 
 
 def test_the_split_is_learn2learns_meta_dataset_split() -> None:
@@ -76,7 +58,7 @@ def test_the_splits_are_memory_maps_of_each_classs_file(root: Path) -> None:
 
 
 def test_learn2learns_quickdraw_subfolder_is_read(tmp_path: Path) -> None:
-    write(tmp_path / "quickdraw")
+    write_quickdraw(tmp_path / "quickdraw")
     part = tasks.QuickDraw(tmp_path, "test")
     assert Path(part.arrays[0].filename).parent.name == "quickdraw"
 
@@ -139,7 +121,7 @@ def test_side_resizes_the_drawings_drawn(root: Path) -> None:
 
 def test_sampling_reads_only_the_rows_drawn(tmp_path: Path) -> None:
     """A 10,000-drawing class (7.8 MB): a task asks the map for its few rows, and only their pages come in."""
-    write(tmp_path, big={"ant": 10_000})
+    write_quickdraw(tmp_path, big={"ant": 10_000})
     part = tasks.QuickDraw(tmp_path, "val")
     big = part.arrays[0]
     assert type(big) is np.memmap and big.shape == (10_000, 784)
@@ -190,7 +172,7 @@ def test_a_missing_folder_or_class_file_is_one_line_naming_it(tmp_path: Path, mo
     with pytest.raises(ValueError) as info:
         tasks.QuickDraw()
     assert str(info.value) == f"no Quick Draw folder: pass root= the folder or set $QUICKDRAW_DIR; {HELP}"
-    folder = write(tmp_path / "data")
+    folder = write_quickdraw(tmp_path / "data")
     (folder / "cat.npy").unlink()
     (folder / "swan.npy").unlink()
     with pytest.raises(ValueError) as info:
@@ -226,7 +208,7 @@ BAD_FILES = {
 @pytest.mark.parametrize("case", list(BAD_FILES))
 def test_a_bad_class_file_is_one_line_naming_it(tmp_path: Path, case: str) -> None:
     damage, said = BAD_FILES[case]
-    folder = write(tmp_path)
+    folder = write_quickdraw(tmp_path)
     path = folder / "ant.npy"
     damage(path)
     with pytest.raises(ValueError) as info:
