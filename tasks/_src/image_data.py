@@ -23,7 +23,18 @@ from torch import Tensor
 from . import cache as cache_files
 from . import checks
 from . import image_files as files
-from .image_layouts import CIFAR_FS, FC100, MINI_IMAGENET, SPLITS, TIERED_IMAGENET, DataSpec, Layout, detect
+from .image_layouts import (
+    CIFAR_FS,
+    DTD,
+    FC100,
+    FUNGI,
+    MINI_IMAGENET,
+    SPLITS,
+    TIERED_IMAGENET,
+    DataSpec,
+    Layout,
+    detect,
+)
 from .sampler import FewShotSampler
 
 # Bump when decoding changes, so that caches written by older code are never read.
@@ -227,7 +238,30 @@ class FC100(FewShotImages):
     spec = FC100
 
 
-IMAGE_DATASETS: dict[str, type[FewShotImages]] = {c.spec.key: c for c in (MiniImageNet, TieredImageNet, CIFARFS, FC100)}
+class DescribableTextures(FewShotImages):
+    """Describable Textures (DTD; Cimpoi et al. 2014) in Meta-Dataset's split: 33/7/7 classes of 120 images, 84x84.
+
+    ``root`` is the ``dtd/`` folder of ``dtd-r1.0.1.tar.gz`` extracted (``images/<class>/*.jpg``) or the folder
+    holding it (``tasks._src.textures``).
+    """
+
+    spec = DTD
+
+
+class FGVCFungi(FewShotImages):
+    """FGVC Fungi (the FGVCx 2018 challenge) in Meta-Dataset's split: 994/200/200 categories, 84x84 images.
+
+    ``root`` holds ``images/`` of ``fungi_train_val.tgz`` and ``train.json``, ``val.json`` of
+    ``train_val_annotations.tgz``; a class is a category, named ``0226.Cortinarius malicorius`` as Meta-Dataset
+    names it (``tasks._src.fungi``).
+    """
+
+    spec = FUNGI
+
+
+IMAGE_DATASETS: dict[str, type[FewShotImages]] = {
+    c.spec.key: c for c in (MiniImageNet, TieredImageNet, CIFARFS, FC100, DescribableTextures, FGVCFungi)
+}
 
 
 def _counts(class_counts: Any, spec: DataSpec) -> tuple[int, int, int]:

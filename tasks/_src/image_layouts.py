@@ -361,7 +361,11 @@ FC100 = DataSpec(
     "github.com/kjunelee/MetaOptNet",
     (_pickles("FC100"), CIFAR_FOLDERS),
 )
-DATASETS: dict[str, DataSpec] = {d.key: d for d in (MINI_IMAGENET, TIERED_IMAGENET, CIFAR_FS, FC100)}
+# Each in a module of its own, built on Layout and DataSpec above.
+from .fungi import FUNGI  # noqa: E402
+from .textures import DTD  # noqa: E402
+
+DATASETS: dict[str, DataSpec] = {d.key: d for d in (MINI_IMAGENET, TIERED_IMAGENET, CIFAR_FS, FC100, DTD, FUNGI)}
 
 
 def _present(layout: Layout, root: Path) -> list[Path]:
@@ -371,6 +375,12 @@ def _present(layout: Layout, root: Path) -> list[Path]:
     if layout.name == "folders":  # a split folder counts when it holds class folders
         found = [p for p in found if p.is_dir() and files.class_folders(p)]
     return found
+
+
+def _read_by(layout: Layout, root: Path, split: str, missing: Path) -> str:
+    """Which splits read ``missing``: ``the train split``, or ``read for every split`` (FGVC Fungi's JSONs)."""
+    every = all(missing in layout.files(root, s) for s in SPLITS)
+    return "read for every split" if every else f"the {split} split"
 
 
 def detect(spec: DataSpec, root: Path, split: str) -> Layout:
@@ -398,7 +408,7 @@ def detect(spec: DataSpec, root: Path, split: str) -> Layout:
         if missing:
             raise ValueError(
                 f"{root} holds {present[0].name} of the {layout.name} layout but not {missing[0].name} "
-                f"(the {split} split); {spec.help()}"
+                f"({_read_by(layout, root, split, missing[0])}); {spec.help()}"
             )
         return layout
     if hollow is not None:
