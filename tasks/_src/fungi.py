@@ -95,8 +95,12 @@ def _json(path: Path, help: str) -> dict[str, Any]:
 def _entries(payload: dict[str, Any], key: str, path: Path, help: str) -> list[dict[str, Any]]:
     value = payload.get(key)
     if not isinstance(value, list):
-        what = f"its '{key}' is a {type(value).__name__}" if key in payload else f"it has no '{key}'"
-        raise ValueError(f"{path}: {what}, not a list; {_NEEDS}; {help}")
+        what = (
+            f"{path}: its '{key}' is a {type(value).__name__}, not a list"
+            if key in payload
+            else f"{path} has no '{key}'"
+        )
+        raise ValueError(f"{what}; {_NEEDS}; {help}")
     return value
 
 

@@ -172,10 +172,11 @@ class FewShotImages:
                 _check_count(len(names), count, spec, layout, where, split)
                 named.append((split, names, layout.files(where, split)))
             _check_disjoint(where, named, spec)
-            # An image in two splits (a hard link, a link to the same file) is a class's of both.
-            files.one_file_each(
-                [p for split, layout in zip(SPLITS, layouts) for p in layout.read_files(where, split)], spec.help()
-            )
+            # An image in two splits (a hard link, a link to the same file) is a class's of both. A file every split
+            # reads (FGVC Fungi's train.json and val.json) is no image read twice.
+            inputs = [layout.read_files(where, split) for split, layout in zip(SPLITS, layouts)]
+            shared = set(inputs[0]).intersection(*inputs[1:])
+            files.one_file_each([p for paths in inputs for p in paths if p not in shared], spec.help())
         parts: list[FewShotImages] = []
         try:
             for split in SPLITS:
