@@ -37,7 +37,7 @@ from experiments.nets import LOSSES, REFERENCE_MAXPOOL, build_model, loss_functi
 
 __all__ = ["ImagesConfig", "validate_config", "make_model", "run"]
 
-DATASETS = tuple(tasks.IMAGE_DATASETS)  # miniimagenet, tieredimagenet, cifarfs, fc100
+DATASETS = tuple(tasks.IMAGE_DATASETS)  # miniimagenet, tieredimagenet, cifarfs, fc100, dtd, fungi
 NETWORKS = ("reference", "maxpool")
 Data = tuple[tasks.ImageSplits, list[tasks.FewShotSampler]]  # the splits and their train, val, test samplers
 

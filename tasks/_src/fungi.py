@@ -21,7 +21,6 @@ import numpy as np
 
 from . import image_files as files
 from .image_files import Decoded
-from .image_layouts import DataSpec, Layout
 
 NUM_CATEGORIES = 1394  # the 2018 challenge's categories, ids 0-1393
 
@@ -223,19 +222,19 @@ def _class_names(categories: list[int], notes: Annotations) -> list[str]:
     return [f"{cid:04d}.{notes.names[cid]}" for cid in categories]  # Meta-Dataset's label of a category
 
 
-def _read(root: Path, split: str, side: int, help: str) -> Decoded:
+def read(root: Path, split: str, side: int, help: str) -> Decoded:
     rows, categories, notes = _split_images(root, split, help)
     files.one_file_each([p for p, _ in rows], help)
     images = files.decode_all([(str(p), p.read_bytes) for p, _ in rows], side, help)
     return Decoded(images, np.array([c for _, c in rows], dtype=np.int64), _class_names(categories, notes))
 
 
-def _names(root: Path, split: str, help: str) -> list[str]:
+def names(root: Path, split: str, help: str) -> list[str]:
     _, categories, notes = _split_images(root, split, help)
     return _class_names(categories, notes)
 
 
-def _inputs(root: Path, split: str) -> list[Path]:
+def inputs(root: Path, split: str) -> list[Path]:
     # The label files and the split's images; a malformed file or a missing image is the reader's error to report.
     labels = [root / name for name in LABEL_FILES]
     try:
@@ -244,24 +243,3 @@ def _inputs(root: Path, split: str) -> list[Path]:
         return labels
     wanted = FUNGI_SPLITS[split]
     return [*labels, *(p for f, cid, _ in notes.images if cid in wanted if os.path.isfile(p := root / f))]
-
-
-FUNGI_LAYOUT = Layout(
-    "fgvcx-2018",
-    "fungi_train_val.tgz and train_val_annotations.tgz extracted into one folder",
-    lambda r, s: [r / "images", *(r / name for name in LABEL_FILES)],
-    _read,
-    inputs=_inputs,
-    names=_names,
-)
-FUNGI = DataSpec(
-    "FGVC Fungi",
-    "fungi",
-    84,
-    (len(FUNGI_SPLITS["train"]), len(FUNGI_SPLITS["val"]), len(FUNGI_SPLITS["test"])),
-    "FUNGI_DIR",
-    "the FGVCx 2018 fungi challenge's fungi_train_val.tgz (images/) and train_val_annotations.tgz (train.json, "
-    "val.json), extracted into one folder, are linked from github.com/visipedia/fgvcx_fungi_comp; the categories of "
-    "each split are Meta-Dataset's",
-    (FUNGI_LAYOUT,),
-)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import fungi, textures
 from . import image_files as files
 from .image_files import Decoded
 
@@ -361,9 +362,44 @@ FC100 = DataSpec(
     "github.com/kjunelee/MetaOptNet",
     (_pickles("FC100"), CIFAR_FOLDERS),
 )
-# Each in a module of its own, built on Layout and DataSpec above.
-from .fungi import FUNGI  # noqa: E402
-from .textures import DTD  # noqa: E402
+# Describable Textures and FGVC Fungi: their split lists and readers are in textures.py and fungi.py.
+DTD_LAYOUT = Layout(
+    "dtd-r1.0.1",
+    "dtd-r1.0.1.tar.gz extracted; the folder dtd/ or the one holding it",
+    lambda r, s: [textures.images_folder(r)],
+    textures.read,
+    inputs=textures.inputs,
+    names=lambda r, s, help: [f.name for f in textures.class_folders(r, s, help)],
+)
+DTD = DataSpec(
+    "Describable Textures",
+    "dtd",
+    84,
+    tuple(len(textures.TEXTURE_SPLITS[s]) for s in ("train", "val", "test")),  # type: ignore[arg-type]
+    "DTD_DIR",
+    "Cimpoi et al.'s dtd-r1.0.1.tar.gz (dtd/images/<class>/*.jpg) is at www.robots.ox.ac.uk/~vgg/data/dtd/; the "
+    "classes of each split are Meta-Dataset's",
+    (DTD_LAYOUT,),
+)
+FUNGI_LAYOUT = Layout(
+    "fgvcx-2018",
+    "fungi_train_val.tgz and train_val_annotations.tgz extracted into one folder",
+    lambda r, s: [r / "images", *(r / name for name in fungi.LABEL_FILES)],
+    fungi.read,
+    inputs=fungi.inputs,
+    names=fungi.names,
+)
+FUNGI = DataSpec(
+    "FGVC Fungi",
+    "fungi",
+    84,
+    (len(fungi.FUNGI_SPLITS["train"]), len(fungi.FUNGI_SPLITS["val"]), len(fungi.FUNGI_SPLITS["test"])),
+    "FUNGI_DIR",
+    "the FGVCx 2018 fungi challenge's fungi_train_val.tgz (images/) and train_val_annotations.tgz (train.json, "
+    "val.json), extracted into one folder, are linked from github.com/visipedia/fgvcx_fungi_comp; the categories of "
+    "each split are Meta-Dataset's",
+    (FUNGI_LAYOUT,),
+)
 
 DATASETS: dict[str, DataSpec] = {d.key: d for d in (MINI_IMAGENET, TIERED_IMAGENET, CIFAR_FS, FC100, DTD, FUNGI)}
 

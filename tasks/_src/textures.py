@@ -13,7 +13,6 @@ import numpy as np
 
 from . import image_files as files
 from .image_files import Decoded
-from .image_layouts import DataSpec, Layout
 
 # Meta-Dataset's split of DTD's 47 classes (learn2learn's describable_textures.SPLITS), sorted by name.
 TEXTURE_SPLITS: dict[str, tuple[str, ...]] = {
@@ -34,7 +33,7 @@ def images_folder(root: Path) -> Path:
     return inner if not (root / "images").is_dir() and inner.is_dir() else root / "images"
 
 
-def _class_folders(root: Path, split: str, help: str) -> list[Path]:
+def class_folders(root: Path, split: str, help: str) -> list[Path]:
     """The folders of the split's classes, sorted by name; a folder missing or without images is one line."""
     images, wanted = images_folder(root), TEXTURE_SPLITS[split]
     missing = [c for c in wanted if not (images / c).is_dir()]
@@ -54,35 +53,15 @@ def _class_folders(root: Path, split: str, help: str) -> list[Path]:
     return folders
 
 
-def _read(root: Path, split: str, side: int, help: str) -> Decoded:
-    folders = _class_folders(root, split, help)
+def read(root: Path, split: str, side: int, help: str) -> Decoded:
+    folders = class_folders(root, split, help)
     paths = [(c, p) for c, folder in enumerate(folders) for p in files.image_files(folder)]
     files.one_file_each([p for _, p in paths], help)
     images = files.decode_all([(str(p), p.read_bytes) for _, p in paths], side, help)
     return Decoded(images, np.array([c for c, _ in paths], dtype=np.int64), [f.name for f in folders])
 
 
-def _inputs(root: Path, split: str) -> list[Path]:
+def inputs(root: Path, split: str) -> list[Path]:
     # The images of the split's classes that are there; a missing class is the reader's error to report.
     images = images_folder(root)
     return [p for c in TEXTURE_SPLITS[split] if (images / c).is_dir() for p in files.image_files(images / c)]
-
-
-DTD_LAYOUT = Layout(
-    "dtd-r1.0.1",
-    "dtd-r1.0.1.tar.gz extracted; the folder dtd/ or the one holding it",
-    lambda r, s: [images_folder(r)],
-    _read,
-    inputs=_inputs,
-    names=lambda r, s, help: [f.name for f in _class_folders(r, s, help)],
-)
-DTD = DataSpec(
-    "Describable Textures",
-    "dtd",
-    84,
-    tuple(len(TEXTURE_SPLITS[s]) for s in ("train", "val", "test")),  # type: ignore[arg-type]
-    "DTD_DIR",
-    "Cimpoi et al.'s dtd-r1.0.1.tar.gz (dtd/images/<class>/*.jpg) is at www.robots.ox.ac.uk/~vgg/data/dtd/; the "
-    "classes of each split are Meta-Dataset's",
-    (DTD_LAYOUT,),
-)
