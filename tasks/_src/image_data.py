@@ -23,7 +23,18 @@ from torch import Tensor
 from . import cache as cache_files
 from . import checks
 from . import image_files as files
-from .image_layouts import CIFAR_FS, FC100, MINI_IMAGENET, SPLITS, TIERED_IMAGENET, DataSpec, Layout, detect
+from .image_layouts import (
+    CIFAR_FS,
+    DTD,
+    FC100,
+    FUNGI,
+    MINI_IMAGENET,
+    SPLITS,
+    TIERED_IMAGENET,
+    DataSpec,
+    Layout,
+    detect,
+)
 from .sampler import FewShotSampler
 
 # Bump when decoding changes, so that caches written by older code are never read.
@@ -162,7 +173,8 @@ class FewShotImages:
                 named.append((split, names, layout.files(where, split)))
             _check_disjoint(where, named, spec)
             # An image in two splits (a hard link, a link to the same file) is a class's of both. A file of the
-            # layout that every split reads (CUB's images.txt, Flowers' imagelabels.mat) is one file, counted once.
+            # layout that every split reads (CUB's images.txt, Flowers' imagelabels.mat, Fungi's
+            # train.json and val.json) is one file, counted once.
             read = [p for split, layout in zip(SPLITS, layouts) for p in layout.read_files(where, split)]
             declared = {p for split, layout in zip(SPLITS, layouts) for p in layout.files(where, split)}
             files.one_file_each(
@@ -230,8 +242,32 @@ class FC100(FewShotImages):
     spec = FC100
 
 
-IMAGE_DATASETS: dict[str, type[FewShotImages]] = {c.spec.key: c for c in (MiniImageNet, TieredImageNet, CIFARFS, FC100)}
-# Then CUB200, Aircraft and Flowers102, which their modules (tasks/_src/cub.py, aircraft.py, flowers.py) add.
+class DescribableTextures(FewShotImages):
+    """Describable Textures (DTD; Cimpoi et al. 2014) in Meta-Dataset's split: 33/7/7 classes of 120 images, 84x84.
+
+    ``root`` is the ``dtd/`` folder of ``dtd-r1.0.1.tar.gz`` extracted (``images/<class>/*.jpg``) or the folder
+    holding it (``tasks._src.textures``).
+    """
+
+    spec = DTD
+
+
+class FGVCFungi(FewShotImages):
+    """FGVC Fungi (the FGVCx 2018 challenge) in Meta-Dataset's split: 994/200/200 categories, 84x84 images.
+
+    ``root`` holds ``images/`` of ``fungi_train_val.tgz`` and ``train.json``, ``val.json`` of
+    ``train_val_annotations.tgz``; a class is a category, named ``0226.Cortinarius malicorius`` as Meta-Dataset
+    names it (``tasks._src.fungi``).
+    """
+
+    spec = FUNGI
+
+
+IMAGE_DATASETS: dict[str, type[FewShotImages]] = {
+    c.spec.key: c for c in (MiniImageNet, TieredImageNet, CIFARFS, FC100, DescribableTextures, FGVCFungi)
+}
+# Then CUB200, Aircraft, Flowers102 and QuickDraw, which their modules (tasks/_src/cub.py, aircraft.py, flowers.py,
+# quickdraw.py) add.
 
 
 def _counts(class_counts: Any, spec: DataSpec) -> tuple[int, int, int]:

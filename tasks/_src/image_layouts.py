@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import fungi, textures
 from . import image_files as files
 from .image_files import Decoded
 
@@ -362,8 +363,48 @@ FC100 = DataSpec(
     "github.com/kjunelee/MetaOptNet",
     (_pickles("FC100"), CIFAR_FOLDERS),
 )
-DATASETS: dict[str, DataSpec] = {d.key: d for d in (MINI_IMAGENET, TIERED_IMAGENET, CIFAR_FS, FC100)}
-# Then cub, aircraft and flowers, which their modules (tasks/_src/cub.py, aircraft.py, flowers.py) add as tasks imports them.
+# Describable Textures and FGVC Fungi: their split lists and readers are in textures.py and fungi.py.
+DTD_LAYOUT = Layout(
+    "dtd-r1.0.1",
+    "dtd-r1.0.1.tar.gz extracted; the folder dtd/ or the one holding it",
+    lambda r, s: [textures.images_folder(r)],
+    textures.read,
+    inputs=textures.inputs,
+    names=lambda r, s, help: [f.name for f in textures.class_folders(r, s, help)],
+)
+DTD = DataSpec(
+    "Describable Textures",
+    "dtd",
+    84,
+    tuple(len(textures.TEXTURE_SPLITS[s]) for s in ("train", "val", "test")),  # type: ignore[arg-type]
+    "DTD_DIR",
+    "Cimpoi et al.'s dtd-r1.0.1.tar.gz (dtd/images/<class>/*.jpg) is at www.robots.ox.ac.uk/~vgg/data/dtd/; the "
+    "classes of each split are Meta-Dataset's",
+    (DTD_LAYOUT,),
+)
+FUNGI_LAYOUT = Layout(
+    "fgvcx-2018",
+    "fungi_train_val.tgz and train_val_annotations.tgz extracted into one folder",
+    lambda r, s: [r / "images", *(r / name for name in fungi.LABEL_FILES)],
+    fungi.read,
+    inputs=fungi.inputs,
+    names=fungi.names,
+)
+FUNGI = DataSpec(
+    "FGVC Fungi",
+    "fungi",
+    84,
+    (len(fungi.FUNGI_SPLITS["train"]), len(fungi.FUNGI_SPLITS["val"]), len(fungi.FUNGI_SPLITS["test"])),
+    "FUNGI_DIR",
+    "the FGVCx 2018 fungi challenge's fungi_train_val.tgz (images/) and train_val_annotations.tgz (train.json, "
+    "val.json), extracted into one folder, are linked from github.com/visipedia/fgvcx_fungi_comp; the categories of "
+    "each split are Meta-Dataset's",
+    (FUNGI_LAYOUT,),
+)
+
+DATASETS: dict[str, DataSpec] = {d.key: d for d in (MINI_IMAGENET, TIERED_IMAGENET, CIFAR_FS, FC100, DTD, FUNGI)}
+# Then cub, aircraft, flowers and quickdraw, which their modules (tasks/_src/cub.py, aircraft.py, flowers.py,
+# quickdraw.py) add as tasks imports them.
 
 
 def _present(layout: Layout, root: Path) -> list[Path]:
@@ -373,6 +414,12 @@ def _present(layout: Layout, root: Path) -> list[Path]:
     if layout.name == "folders":  # a split folder counts when it holds class folders
         found = [p for p in found if p.is_dir() and files.class_folders(p)]
     return found
+
+
+def _read_by(layout: Layout, root: Path, split: str, missing: Path) -> str:
+    """Which splits read ``missing``: ``the train split``, or ``read for every split`` (FGVC Fungi's JSONs)."""
+    every = all(missing in layout.files(root, s) for s in SPLITS)
+    return "read for every split" if every else f"the {split} split"
 
 
 def detect(spec: DataSpec, root: Path, split: str) -> Layout:
@@ -400,7 +447,7 @@ def detect(spec: DataSpec, root: Path, split: str) -> Layout:
         if missing:
             raise ValueError(
                 f"{root} holds {present[0].name} of the {layout.name} layout but not {missing[0].name} "
-                f"(the {split} split); {spec.help()}"
+                f"({_read_by(layout, root, split, missing[0])}); {spec.help()}"
             )
         return layout
     if hollow is not None:
