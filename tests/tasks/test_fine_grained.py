@@ -242,13 +242,13 @@ def test_a_wrong_layout_is_one_line_naming_what_is_expected(tmp_path: Path) -> N
     listing = (base / "images.txt").read_text()
     (base / "images.txt").unlink()
     with pytest.raises(ValueError, match=re.escape(
-        f"{base} holds images of the extracted layout but not images.txt (the train split); {help_of(tasks.CUB200)}"
+        f"{base} holds images of the extracted layout but not images.txt (read for every split); {help_of(tasks.CUB200)}"
     )):  # fmt: skip
         tasks.CUB200(base, "train")
     (base / "images.txt").write_text(listing)
     (base / "bounding_boxes.txt").unlink()
     with pytest.raises(ValueError, match=re.escape(
-        f"{base} holds images of the extracted+bounding-boxes layout but not bounding_boxes.txt (the train split)"
+        f"{base} holds images of the extracted+bounding-boxes layout but not bounding_boxes.txt (read for every split)"
     )):  # fmt: skip
         tasks.CUB200(base, "train", bounding_box_crop=True)
 
@@ -309,7 +309,7 @@ def test_an_aircraft_image_listed_twice_a_missing_variant_file_and_a_missing_ima
     with pytest.raises(ValueError) as info:
         tasks.Aircraft(root, "val")
     assert str(info.value) == (
-        f"{root} holds images of the extracted layout but not images_variant_test.txt (the val split); {help}"
+        f"{root} holds images of the extracted layout but not images_variant_test.txt (read for every split); {help}"
     )
     test_file.write_text(original)
     image = data / "images" / f"{first.split()[0]}.jpg"
@@ -345,7 +345,8 @@ def test_flowers_label_file_missing_unreadable_or_without_scipy_is_one_line(tmp_
     with pytest.raises(ValueError) as info:
         tasks.Flowers102(root, "train")
     assert (
-        str(info.value) == f"{root} holds jpg of the extracted layout but not imagelabels.mat (the train split); {help}"
+        str(info.value)
+        == f"{root} holds jpg of the extracted layout but not imagelabels.mat (read for every split); {help}"
     )
     labels.write_bytes(b"MATLAB 5.0 MAT-file, cut short")
     with pytest.raises(ValueError) as info:
