@@ -18,6 +18,8 @@ from helpers import (
     replace_keeping_size_and_time,
     says,
     uncompressed_png,
+    write_cub,
+    write_quickdraw,
     write_ren_mini,
 )
 from torch import nn
@@ -285,3 +287,30 @@ def test_a_test_set_of_another_image_size_or_without_its_data_is_one_line_and_ex
             fit.main(images.run, ["--data", str(data), *argv, "--out", str(tmp_path / "run"), *SHORT])
         err = capsys.readouterr().err.strip()
         assert e.value.code == 2 and err == said and not (tmp_path / "run" / "results.json").exists(), err
+
+
+def test_mini_imagenet_to_cub_end_to_end(tmp_path: Path, monkeypatch, capsys) -> None:
+    """The usual cross-domain protocol, on copies in the sets' real layouts: meta-trained on mini-ImageNet (Ren et
+    al.'s pickles), tested on CUB-200-2011's test classes (Caltech's archive extracted), both 84x84 RGB."""
+    monkeypatch.setenv("MAML_CACHE_DIR", str(tmp_path / "cache"))
+    mini = tmp_path / "mini"
+    mini.mkdir()
+    write_ren_mini(mini, (64, 16, 20), per_class=2)
+    cub = write_cub(tmp_path / "cub")
+    out = tmp_path / "run"
+    args = ["--data", str(mini), "--test-dataset", "cub", "--test-data", str(cub), "--out", str(out), *SHORT]
+    fit.main(images.run, args)
+    results = json.loads((out / "results.json").read_text())
+    assert (results["data"]["dataset"], results["data"]["test_dataset"]) == ("mini-ImageNet", "CUB-200-2011")
+    assert results["data"]["classes"] == [64, 16, 30] and results["data"]["test_layout"] == "extracted"
+    assert "held-out CUB-200-2011 classes (meta-trained on mini-ImageNet)" in capsys.readouterr().out
+
+
+def test_quick_draw_trains_one_channel_at_28_pixels(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("MAML_CACHE_DIR", str(tmp_path / "cache"))
+    data = write_quickdraw(tmp_path / "quickdraw")
+    out = tmp_path / "run"
+    fit.main(images.run, ["--dataset", "quickdraw", "--data", str(data), "--out", str(out), *SHORT])
+    results = json.loads((out / "results.json").read_text())
+    assert results["data"]["dataset"] == "Quick Draw" and results["data"]["classes"] == [241, 52, 52]
+    assert results["test"]["1step"]["tasks"] == 4
