@@ -314,3 +314,15 @@ def test_quick_draw_trains_one_channel_at_28_pixels(tmp_path: Path, monkeypatch)
     results = json.loads((out / "results.json").read_text())
     assert results["data"]["dataset"] == "Quick Draw" and results["data"]["classes"] == [241, 52, 52]
     assert results["test"]["1step"]["tasks"] == 4
+
+
+def test_a_meta_dataset_set_without_its_label_file_is_one_line_and_exit_2(tmp_path: Path, monkeypatch, capsys):
+    monkeypatch.setenv("MAML_CACHE_DIR", str(tmp_path / "cache"))
+    cub = write_cub(tmp_path / "cub")
+    (cub / "images.txt").unlink()
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        fit.main(images.run, ["--dataset", "cub", "--data", str(cub), "--out", str(out), *SHORT])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and "\n" not in err and not (out / "results.json").exists(), err
+    assert err.startswith(f"error: --data {cub}: {cub} holds images of the extracted layout but not images.txt "), err
