@@ -4,7 +4,8 @@
 
 CUB-200-2011 as Caltech's archive extracts (``CUB_200_2011/images/<class>/<file>.jpg`` with
 ``images.txt``), written into a temporary folder: its 200 classes of --per-class JPEGs of 500 x 375
-random pixels (the real set: 11,788 images, about 59 a class, most near 500 x 375), read by
+random pixels (the real set: 11,788 images, about 59 a class, most near 500 x 375; 300 a class make
+60,000, mini-ImageNet's count), each size read by
 ``tasks.CUB200.splits`` twice, in a fresh process each (the first decodes and writes the cache, the
 second maps it). Quick Draw (``tasks.QuickDraw.splits``: 345 memory-mapped ``.npy`` files of
 --drawings 28 x 28 drawings each) has no cache: its load opens the maps, in a fresh process.
@@ -92,7 +93,7 @@ def _fresh(kind: str, folder: Path, cache: Path) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path, required=True, help="where to write the rows")
-    parser.add_argument("--per-class", type=int, default=59, help="CUB's JPEGs a class (default: %(default)s)")
+    parser.add_argument("--per-class", type=int, nargs="+", default=[59, 300], help="CUB's JPEGs a class, each a row")
     parser.add_argument("--drawings", type=int, default=10_000, help="Quick Draw's drawings a class")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)  # one fresh process's load
     args = parser.parse_args()
@@ -112,7 +113,7 @@ def main() -> None:
             {"set": "CUB-200-2011", "images": cold["images"], "cold_s": cold["seconds"], "warm_s": warm["seconds"]}
         )
         draw = write_quickdraw(Path(tmp) / "quickdraw", args.drawings)
-        opened = _fresh("quickdraw", draw, cache)
+        opened = _fresh("quickdraw", draw, Path(tmp))
         rows.append({"set": "Quick Draw", "images": opened["images"], "cold_s": None, "warm_s": opened["seconds"]})
     for row in rows:
         print(row, flush=True)
