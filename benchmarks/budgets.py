@@ -34,6 +34,7 @@ from torch import Tensor, nn
 import maml
 from benchmarks.blocks import counting, peak_block_bytes, preloaded_env
 from benchmarks.report import write_report
+from maml._src.planner import allowance
 from maml.nn import StepBatchNorm2d, StepSequential
 
 __all__ = ["DATA_DEPENDENT", "FAMILIES", "MODES", "Family", "Trial", "rows", "smallest_budget", "trial", "unbounded"]
@@ -221,7 +222,9 @@ class Trial:
         return self.budget if self.budget is not None else max(self.plan_budget, self.estimate)
 
     def row(self) -> dict[str, Any]:
-        return {k: v for k, v in dataclasses.asdict(self).items() if k != "grad"}
+        """The JSON row: the fields, what the plan promised (``held``) and the allowance over it, in bytes."""
+        fields = {k: v for k, v in dataclasses.asdict(self).items() if k != "grad"}
+        return {**fields, "held": self.held, "allowance": allowance(self.held)}
 
 
 def trial(family_name: str, mode_name: str, budget: int | None) -> Trial:

@@ -512,11 +512,11 @@ def budgets(path: Path = REPO / "results/benchmarks/budgets.json") -> str:
     mib = lambda n: f"{n / 2**20:,.1f} MiB"  # noqa: E731
     worst, said = 0.0, 0
     for r in report["rows"]:
-        held = r["budget"] if r["budget"] is not None else max(r["plan_budget"], r["estimate"])
+        held = r["held"]
         warned = [c for c in ("first", "later") if r[f"{c}_said"]]
         said += len(warned)
         kept = [r[c] for c in ("first", "later") if c not in warned]
-        worst = max([worst] + [(k - held) / (held / 100 + 64 * 2**10) for k in kept])
+        worst = max([worst] + [(k - held) / r["allowance"] for k in kept])
         budget = mib(r["budget"]) if r["budget"] is not None else f"default ({mib(held)})"
         cells = [f"{mib(r[c])}{' (said)' * (c in warned)}" for c in ("first", "later")]
         lines.append(

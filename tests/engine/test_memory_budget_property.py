@@ -35,7 +35,8 @@ def test_the_first_call_and_later_calls_stay_within_the_budget(family, tmp_path)
     rows = json.loads(out.read_text())["rows"]
     assert {r["mode"] for r in rows} == set(budgets.MODES)
     for r in rows:
-        held = r["budget"] if r["budget"] is not None else max(r["plan_budget"], r["estimate"])
+        held = r["held"]
+        assert held == (r["budget"] if r["budget"] is not None else max(r["plan_budget"], r["estimate"])), r
         for call in ("first", "later"):
             over = r[call] > held + allowance(held)
             if family in budgets.DATA_DEPENDENT:

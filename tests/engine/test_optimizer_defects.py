@@ -15,34 +15,10 @@ import higher
 import pytest
 import torch
 import torch.nn.functional as F
+from test_optimizers import LR, TORCH, float64  # noqa: F401 - float64: the autouse fixture applies here too
 from torch import Tensor, nn
 
 import maml
-
-
-@pytest.fixture(autouse=True)
-def float64():
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
-
-
-TORCH = {
-    "sgd": torch.optim.SGD,
-    "momentum": torch.optim.SGD,
-    "adam": torch.optim.Adam,
-    "adamw": torch.optim.AdamW,
-    "rmsprop": torch.optim.RMSprop,
-    "adagrad": torch.optim.Adagrad,
-    "adadelta": torch.optim.Adadelta,
-    "adamax": torch.optim.Adamax,
-    "nadam": torch.optim.NAdam,
-    "radam": torch.optim.RAdam,
-    "rprop": torch.optim.Rprop,
-    "asgd": torch.optim.ASGD,
-}
-LR = {"adadelta": 1.0, "rprop": 0.01, "rmsprop": 0.01, "sgd": 0.1, "momentum": 0.1, "adagrad": 0.1}
 
 # Every rule with its decay on (coupled, decoupled, ASGD's lambd) and a state where it has one; Rprop has no decay,
 # but a state that torch.optim never starts for a parameter without a gradient.
